@@ -1,0 +1,108 @@
+//! Cost of the pool's checks against the work they guard, at the shape of
+//! the default model (SmolLM2-135M: 30 layers, 3 KV heads × 64, 16 slots per
+//! page). Run: `cargo bench -p kv --bench pool`. Figures in BENCHMARKS.md.
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kv::{page_checksum, DType, KvShape, LayerView, Owner, Pool, PoolOptions, Poison, RequestId, TenantId};
+
+const OWNER: Owner = Owner::new(RequestId(1), TenantId(1));
+
+fn full_pool(dtype: DType) -> (Pool, Vec<kv::PageRef>) {
+    let shape = KvShape::new(30, 3, 64, 16, dtype).unwrap();
+    let mut pool = Pool::new(shape, 4, PoolOptions::default()).unwrap();
+    let mut pages = Vec::new();
+    pool.alloc(OWNER, 4, &mut pages).unwrap();
+    let row: Vec<f32> = (0..shape.token_width()).map(|i| i as f32 * 1e-3).collect();
+    for &h in &pages {
+        for layer in 0..shape.layers {
+            for slot in 0..shape.page_size {
+                pool.write_token(h, OWNER, layer, slot, &row, &row).unwrap();
+            }
+        }
+    }
+    (pool, pages)
+}
+
+fn sum_view(view: LayerView<'_>) -> f32 {
+    match view {
+        LayerView::F32 { k, v } => k.iter().sum::<f32>() + v.iter().sum::<f32>(),
+        LayerView::F16 { k, v } => {
+            k.iter().map(|x| x.to_f32()).sum::<f32>() + v.iter().map(|x| x.to_f32()).sum::<f32>()
+        }
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    for dtype in [DType::F32, DType::F16] {
+        let (pool, pages) = full_pool(dtype);
+        let shape = *pool.shape();
+        let h = pages[0];
+        let name = dtype.name();
+        let mut g = c.benchmark_group(format!("page_{name}"));
+        g.throughput(Throughput::Bytes(shape.data_bytes() as u64));
+
+        // The checks alone: handle + owner + watermark for every layer of a page.
+        g.bench_function("read_checks_all_layers", |b| {
+            b.iter(|| {
+                for layer in 0..shape.layers {
+                    black_box(pool.read_layer(black_box(h), OWNER, layer, 16).unwrap());
+                }
+            })
+        });
+        // The work they guard: reading every K/V byte of the page (checks included).
+        g.bench_function("read_page_bytes_checked", |b| {
+            b.iter(|| {
+                let mut acc = 0.0f32;
+                for layer in 0..shape.layers {
+                    acc += sum_view(pool.read_layer(black_box(h), OWNER, layer, 16).unwrap());
+                }
+                black_box(acc)
+            })
+        });
+        g.bench_function("canary_check", |b| {
+            b.iter(|| pool.check_canary(black_box(h), OWNER).unwrap())
+        });
+        let mut bytes = vec![0u8; shape.data_bytes()];
+        pool.export_page(h, OWNER, &mut bytes).unwrap();
+        g.bench_function("checksum_xxh3", |b| {
+            b.iter(|| black_box(page_checksum(1, 1, 0, black_box(&bytes))))
+        });
+        g.bench_function("checksum_crc32c", |b| {
+            b.iter(|| black_box(crc32c::crc32c(black_box(&bytes))))
+        });
+        let mut dst = vec![0u8; shape.data_bytes()];
+        g.bench_function("plain_copy", |b| {
+            b.iter(|| {
+                dst.copy_from_slice(black_box(&bytes));
+                black_box(&dst);
+            })
+        });
+        g.bench_function("export_page", |b| {
+            b.iter(|| black_box(pool.export_page(h, OWNER, &mut dst).unwrap()))
+        });
+        g.finish();
+
+        // Poison: free (with poison) + alloc, versus the same without poison.
+        let mut g = c.benchmark_group(format!("free_alloc_{name}"));
+        g.throughput(Throughput::Bytes(shape.page_bytes() as u64));
+        for poison in [Poison::Nan, Poison::Off] {
+            let mut pool = Pool::new(shape, 1, PoolOptions { poison }).unwrap();
+            let mut pages = Vec::with_capacity(1);
+            pool.alloc(OWNER, 1, &mut pages).unwrap();
+            g.bench_function(format!("{poison:?}"), |b| {
+                b.iter(|| {
+                    let h = pages[0];
+                    pool.free(h, OWNER).unwrap();
+                    pages.clear();
+                    pool.alloc(OWNER, 1, &mut pages).unwrap();
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

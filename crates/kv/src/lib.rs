@@ -1,0 +1,279 @@
+//! `kv` — the paged, tenant-isolated KV-cache pool.
+//!
+//! The incident isoserve answers happened because KV pages were shared
+//! memory nobody checked: a decode node reserved 8 pages, a transfer wrote 1,
+//! and decode read all 8 — seven of them other customers' KV. This crate
+//! makes that an error by construction. It knows nothing about models,
+//! sockets or threads: only pages, their owners and their epochs.
+//!
+//! ```
+//! use kv::{DType, KvShape, Owner, Pool, PoolOptions, RequestId, TenantId, KvError};
+//!
+//! let shape = KvShape::new(2, 1, 16, 4, DType::F32)?; // 2 layers, 4 slots/page
+//! let mut pool = Pool::new(shape, 8, PoolOptions::default())?;
+//! let alice = Owner::new(RequestId(1), TenantId(1));
+//! let mut pages = Vec::new();
+//! pool.alloc(alice, 2, &mut pages)?;
+//! let row = [1.0f32; 16];
+//! pool.write_token(pages[0], alice, 0, 0, &row, &row)?;
+//! // One slot written: reading one is fine, reading two is refused (K3).
+//! assert!(pool.read_layer(pages[0], alice, 0, 1).is_ok());
+//! assert!(matches!(pool.read_layer(pages[0], alice, 0, 2), Err(KvError::UnwrittenRead { .. })));
+//! // Another tenant cannot touch Alice's page (K1).
+//! let bob = Owner::new(RequestId(2), TenantId(2));
+//! assert!(matches!(pool.read_layer(pages[0], bob, 0, 1), Err(KvError::ForeignOwner { .. })));
+//! // After a free the handle is stale forever, even once the page is reused (K2).
+//! pool.free(pages[0], alice)?;
+//! let mut again = Vec::new();
+//! pool.alloc(alice, 1, &mut again)?;
+//! assert_eq!(again[0].index, pages[0].index);
+//! assert!(matches!(pool.read_layer(pages[0], alice, 0, 0), Err(KvError::StaleHandle { .. })));
+//! assert_eq!(pool.stats().refused_stale_handle, 1);
+//! # Ok::<(), KvError>(())
+//! ```
+//!
+//! # Invariants
+//!
+//! * **K1 ownership** — every allocated page records one [`Owner`] (request,
+//!   tenant); every access names its owner and another owner is refused
+//!   ([`KvError::ForeignOwner`]). A free page has no owner.
+//! * **K2 generation** — a page's epoch is odd while allocated, even while
+//!   free, and bumped on every allocation and every free. A [`PageRef`] is
+//!   `(index, epoch)`; any access whose epoch differs is refused
+//!   ([`KvError::StaleHandle`]) and counted. Epochs are u64 and never wrap.
+//! * **K3 written-before-read** — each (page, layer) has a watermark of slots
+//!   written in the current epoch; reads of slots at or past it are refused
+//!   ([`KvError::UnwrittenRead`]); writes cannot leave gaps.
+//! * **K4 deferred release** — a page may be leased to an in-flight transfer;
+//!   a free of a leased page is deferred ([`FreeOutcome::Deferred`]) until the
+//!   last lease is released. Meanwhile the page stays owned, off the free
+//!   list, and unreadable by its owner ([`KvError::ReleasePending`]).
+//! * **K5 no double free** — freeing a page twice, or through a stale or
+//!   foreign handle, is a detected, counted error.
+//! * **K6 integrity** — [`page_checksum`] binds (request, epoch, position,
+//!   bytes); [`Pool::verify_checksum`] counts mismatches.
+//! * **K7 canary** — each page's 64-byte trailer, *in page memory*, holds
+//!   eight copies of [`canary_value`]`(owner, epoch, index)`, written at
+//!   allocation and checked by [`Pool::check_canary`]; a stray write over the
+//!   end of the KV data, or a page that changed hands, fails it.
+//! * **K10 once** — [`Pool::import_page`] accepts a transferred page only if
+//!   no slot of it was written in this epoch.
+//! * Freed pages are poisoned with 0xFF bytes (NaN in f16 and f32) by
+//!   default ([`Poison`]); [`Pool::export_page`] zeroes unwritten slots, so
+//!   an earlier owner's bytes never leave the node.
+//!
+//! # Threads
+//!
+//! Single owner: one engine thread owns the `Pool`; allocation, free, leases
+//! and writes take `&mut self`, reads take `&self`. Transfers never touch the
+//! pool from their own threads: they hand bytes to the owning thread, which
+//! calls [`Pool::import_page`] / [`Pool::export_page`]. This keeps every
+//! check a plain load and compare (no locks or atomics on the read path), and
+//! lets the attention kernels read one `&Pool` from several worker threads at
+//! once (`Pool: Sync`; refusal counters are relaxed atomics). The borrow
+//! checker, not a lock, guarantees no write races a read.
+//!
+//! # Which test catches which removed check
+//!
+//! Each check can be switched off in tests ([`Faults`], built only under
+//! `cfg(test)` or the `fault-injection` feature). The tests in `src/tests.rs`
+//! run each scenario twice, asserting the check catches the fault when on and
+//! that the fault goes through (a leak, a corruption) when off:
+//!
+//! | check removed | test that fails |
+//! |---|---|
+//! | epoch (K2) | `stale_handle_after_reuse_is_refused` |
+//! | owner (K1) | `foreign_tenant_cannot_read_or_write` |
+//! | watermark (K3) | `incident_reserved_8_pages_wrote_1_read_8_is_refused` |
+//! | lease deferral (K4) | `free_of_leased_page_is_deferred_until_lease_released` |
+//! | double free (K5) | `double_free_and_stale_free_are_detected` |
+//! | canary (K7) | `stray_write_into_trailer_fails_canary` |
+//! | checksum (K6) | `corrupted_transfer_fails_checksum` |
+//! | poison | `freed_page_is_poisoned` |
+//!
+//! The property test `tests/model.rs` runs random alloc / write / read /
+//! lease / free / cancel sequences over many requests and tenants against a
+//! small reference model and asserts K1–K5 after every step.
+
+mod integrity;
+mod pool;
+mod shape;
+#[cfg(test)]
+mod tests;
+
+pub use integrity::{canary_value, page_checksum};
+#[cfg(any(test, feature = "fault-injection"))]
+pub use pool::Faults;
+pub use pool::{
+    FreeOutcome, LayerView, LeaseOutcome, Pool, PoolOptions, Poison, LEASES_PER_PAGE_MAX,
+    POISON_NAN_BYTE, POOL_BYTES_MAX, POOL_PAGES_MAX,
+};
+pub use shape::{
+    capacity_tokens, pages_for_budget, tokens_for_budget, DType, KvShape, PAGE_ALIGN_BYTES,
+    PAGE_SIZE_MAX_TOKENS, TRAILER_BYTES,
+};
+
+/// Request id, unique per node over the node's lifetime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// Tenant id (the API-key holder a request belongs to).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TenantId(pub u64);
+
+/// The owner of a page: one request of one tenant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub request: RequestId,
+    pub tenant: TenantId,
+}
+
+impl Owner {
+    /// The owner of free pages; never a valid owner of an allocation.
+    pub const NONE: Owner = Owner {
+        request: RequestId(u64::MAX),
+        tenant: TenantId(u64::MAX),
+    };
+
+    pub const fn new(request: RequestId, tenant: TenantId) -> Owner {
+        Owner { request, tenant }
+    }
+}
+
+/// A handle to a page in one epoch. Valid only while the page's epoch
+/// equals `epoch` (K2). Plain data: it may cross the wire (the decode node
+/// sends its reserved handles to prefill); every use is checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PageRef {
+    pub index: u32,
+    pub epoch: u64,
+}
+
+/// Every refusal of the pool. Each is counted in [`PoolStats`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("stale page handle: page {index} is at epoch {page_epoch}, handle has {handle_epoch}")]
+    StaleHandle {
+        index: u32,
+        handle_epoch: u64,
+        page_epoch: u64,
+    },
+    #[error("page {index} belongs to another owner")]
+    ForeignOwner { index: u32 },
+    #[error("read of {slots} slots of page {index} layer {layer}, only {watermark} written in this epoch")]
+    UnwrittenRead {
+        index: u32,
+        layer: usize,
+        slots: usize,
+        watermark: usize,
+    },
+    #[error("double free of page {index}")]
+    DoubleFree { index: u32 },
+    #[error("page {index} is being released (freed while leased to a transfer)")]
+    ReleasePending { index: u32 },
+    #[error("page index {index} out of range (pool has {pages} pages)")]
+    OutOfRange { index: u32, pages: u32 },
+    #[error("layer {layer} out of range (model has {layers} layers)")]
+    LayerOutOfRange { layer: usize, layers: usize },
+    #[error("write of slot {slot} of page {index} layer {layer} would leave a gap (watermark {watermark})")]
+    WriteGap {
+        index: u32,
+        layer: usize,
+        slot: usize,
+        watermark: usize,
+    },
+    #[error("page {index} was already written in this epoch")]
+    AlreadyWritten { index: u32 },
+    #[error("out of KV pages: {requested} requested, {free} free")]
+    OutOfPages { requested: usize, free: usize },
+    #[error("page {index} has too many leases")]
+    LeaseLimit { index: u32 },
+    #[error("page {index} is not leased")]
+    NotLeased { index: u32 },
+    #[error("canary mismatch on page {index}: page memory was overwritten or changed hands")]
+    CanaryMismatch { index: u32 },
+    #[error("checksum mismatch on the page at position {position} of the sequence")]
+    ChecksumMismatch { position: u32 },
+    #[error("row has {got} elements, the pool stores {expected} per token")]
+    RowWidth { expected: usize, got: usize },
+    #[error("page data has {got} bytes, expected {expected}")]
+    PageBytes { expected: usize, got: usize },
+    #[error("the reserved owner id cannot own pages")]
+    InvalidOwner,
+    #[error("invalid KV shape: {why}")]
+    InvalidShape { why: String },
+    #[error("invalid pool size: {why}")]
+    InvalidSize { why: String },
+}
+
+/// Occupancy and counters, as plain numbers for export (Prometheus later).
+/// Names carry units last; all counters are totals since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub pages_total: u64,
+    pub pages_free: u64,
+    /// Allocated pages (including leased and release-pending ones).
+    pub pages_owned: u64,
+    /// Pages with at least one lease.
+    pub pages_leased: u64,
+    /// Pages freed by their owner whose release waits for a lease (K4).
+    pub pages_release_pending: u64,
+    pub refused_stale_handle: u64,
+    pub refused_foreign_owner: u64,
+    pub refused_unwritten_read: u64,
+    pub refused_double_free: u64,
+    pub refused_release_pending: u64,
+    pub refused_out_of_range: u64,
+    pub refused_write_gap: u64,
+    pub refused_already_written: u64,
+    pub refused_out_of_pages: u64,
+    pub refused_lease_limit: u64,
+    pub canary_mismatch: u64,
+    pub checksum_mismatch: u64,
+    pub allocs: u64,
+    pub frees: u64,
+    pub frees_deferred: u64,
+}
+
+impl PoolStats {
+    /// Sum of every safety refusal (not out-of-pages, which is back-pressure).
+    pub fn safety_refusals(&self) -> u64 {
+        self.refused_stale_handle
+            + self.refused_foreign_owner
+            + self.refused_unwritten_read
+            + self.refused_double_free
+            + self.refused_release_pending
+            + self.refused_out_of_range
+            + self.refused_write_gap
+            + self.refused_already_written
+            + self.refused_lease_limit
+            + self.canary_mismatch
+            + self.checksum_mismatch
+    }
+
+    /// `(name, value)` for every field, for exporters.
+    pub fn fields(&self) -> [(&'static str, u64); 20] {
+        [
+            ("pages_total", self.pages_total),
+            ("pages_free", self.pages_free),
+            ("pages_owned", self.pages_owned),
+            ("pages_leased", self.pages_leased),
+            ("pages_release_pending", self.pages_release_pending),
+            ("refused_stale_handle", self.refused_stale_handle),
+            ("refused_foreign_owner", self.refused_foreign_owner),
+            ("refused_unwritten_read", self.refused_unwritten_read),
+            ("refused_double_free", self.refused_double_free),
+            ("refused_release_pending", self.refused_release_pending),
+            ("refused_out_of_range", self.refused_out_of_range),
+            ("refused_write_gap", self.refused_write_gap),
+            ("refused_already_written", self.refused_already_written),
+            ("refused_out_of_pages", self.refused_out_of_pages),
+            ("refused_lease_limit", self.refused_lease_limit),
+            ("canary_mismatch", self.canary_mismatch),
+            ("checksum_mismatch", self.checksum_mismatch),
+            ("allocs", self.allocs),
+            ("frees", self.frees),
+            ("frees_deferred", self.frees_deferred),
+        ]
+    }
+}

@@ -1,0 +1,882 @@
+//! The pool: fixed page memory plus per-page metadata, and every check.
+
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use half::f16;
+
+use crate::integrity::{canary_value, page_checksum};
+use crate::shape::{DType, KvShape, PAGE_ALIGN_BYTES, TRAILER_BYTES};
+use crate::{KvError, Owner, PageRef, PoolStats};
+
+/// Largest pool this crate will allocate. A limit on everything: a typo in
+/// a memory flag gets an error, not an attempt to reserve a terabyte.
+pub const POOL_BYTES_MAX: u64 = 1 << 40;
+/// Largest number of pages (indices are u32).
+pub const POOL_PAGES_MAX: u64 = 1 << 30;
+/// Largest number of simultaneous leases on one page.
+pub const LEASES_PER_PAGE_MAX: u32 = 1024;
+
+/// Byte written over a freed page. 0xFF.. is a NaN in both f16 and f32, so
+/// a read that slipped past every check would still poison the logits
+/// rather than produce fluent text from someone else's KV.
+pub const POISON_NAN_BYTE: u8 = 0xFF;
+
+/// What a free does to the page's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Poison {
+    /// Overwrite with 0xFF bytes (NaN in f16 and f32). The default.
+    Nan,
+    /// Overwrite with zeros.
+    Zero,
+    /// Leave the bytes (faster; unwritten slots are still unreadable by K3).
+    Off,
+}
+
+/// Start-up options of a pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolOptions {
+    pub poison: Poison,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            poison: Poison::Nan,
+        }
+    }
+}
+
+/// What `free` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreeOutcome {
+    /// The page is back on the free list, its epoch bumped.
+    Freed,
+    /// The page is leased; it becomes free when the last lease is released.
+    Deferred,
+}
+
+/// What `release_lease` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseOutcome {
+    /// Other leases remain, or the owner has not freed the page.
+    Released,
+    /// This was the last lease of a page whose free was deferred: now free.
+    ReleasedAndFreed,
+}
+
+/// A read-only view of the written K and V slots of one (page, layer).
+#[derive(Clone, Copy, Debug)]
+pub enum LayerView<'a> {
+    F32 { k: &'a [f32], v: &'a [f32] },
+    F16 { k: &'a [f16], v: &'a [f16] },
+}
+
+impl LayerView<'_> {
+    /// Number of token slots in the view.
+    pub fn slots(&self, token_width: usize) -> usize {
+        match self {
+            LayerView::F32 { k, .. } => k.len() / token_width,
+            LayerView::F16 { k, .. } => k.len() / token_width,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Meta {
+    /// Odd while allocated, even while free; bumped on every alloc and free.
+    epoch: u64,
+    owner: Owner,
+    leases: u32,
+    /// The owner freed the page while it was leased (K4).
+    free_pending: bool,
+}
+
+impl Meta {
+    fn allocated(&self) -> bool {
+        self.epoch & 1 == 1
+    }
+}
+
+/// `fault!(self, skip_x)`: whether a test switched check `x` off. Always
+/// `false` (and compiled away) in a build without fault injection.
+macro_rules! fault {
+    ($pool:ident, $field:ident) => {{
+        #[cfg(any(test, feature = "fault-injection"))]
+        {
+            $pool.faults.$field
+        }
+        #[cfg(not(any(test, feature = "fault-injection")))]
+        {
+            false
+        }
+    }};
+}
+
+/// Safety checks a test can switch off, to show that a test catches the
+/// missing check (see the crate doc for which test catches which).
+#[cfg(any(test, feature = "fault-injection"))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    pub skip_epoch_check: bool,
+    pub skip_owner_check: bool,
+    pub skip_watermark_check: bool,
+    pub skip_lease_deferral: bool,
+    pub skip_double_free_check: bool,
+    pub skip_canary_check: bool,
+    pub skip_checksum_check: bool,
+    pub skip_poison: bool,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    refused_stale_handle: AtomicU64,
+    refused_foreign_owner: AtomicU64,
+    refused_unwritten_read: AtomicU64,
+    refused_double_free: AtomicU64,
+    refused_release_pending: AtomicU64,
+    refused_out_of_range: AtomicU64,
+    refused_write_gap: AtomicU64,
+    refused_already_written: AtomicU64,
+    refused_out_of_pages: AtomicU64,
+    refused_lease_limit: AtomicU64,
+    canary_mismatch: AtomicU64,
+    checksum_mismatch: AtomicU64,
+    allocs: AtomicU64,
+    frees: AtomicU64,
+    frees_deferred: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Owned, 64-byte aligned, zero-initialised page memory.
+struct Memory {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+impl Memory {
+    fn new(bytes: usize) -> Result<Memory, KvError> {
+        let layout = Layout::from_size_align(bytes.max(PAGE_ALIGN_BYTES), PAGE_ALIGN_BYTES)
+            .map_err(|_| KvError::InvalidSize {
+                why: format!("{bytes} bytes is not a valid allocation size"),
+            })?;
+        // SAFETY: layout has non-zero size. Zeroed memory is committed lazily
+        // by the OS, so a large pool costs nothing until pages are touched.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(KvError::InvalidSize {
+            why: format!("could not allocate {bytes} bytes for the KV pool"),
+        })?;
+        Ok(Memory { ptr, layout })
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `Memory::new` with this very layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// The KV pool. See the crate documentation for the invariants it keeps.
+pub struct Pool {
+    shape: KvShape,
+    options: PoolOptions,
+    pages: u32,
+    memory: Memory,
+    meta: Vec<Meta>,
+    /// Written slots per (page, layer), index `page * layers + layer` (K3).
+    watermarks: Vec<u16>,
+    /// Free page indices; LIFO, so a freed page is the next one handed out
+    /// (which is exactly the reuse the checks must survive).
+    free_list: Vec<u32>,
+    pages_leased: u32,
+    pages_release_pending: u32,
+    counters: Counters,
+    #[cfg(any(test, feature = "fault-injection"))]
+    faults: Faults,
+}
+
+// SAFETY: `Memory` is a plain heap allocation owned by the pool. All writes
+// to it go through `&mut Pool`, all reads through `&Pool`, so Rust's aliasing
+// rules for the pool carry over to the memory; counters are atomics.
+unsafe impl Send for Pool {}
+unsafe impl Sync for Pool {}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("shape", &self.shape)
+            .field("pages", &self.pages)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Pool {
+    /// A pool of exactly `pages` pages.
+    pub fn new(shape: KvShape, pages: u64, options: PoolOptions) -> Result<Pool, KvError> {
+        shape.validate()?;
+        if pages == 0 || pages > POOL_PAGES_MAX {
+            return Err(KvError::InvalidSize {
+                why: format!("page count {pages} must be in 1..={POOL_PAGES_MAX}"),
+            });
+        }
+        let total = pages
+            .checked_mul(shape.page_bytes() as u64)
+            .filter(|&b| b <= POOL_BYTES_MAX)
+            .ok_or_else(|| KvError::InvalidSize {
+                why: format!(
+                    "{pages} pages of {} bytes exceed the {POOL_BYTES_MAX}-byte limit",
+                    shape.page_bytes()
+                ),
+            })?;
+        let pages_u32 = pages as u32;
+        let memory = Memory::new(total as usize)?;
+        let free_epoch_meta = Meta {
+            epoch: 0,
+            owner: Owner::NONE,
+            leases: 0,
+            free_pending: false,
+        };
+        // Reverse order so that page 0 is handed out first.
+        let free_list: Vec<u32> = (0..pages_u32).rev().collect();
+        Ok(Pool {
+            shape,
+            options,
+            pages: pages_u32,
+            memory,
+            meta: vec![free_epoch_meta; pages as usize],
+            watermarks: vec![0; pages as usize * shape.layers],
+            free_list,
+            pages_leased: 0,
+            pages_release_pending: 0,
+            counters: Counters::default(),
+            #[cfg(any(test, feature = "fault-injection"))]
+            faults: Faults::default(),
+        })
+    }
+
+    /// A pool holding as many whole pages as `budget_bytes` buys.
+    pub fn with_budget(
+        shape: KvShape,
+        budget_bytes: u64,
+        options: PoolOptions,
+    ) -> Result<Pool, KvError> {
+        shape.validate()?;
+        let pages = crate::pages_for_budget(&shape, budget_bytes);
+        if pages == 0 {
+            return Err(KvError::InvalidSize {
+                why: format!(
+                    "a budget of {budget_bytes} bytes holds no page of {} bytes",
+                    shape.page_bytes()
+                ),
+            });
+        }
+        Pool::new(shape, pages, options)
+    }
+
+    pub fn shape(&self) -> &KvShape {
+        &self.shape
+    }
+
+    pub fn options(&self) -> PoolOptions {
+        self.options
+    }
+
+    pub fn pages_total(&self) -> u32 {
+        self.pages
+    }
+
+    pub fn pages_free(&self) -> u32 {
+        self.free_list.len() as u32
+    }
+
+    /// Tokens the whole pool holds (K8).
+    pub fn capacity_tokens(&self) -> u64 {
+        crate::capacity_tokens(&self.shape, self.pages as u64)
+    }
+
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn set_faults(&mut self, faults: Faults) {
+        self.faults = faults;
+    }
+
+    // ----------------------------------------------------------------- checks
+
+    /// The one gate every access goes through: index in range, epoch current
+    /// (K2), owner matches (K1). Returns the page's metadata.
+    #[inline]
+    fn check_handle(&self, h: PageRef, owner: Owner) -> Result<&Meta, KvError> {
+        let Some(meta) = self.meta.get(h.index as usize) else {
+            bump(&self.counters.refused_out_of_range);
+            return Err(KvError::OutOfRange {
+                index: h.index,
+                pages: self.pages,
+            });
+        };
+        if meta.epoch != h.epoch && !fault!(self, skip_epoch_check) {
+            bump(&self.counters.refused_stale_handle);
+            return Err(KvError::StaleHandle {
+                index: h.index,
+                handle_epoch: h.epoch,
+                page_epoch: meta.epoch,
+            });
+        }
+        if !meta.allocated() && !fault!(self, skip_epoch_check) {
+            // Only reachable with a forged even-epoch handle.
+            bump(&self.counters.refused_stale_handle);
+            return Err(KvError::StaleHandle {
+                index: h.index,
+                handle_epoch: h.epoch,
+                page_epoch: meta.epoch,
+            });
+        }
+        if meta.owner != owner && !fault!(self, skip_owner_check) {
+            bump(&self.counters.refused_foreign_owner);
+            return Err(KvError::ForeignOwner { index: h.index });
+        }
+        Ok(meta)
+    }
+
+    /// `check_handle` plus "not released": the owner's own reads and writes.
+    #[inline]
+    fn check_live(&self, h: PageRef, owner: Owner) -> Result<(), KvError> {
+        let meta = self.check_handle(h, owner)?;
+        if meta.free_pending {
+            bump(&self.counters.refused_release_pending);
+            return Err(KvError::ReleasePending { index: h.index });
+        }
+        Ok(())
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), KvError> {
+        if layer >= self.shape.layers {
+            bump(&self.counters.refused_out_of_range);
+            return Err(KvError::LayerOutOfRange {
+                layer,
+                layers: self.shape.layers,
+            });
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------ allocation
+
+    /// Allocates `n` pages for `owner`, all or nothing, appending their
+    /// handles to `out`. Each page's epoch is bumped, its watermarks are zero
+    /// and its canary is written.
+    pub fn alloc(&mut self, owner: Owner, n: usize, out: &mut Vec<PageRef>) -> Result<(), KvError> {
+        if n > self.free_list.len() {
+            bump(&self.counters.refused_out_of_pages);
+            return Err(KvError::OutOfPages {
+                requested: n,
+                free: self.free_list.len(),
+            });
+        }
+        if owner == Owner::NONE {
+            return Err(KvError::InvalidOwner);
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            let index = self.free_list.pop().expect("length checked above");
+            let meta = &mut self.meta[index as usize];
+            assert!(!meta.allocated(), "free list held allocated page {index}");
+            assert_eq!(meta.leases, 0);
+            meta.epoch += 1;
+            meta.owner = owner;
+            meta.free_pending = false;
+            let epoch = meta.epoch;
+            let layers = self.shape.layers;
+            self.watermarks[index as usize * layers..(index as usize + 1) * layers].fill(0);
+            self.write_canary(index, canary_value(owner, epoch, index));
+            bump(&self.counters.allocs);
+            out.push(PageRef { index, epoch });
+        }
+        Ok(())
+    }
+
+    /// Frees a page. Deferred while the page is leased (K4). A stale, foreign
+    /// or repeated free is a detected, counted error (K5).
+    pub fn free(&mut self, h: PageRef, owner: Owner) -> Result<FreeOutcome, KvError> {
+        let Some(meta) = self.meta.get(h.index as usize).copied() else {
+            bump(&self.counters.refused_out_of_range);
+            return Err(KvError::OutOfRange {
+                index: h.index,
+                pages: self.pages,
+            });
+        };
+        let double_free_check = !fault!(self, skip_double_free_check);
+        if meta.epoch != h.epoch && double_free_check {
+            if meta.epoch == h.epoch.wrapping_add(1) && !meta.allocated() {
+                bump(&self.counters.refused_double_free);
+                return Err(KvError::DoubleFree { index: h.index });
+            }
+            bump(&self.counters.refused_stale_handle);
+            return Err(KvError::StaleHandle {
+                index: h.index,
+                handle_epoch: h.epoch,
+                page_epoch: meta.epoch,
+            });
+        }
+        if !meta.allocated() && double_free_check {
+            bump(&self.counters.refused_double_free);
+            return Err(KvError::DoubleFree { index: h.index });
+        }
+        if meta.owner != owner && !fault!(self, skip_owner_check) {
+            bump(&self.counters.refused_foreign_owner);
+            return Err(KvError::ForeignOwner { index: h.index });
+        }
+        if meta.free_pending && double_free_check {
+            bump(&self.counters.refused_double_free);
+            return Err(KvError::DoubleFree { index: h.index });
+        }
+        if meta.leases > 0 && !fault!(self, skip_lease_deferral) {
+            let m = &mut self.meta[h.index as usize];
+            m.free_pending = true;
+            self.pages_release_pending += 1;
+            bump(&self.counters.frees_deferred);
+            return Ok(FreeOutcome::Deferred);
+        }
+        self.release_page(h.index);
+        Ok(FreeOutcome::Freed)
+    }
+
+    /// Returns a page to the free list: bump the epoch (K2), clear the owner
+    /// (K1), poison the memory.
+    fn release_page(&mut self, index: u32) {
+        let m = &mut self.meta[index as usize];
+        if !m.allocated() {
+            // Only reachable with the double-free check switched off in a
+            // fault test: keep the free list a set so the test can observe
+            // the consequence (two owners of one page) rather than a crash.
+            return;
+        }
+        if m.leases > 0 {
+            // Only with lease deferral switched off (fault tests).
+            self.pages_leased -= 1;
+            m.leases = 0;
+        }
+        if m.free_pending {
+            self.pages_release_pending -= 1;
+        }
+        m.epoch += 1;
+        m.owner = Owner::NONE;
+        m.free_pending = false;
+        let layers = self.shape.layers;
+        self.watermarks[index as usize * layers..(index as usize + 1) * layers].fill(0);
+        let poison = match self.options.poison {
+            _ if fault!(self, skip_poison) => None,
+            Poison::Nan => Some(POISON_NAN_BYTE),
+            Poison::Zero => Some(0),
+            Poison::Off => None,
+        };
+        if let Some(byte) = poison {
+            self.page_mut(index).fill(byte);
+        }
+        self.free_list.push(index);
+        bump(&self.counters.frees);
+    }
+
+    // ---------------------------------------------------------------- leases
+
+    /// Leases a page to an in-flight transfer (K4): until the lease is
+    /// released, a free of the page is deferred.
+    pub fn lease(&mut self, h: PageRef, owner: Owner) -> Result<(), KvError> {
+        self.check_live(h, owner)?;
+        let m = &mut self.meta[h.index as usize];
+        if m.leases >= LEASES_PER_PAGE_MAX {
+            bump(&self.counters.refused_lease_limit);
+            return Err(KvError::LeaseLimit { index: h.index });
+        }
+        m.leases += 1;
+        if m.leases == 1 {
+            self.pages_leased += 1;
+        }
+        Ok(())
+    }
+
+    /// Releases one lease; frees the page if its free was deferred and this
+    /// was the last lease.
+    pub fn release_lease(&mut self, h: PageRef, owner: Owner) -> Result<LeaseOutcome, KvError> {
+        self.check_handle(h, owner)?;
+        let m = &mut self.meta[h.index as usize];
+        if m.leases == 0 {
+            return Err(KvError::NotLeased { index: h.index });
+        }
+        m.leases -= 1;
+        if m.leases > 0 {
+            return Ok(LeaseOutcome::Released);
+        }
+        self.pages_leased -= 1;
+        if m.free_pending {
+            self.release_page(h.index);
+            return Ok(LeaseOutcome::ReleasedAndFreed);
+        }
+        Ok(LeaseOutcome::Released)
+    }
+
+    // ---------------------------------------------------------- reads/writes
+
+    fn page_offset(&self, index: u32) -> usize {
+        index as usize * self.shape.page_bytes()
+    }
+
+    pub(crate) fn page_mut(&mut self, index: u32) -> &mut [u8] {
+        let off = self.page_offset(index);
+        let len = self.shape.page_bytes();
+        // SAFETY: index < pages (callers hold a checked index), so
+        // [off, off+len) is inside the allocation; `&mut self` makes it unique.
+        unsafe { std::slice::from_raw_parts_mut(self.memory.ptr.as_ptr().add(off), len) }
+    }
+
+    pub(crate) fn page(&self, index: u32) -> &[u8] {
+        let off = self.page_offset(index);
+        let len = self.shape.page_bytes();
+        // SAFETY: as in `page_mut`; shared borrow of the pool, shared slice.
+        unsafe { std::slice::from_raw_parts(self.memory.ptr.as_ptr().add(off), len) }
+    }
+
+    fn write_canary(&mut self, index: u32, value: u64) {
+        let data = self.shape.data_bytes();
+        let trailer = &mut self.page_mut(index)[data..data + TRAILER_BYTES];
+        for chunk in trailer.chunks_exact_mut(8) {
+            chunk.copy_from_slice(&value.to_le_bytes());
+        }
+    }
+
+    /// Writes K and V of one token at `slot` of `layer`. Slots are written in
+    /// order: `slot` may rewrite a written slot or append at the watermark,
+    /// never leave a gap (a gap would make the watermark lie).
+    pub fn write_token(
+        &mut self,
+        h: PageRef,
+        owner: Owner,
+        layer: usize,
+        slot: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        self.check_live(h, owner)?;
+        self.check_layer(layer)?;
+        let width = self.shape.token_width();
+        if k.len() != width || v.len() != width {
+            return Err(KvError::RowWidth {
+                expected: width,
+                got: k.len().min(v.len()),
+            });
+        }
+        let wm_index = h.index as usize * self.shape.layers + layer;
+        let wm = self.watermarks[wm_index] as usize;
+        if slot >= self.shape.page_size || slot > wm {
+            bump(&self.counters.refused_write_gap);
+            return Err(KvError::WriteGap {
+                index: h.index,
+                layer,
+                slot,
+                watermark: wm,
+            });
+        }
+        let shape = self.shape;
+        let layer_off = layer * shape.layer_bytes();
+        let esz = shape.dtype.size_bytes();
+        let k_off = layer_off + slot * width * esz;
+        let v_off = layer_off + shape.half_bytes() + slot * width * esz;
+        let page = self.page_mut(h.index);
+        store_row(shape.dtype, &mut page[k_off..k_off + width * esz], k);
+        store_row(shape.dtype, &mut page[v_off..v_off + width * esz], v);
+        if slot == wm {
+            self.watermarks[wm_index] = (wm + 1) as u16;
+        }
+        Ok(())
+    }
+
+    /// The first `n` written K/V slots of `layer` in page `h`. Refused if any
+    /// of them was not written by `owner` in the page's current epoch (K3).
+    #[inline]
+    pub fn read_layer(
+        &self,
+        h: PageRef,
+        owner: Owner,
+        layer: usize,
+        n: usize,
+    ) -> Result<LayerView<'_>, KvError> {
+        self.check_live(h, owner)?;
+        self.check_layer(layer)?;
+        let wm = self.watermarks[h.index as usize * self.shape.layers + layer] as usize;
+        if n > wm && !fault!(self, skip_watermark_check) {
+            bump(&self.counters.refused_unwritten_read);
+            return Err(KvError::UnwrittenRead {
+                index: h.index,
+                layer,
+                slots: n,
+                watermark: wm,
+            });
+        }
+        let n = n.min(self.shape.page_size);
+        let shape = self.shape;
+        let layer_off = layer * shape.layer_bytes();
+        let count = n * shape.token_width();
+        let page = self.page(h.index);
+        let k_bytes = &page[layer_off..layer_off + shape.half_bytes()];
+        let v_bytes = &page[layer_off + shape.half_bytes()..layer_off + shape.layer_bytes()];
+        // SAFETY (both arms): every (page, layer) half starts 64-byte aligned
+        // (KvShape::validate) and holds page_size × width elements, count ≤
+        // that; f32 and f16 have no invalid bit patterns.
+        Ok(match shape.dtype {
+            DType::F32 => unsafe {
+                LayerView::F32 {
+                    k: std::slice::from_raw_parts(k_bytes.as_ptr().cast::<f32>(), count),
+                    v: std::slice::from_raw_parts(v_bytes.as_ptr().cast::<f32>(), count),
+                }
+            },
+            DType::F16 => unsafe {
+                LayerView::F16 {
+                    k: std::slice::from_raw_parts(k_bytes.as_ptr().cast::<f16>(), count),
+                    v: std::slice::from_raw_parts(v_bytes.as_ptr().cast::<f16>(), count),
+                }
+            },
+        })
+    }
+
+    /// Written slots of (page, layer) in the current epoch.
+    pub fn watermark(&self, h: PageRef, owner: Owner, layer: usize) -> Result<usize, KvError> {
+        self.check_handle(h, owner)?;
+        self.check_layer(layer)?;
+        Ok(self.watermarks[h.index as usize * self.shape.layers + layer] as usize)
+    }
+
+    /// Slots written in every layer (the page's usable length).
+    pub fn written_slots(&self, h: PageRef, owner: Owner) -> Result<usize, KvError> {
+        self.check_handle(h, owner)?;
+        let layers = self.shape.layers;
+        let wms = &self.watermarks[h.index as usize * layers..(h.index as usize + 1) * layers];
+        Ok(wms.iter().copied().min().unwrap_or(0) as usize)
+    }
+
+    // -------------------------------------------------------------- transfer
+
+    /// Copies a page's KV data out for transfer (`out.len()` must be
+    /// `shape.data_bytes()`), zeroing every slot not written in the current
+    /// epoch so no byte of an earlier owner ever leaves the node. Allowed
+    /// while the page is leased even if its free is pending (the transfer
+    /// that holds the lease is still reading it). Returns the number of
+    /// slots written in every layer.
+    pub fn export_page(&self, h: PageRef, owner: Owner, out: &mut [u8]) -> Result<usize, KvError> {
+        let meta = self.check_handle(h, owner)?;
+        if meta.free_pending && meta.leases == 0 {
+            bump(&self.counters.refused_release_pending);
+            return Err(KvError::ReleasePending { index: h.index });
+        }
+        let shape = self.shape;
+        if out.len() != shape.data_bytes() {
+            return Err(KvError::PageBytes {
+                expected: shape.data_bytes(),
+                got: out.len(),
+            });
+        }
+        let page = self.page(h.index);
+        let row_bytes = shape.token_width() * shape.dtype.size_bytes();
+        let mut slots = shape.page_size;
+        for layer in 0..shape.layers {
+            let wm = self.watermarks[h.index as usize * shape.layers + layer] as usize;
+            slots = slots.min(wm);
+            for half in 0..2 {
+                let off = layer * shape.layer_bytes() + half * shape.half_bytes();
+                let written = wm * row_bytes;
+                out[off..off + written].copy_from_slice(&page[off..off + written]);
+                out[off + written..off + shape.half_bytes()].fill(0);
+            }
+        }
+        Ok(slots)
+    }
+
+    /// Writes a transferred page: `bytes` (`shape.data_bytes()` long) with
+    /// `slots` written slots in every layer. Refused unless the page was not
+    /// written in this epoch: a page is filled by one transfer exactly once
+    /// (K10).
+    pub fn import_page(
+        &mut self,
+        h: PageRef,
+        owner: Owner,
+        bytes: &[u8],
+        slots: usize,
+    ) -> Result<(), KvError> {
+        self.check_live(h, owner)?;
+        let shape = self.shape;
+        if bytes.len() != shape.data_bytes() {
+            return Err(KvError::PageBytes {
+                expected: shape.data_bytes(),
+                got: bytes.len(),
+            });
+        }
+        if slots == 0 || slots > shape.page_size {
+            return Err(KvError::WriteGap {
+                index: h.index,
+                layer: 0,
+                slot: slots,
+                watermark: 0,
+            });
+        }
+        let layers = shape.layers;
+        let wms = &self.watermarks[h.index as usize * layers..(h.index as usize + 1) * layers];
+        if wms.iter().any(|&w| w != 0) {
+            bump(&self.counters.refused_already_written);
+            return Err(KvError::AlreadyWritten { index: h.index });
+        }
+        let data = shape.data_bytes();
+        self.page_mut(h.index)[..data].copy_from_slice(bytes);
+        self.watermarks[h.index as usize * layers..(h.index as usize + 1) * layers]
+            .fill(slots as u16);
+        Ok(())
+    }
+
+    // ------------------------------------------------------ canary, checksum
+
+    /// Checks the page's canary (K7): the trailer must hold the value derived
+    /// from (owner, epoch, index) in all eight words.
+    pub fn check_canary(&self, h: PageRef, owner: Owner) -> Result<(), KvError> {
+        self.check_handle(h, owner)?;
+        if fault!(self, skip_canary_check) {
+            return Ok(());
+        }
+        let expected = canary_value(owner, h.epoch, h.index);
+        let data = self.shape.data_bytes();
+        let trailer = &self.page(h.index)[data..data + TRAILER_BYTES];
+        let intact = trailer
+            .chunks_exact(8)
+            .all(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")) == expected);
+        if !intact {
+            bump(&self.counters.canary_mismatch);
+            return Err(KvError::CanaryMismatch { index: h.index });
+        }
+        Ok(())
+    }
+
+    /// Checks a received page's bytes against the checksum its sender
+    /// computed, bound to (request, epoch, position) (K6). Counts a mismatch.
+    pub fn verify_checksum(
+        &self,
+        request: u64,
+        epoch: u64,
+        position: u32,
+        bytes: &[u8],
+        expected: u64,
+    ) -> Result<(), KvError> {
+        if fault!(self, skip_checksum_check) {
+            return Ok(());
+        }
+        if page_checksum(request, epoch, position, bytes) != expected {
+            bump(&self.counters.checksum_mismatch);
+            return Err(KvError::ChecksumMismatch { position });
+        }
+        Ok(())
+    }
+
+    // ----------------------------------------------------------- inspection
+
+    /// Owner of a page, if allocated (for tests, audits and debugging).
+    pub fn owner_of(&self, index: u32) -> Option<Owner> {
+        self.meta
+            .get(index as usize)
+            .filter(|m| m.allocated())
+            .map(|m| m.owner)
+    }
+
+    /// Current epoch of a page.
+    pub fn epoch_of(&self, index: u32) -> Option<u64> {
+        self.meta.get(index as usize).map(|m| m.epoch)
+    }
+
+    /// Occupancy and every refusal counter, as a plain struct.
+    pub fn stats(&self) -> PoolStats {
+        let c = &self.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let free = self.free_list.len() as u64;
+        PoolStats {
+            pages_total: self.pages as u64,
+            pages_free: free,
+            pages_owned: self.pages as u64 - free,
+            pages_leased: self.pages_leased as u64,
+            pages_release_pending: self.pages_release_pending as u64,
+            refused_stale_handle: r(&c.refused_stale_handle),
+            refused_foreign_owner: r(&c.refused_foreign_owner),
+            refused_unwritten_read: r(&c.refused_unwritten_read),
+            refused_double_free: r(&c.refused_double_free),
+            refused_release_pending: r(&c.refused_release_pending),
+            refused_out_of_range: r(&c.refused_out_of_range),
+            refused_write_gap: r(&c.refused_write_gap),
+            refused_already_written: r(&c.refused_already_written),
+            refused_out_of_pages: r(&c.refused_out_of_pages),
+            refused_lease_limit: r(&c.refused_lease_limit),
+            canary_mismatch: r(&c.canary_mismatch),
+            checksum_mismatch: r(&c.checksum_mismatch),
+            allocs: r(&c.allocs),
+            frees: r(&c.frees),
+            frees_deferred: r(&c.frees_deferred),
+        }
+    }
+
+    /// Checks the pool's internal consistency (K1, K2, K4, K5 as state):
+    /// the free list is a set of exactly the unallocated pages, each without
+    /// owner or leases; allocated pages have an owner; lease and pending
+    /// counts match. O(pages); for tests and debug assertions.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut on_free_list = vec![false; self.pages as usize];
+        for &i in &self.free_list {
+            let slot = on_free_list
+                .get_mut(i as usize)
+                .ok_or(format!("free list holds out-of-range page {i}"))?;
+            if *slot {
+                return Err(format!("page {i} is on the free list twice"));
+            }
+            *slot = true;
+        }
+        let (mut leased, mut pending) = (0u32, 0u32);
+        for (i, m) in self.meta.iter().enumerate() {
+            if m.allocated() == on_free_list[i] {
+                return Err(format!(
+                    "page {i}: allocated={} but on free list={}",
+                    m.allocated(),
+                    on_free_list[i]
+                ));
+            }
+            if m.allocated() && m.owner == Owner::NONE {
+                return Err(format!("allocated page {i} has no owner"));
+            }
+            if !m.allocated() && (m.owner != Owner::NONE || m.leases > 0 || m.free_pending) {
+                return Err(format!("free page {i} has an owner, a lease or a pending free"));
+            }
+            if m.free_pending && m.leases == 0 {
+                return Err(format!("page {i} pending release without a lease"));
+            }
+            leased += (m.leases > 0) as u32;
+            pending += m.free_pending as u32;
+        }
+        if leased != self.pages_leased || pending != self.pages_release_pending {
+            return Err(format!(
+                "lease counters drifted: counted {leased}/{pending}, kept {}/{}",
+                self.pages_leased, self.pages_release_pending
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn store_row(dtype: DType, dst: &mut [u8], src: &[f32]) {
+    match dtype {
+        DType::F32 => {
+            for (d, s) in dst.chunks_exact_mut(4).zip(src) {
+                d.copy_from_slice(&s.to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (d, s) in dst.chunks_exact_mut(2).zip(src) {
+                d.copy_from_slice(&f16::from_f32(*s).to_le_bytes());
+            }
+        }
+    }
+}

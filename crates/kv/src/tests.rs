@@ -1,0 +1,495 @@
+//! One test per safety check. Each scenario returns `Err(what went wrong)`
+//! when the check failed to hold; the plain test asserts `Ok`, and its
+//! `*_fails_without_the_check` twin switches the check off with [`Faults`]
+//! and asserts the very same scenario reports the failure — so removing the
+//! check is caught.
+
+use crate::*;
+
+const ALICE: Owner = Owner::new(RequestId(1), TenantId(10));
+const BOB: Owner = Owner::new(RequestId(2), TenantId(20));
+
+fn shape() -> KvShape {
+    // 2 layers, 2 kv heads × 8 dims, 4 slots per page, f32.
+    KvShape::new(2, 2, 8, 4, DType::F32).unwrap()
+}
+
+fn pool(faults: Faults) -> Pool {
+    let mut p = Pool::new(shape(), 8, PoolOptions::default()).unwrap();
+    p.set_faults(faults);
+    p
+}
+
+fn row(v: f32) -> Vec<f32> {
+    vec![v; shape().token_width()]
+}
+
+fn alloc(p: &mut Pool, o: Owner, n: usize) -> Vec<PageRef> {
+    let mut v = Vec::new();
+    p.alloc(o, n, &mut v).unwrap();
+    v
+}
+
+fn fill_page(p: &mut Pool, h: PageRef, o: Owner, value: f32, slots: usize) {
+    for layer in 0..shape().layers {
+        for s in 0..slots {
+            p.write_token(h, o, layer, s, &row(value), &row(value)).unwrap();
+        }
+    }
+}
+
+fn k_values(view: LayerView<'_>) -> Vec<f32> {
+    match view {
+        LayerView::F32 { k, .. } => k.to_vec(),
+        LayerView::F16 { k, .. } => k.iter().map(|x| x.to_f32()).collect(),
+    }
+}
+
+fn check(ok: bool, what: &str) -> Result<(), String> {
+    if ok {
+        Ok(())
+    } else {
+        Err(what.to_string())
+    }
+}
+
+// --------------------------------------------------------------- K3 incident
+
+/// The incident: decode reserved 8 pages, the transfer wrote 1, decode read
+/// all 8 and got seven pages of earlier requests' KV.
+fn scenario_incident(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    // Earlier tenant fills all 8 pages with its secret KV, then finishes.
+    let old = alloc(&mut p, BOB, 8);
+    for &h in &old {
+        fill_page(&mut p, h, BOB, 42.0, 4);
+    }
+    for &h in &old {
+        p.free(h, BOB).unwrap();
+    }
+    // Poison off in this scenario to model the incident's "never zeroed".
+    let mut p2 = Pool::new(shape(), 8, PoolOptions { poison: Poison::Off }).unwrap();
+    p2.set_faults(faults);
+    let old = alloc(&mut p2, BOB, 8);
+    for &h in &old {
+        fill_page(&mut p2, h, BOB, 42.0, 4);
+        p2.free(h, BOB).unwrap();
+    }
+    for pool in [&mut p, &mut p2] {
+        let pages = alloc(pool, ALICE, 8);
+        fill_page(pool, pages[0], ALICE, 1.0, 4); // only page 0 written
+        let mut leaked = false;
+        for &h in &pages {
+            match pool.read_layer(h, ALICE, 0, 4) {
+                Ok(view) => leaked |= k_values(view).iter().any(|&x| x == 42.0 || x.is_nan()),
+                Err(KvError::UnwrittenRead { .. }) => {}
+                Err(e) => return Err(format!("unexpected error {e}")),
+            }
+        }
+        check(!leaked, "decode read another tenant's (or poisoned) KV")?;
+        check(
+            pool.stats().refused_unwritten_read == 7,
+            "seven unwritten pages not refused",
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn incident_reserved_8_pages_wrote_1_read_8_is_refused() {
+    scenario_incident(Faults::default()).unwrap();
+}
+
+#[test]
+fn incident_fails_without_the_check() {
+    let f = Faults {
+        skip_watermark_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_incident(f).is_err());
+}
+
+// ------------------------------------------------------------------------ K2
+
+fn scenario_stale(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let old = alloc(&mut p, ALICE, 1)[0];
+    fill_page(&mut p, old, ALICE, 1.0, 4);
+    p.free(old, ALICE).unwrap();
+    // Same request id reallocates (e.g. recompute after preemption): the
+    // page comes back, with a new epoch. The old handle must stay dead.
+    let new = alloc(&mut p, ALICE, 1)[0];
+    check(new.index == old.index, "LIFO reuse expected")?;
+    check(new.epoch == old.epoch + 2, "epoch must bump on free and alloc")?;
+    fill_page(&mut p, new, ALICE, 2.0, 4);
+    let read = p.read_layer(old, ALICE, 0, 4);
+    check(
+        matches!(read, Err(KvError::StaleHandle { .. })),
+        "stale read served",
+    )?;
+    let write = p.write_token(old, ALICE, 0, 0, &row(9.0), &row(9.0));
+    check(
+        matches!(write, Err(KvError::StaleHandle { .. })),
+        "stale write accepted",
+    )?;
+    let now = k_values(p.read_layer(new, ALICE, 0, 4).unwrap());
+    check(now.iter().all(|&x| x == 2.0), "late write through stale handle landed")?;
+    check(p.stats().refused_stale_handle == 2, "stale accesses not counted")
+}
+
+#[test]
+fn stale_handle_after_reuse_is_refused() {
+    scenario_stale(Faults::default()).unwrap();
+}
+
+#[test]
+fn stale_handle_fails_without_the_check() {
+    let f = Faults {
+        skip_epoch_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_stale(f).is_err());
+}
+
+// ------------------------------------------------------------------------ K1
+
+fn scenario_foreign(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let a = alloc(&mut p, ALICE, 1)[0];
+    fill_page(&mut p, a, ALICE, 7.0, 4);
+    let read = p.read_layer(a, BOB, 0, 4);
+    check(matches!(read, Err(KvError::ForeignOwner { .. })), "foreign read served")?;
+    let write = p.write_token(a, BOB, 0, 0, &row(9.0), &row(9.0));
+    check(matches!(write, Err(KvError::ForeignOwner { .. })), "foreign write accepted")?;
+    // Same tenant, other request: still foreign (pages are per request).
+    let sibling = Owner::new(RequestId(3), ALICE.tenant);
+    check(p.read_layer(a, sibling, 0, 1).is_err(), "sibling request read served")?;
+    let free = p.free(a, BOB);
+    check(matches!(free, Err(KvError::ForeignOwner { .. })), "foreign free accepted")?;
+    check(p.stats().refused_foreign_owner == 4, "foreign accesses not counted")
+}
+
+#[test]
+fn foreign_tenant_cannot_read_or_write() {
+    scenario_foreign(Faults::default()).unwrap();
+}
+
+#[test]
+fn foreign_owner_fails_without_the_check() {
+    let f = Faults {
+        skip_owner_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_foreign(f).is_err());
+}
+
+// ------------------------------------------------------------------------ K4
+
+fn scenario_lease(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let h = alloc(&mut p, ALICE, 1)[0];
+    fill_page(&mut p, h, ALICE, 3.0, 2);
+    p.lease(h, ALICE).map_err(|e| e.to_string())?;
+    // The request is cancelled while the transfer still holds the page.
+    let outcome = p.free(h, ALICE).map_err(|e| e.to_string())?;
+    check(outcome == FreeOutcome::Deferred, "free of a leased page not deferred")?;
+    check(p.pages_free() == 7, "leased page went back to the free list")?;
+    // Nobody else may get it meanwhile.
+    let mut got = Vec::new();
+    p.alloc(BOB, 7, &mut got).map_err(|e| e.to_string())?;
+    check(!got.iter().any(|g| g.index == h.index), "leased page handed to Bob")?;
+    // The owner cannot read it any more; the transfer can still export it.
+    check(
+        matches!(p.read_layer(h, ALICE, 0, 1), Err(KvError::ReleasePending { .. })),
+        "owner read a page pending release",
+    )?;
+    let mut buf = vec![0u8; shape().data_bytes()];
+    check(p.export_page(h, ALICE, &mut buf).is_ok(), "lease holder could not export")?;
+    let s = p.stats();
+    check(s.pages_leased == 1 && s.pages_release_pending == 1, "occupancy wrong")?;
+    let done = p.release_lease(h, ALICE).map_err(|e| e.to_string())?;
+    check(done == LeaseOutcome::ReleasedAndFreed, "last lease did not free")?;
+    check(p.pages_free() == 1, "page not freed after the last lease")?;
+    p.check_invariants()
+}
+
+#[test]
+fn free_of_leased_page_is_deferred_until_lease_released() {
+    scenario_lease(Faults::default()).unwrap();
+}
+
+#[test]
+fn lease_deferral_fails_without_the_check() {
+    let f = Faults {
+        skip_lease_deferral: true,
+        ..Faults::default()
+    };
+    assert!(scenario_lease(f).is_err());
+}
+
+// ------------------------------------------------------------------------ K5
+
+fn scenario_double_free(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let h = alloc(&mut p, ALICE, 1)[0];
+    p.free(h, ALICE).map_err(|e| e.to_string())?;
+    check(
+        matches!(p.free(h, ALICE), Err(KvError::DoubleFree { .. })),
+        "double free not detected",
+    )?;
+    // Reallocated to the same request: the old handle must not free it.
+    let again = alloc(&mut p, ALICE, 1)[0];
+    check(again.index == h.index, "LIFO reuse expected")?;
+    check(
+        matches!(p.free(h, ALICE), Err(KvError::StaleHandle { .. })),
+        "stale free not detected",
+    )?;
+    check(p.owner_of(h.index) == Some(ALICE), "stale free freed the new allocation")?;
+    // A free while a deferred free is pending is a double free too.
+    p.lease(again, ALICE).map_err(|e| e.to_string())?;
+    p.free(again, ALICE).map_err(|e| e.to_string())?;
+    check(
+        matches!(p.free(again, ALICE), Err(KvError::DoubleFree { .. })),
+        "double deferred free not detected",
+    )?;
+    let s = p.stats();
+    check(s.refused_double_free == 2 && s.refused_stale_handle == 1, "not counted")
+}
+
+#[test]
+fn double_free_and_stale_free_are_detected() {
+    scenario_double_free(Faults::default()).unwrap();
+}
+
+#[test]
+fn double_free_fails_without_the_check() {
+    let f = Faults {
+        skip_double_free_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_double_free(f).is_err());
+}
+
+// ------------------------------------------------------------------------ K7
+
+fn scenario_canary(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let h = alloc(&mut p, ALICE, 2);
+    check(p.check_canary(h[0], ALICE).is_ok(), "fresh canary bad")?;
+    // A stray write one byte past the KV data of page 0 (an overrun).
+    let data = shape().data_bytes();
+    p.page_mut(h[0].index)[data + 13] ^= 0x01;
+    check(
+        matches!(p.check_canary(h[0], ALICE), Err(KvError::CanaryMismatch { .. })),
+        "stray write into the trailer not caught",
+    )?;
+    check(p.check_canary(h[1], ALICE).is_ok(), "neighbour canary bad")?;
+    check(p.stats().canary_mismatch == 1, "canary mismatch not counted")
+}
+
+#[test]
+fn stray_write_into_trailer_fails_canary() {
+    scenario_canary(Faults::default()).unwrap();
+}
+
+#[test]
+fn canary_fails_without_the_check() {
+    let f = Faults {
+        skip_canary_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_canary(f).is_err());
+}
+
+#[test]
+fn canary_changes_with_owner_and_epoch() {
+    let mut p = pool(Faults::default());
+    let h = alloc(&mut p, ALICE, 1)[0];
+    p.free(h, ALICE).unwrap();
+    let h2 = alloc(&mut p, BOB, 1)[0];
+    assert_eq!(h.index, h2.index);
+    assert!(p.check_canary(h2, BOB).is_ok());
+    // Bob's canary at the new epoch is not Alice's at the old one.
+    assert_ne!(
+        canary_value(ALICE, h.epoch, h.index),
+        canary_value(BOB, h2.epoch, h2.index)
+    );
+}
+
+// ------------------------------------------------------------------------ K6
+
+fn scenario_checksum(faults: Faults) -> Result<(), String> {
+    let mut src = pool(faults);
+    let mut dst = pool(faults);
+    let h = alloc(&mut src, ALICE, 1)[0];
+    fill_page(&mut src, h, ALICE, 5.0, 3);
+    let mut bytes = vec![0u8; shape().data_bytes()];
+    let slots = src.export_page(h, ALICE, &mut bytes).map_err(|e| e.to_string())?;
+    check(slots == 3, "export slot count")?;
+    let d = alloc(&mut dst, BOB, 1)[0];
+    let sum = page_checksum(BOB.request.0, d.epoch, 0, &bytes);
+    // Clean transfer verifies.
+    check(dst.verify_checksum(BOB.request.0, d.epoch, 0, &bytes, sum).is_ok(), "clean")?;
+    // One bit flipped on the wire.
+    bytes[100] ^= 0x10;
+    let bad = dst.verify_checksum(BOB.request.0, d.epoch, 0, &bytes, sum);
+    check(matches!(bad, Err(KvError::ChecksumMismatch { .. })), "corruption missed")?;
+    bytes[100] ^= 0x10;
+    // Right bytes, wrong position in the sequence (pages swapped).
+    let swapped = dst.verify_checksum(BOB.request.0, d.epoch, 1, &bytes, sum);
+    check(swapped.is_err(), "page at wrong position accepted")?;
+    check(dst.stats().checksum_mismatch == 2, "mismatches not counted")
+}
+
+#[test]
+fn corrupted_transfer_fails_checksum() {
+    scenario_checksum(Faults::default()).unwrap();
+}
+
+#[test]
+fn checksum_fails_without_the_check() {
+    let f = Faults {
+        skip_checksum_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_checksum(f).is_err());
+}
+
+// -------------------------------------------------------------------- poison
+
+fn scenario_poison(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let h = alloc(&mut p, ALICE, 1)[0];
+    fill_page(&mut p, h, ALICE, 42.0, 4);
+    p.free(h, ALICE).map_err(|e| e.to_string())?;
+    let page = p.page(h.index);
+    check(
+        page.iter().all(|&b| b == POISON_NAN_BYTE),
+        "freed page still holds its bytes",
+    )
+}
+
+#[test]
+fn freed_page_is_poisoned() {
+    scenario_poison(Faults::default()).unwrap();
+}
+
+#[test]
+fn poison_fails_without_the_check() {
+    let f = Faults {
+        skip_poison: true,
+        ..Faults::default()
+    };
+    assert!(scenario_poison(f).is_err());
+}
+
+// --------------------------------------------------------------- K10, misc
+
+#[test]
+fn import_writes_a_page_exactly_once() {
+    let mut p = pool(Faults::default());
+    let h = alloc(&mut p, ALICE, 1)[0];
+    let bytes = vec![0u8; shape().data_bytes()];
+    p.import_page(h, ALICE, &bytes, 4).unwrap();
+    assert_eq!(p.written_slots(h, ALICE).unwrap(), 4);
+    assert!(matches!(
+        p.import_page(h, ALICE, &bytes, 4),
+        Err(KvError::AlreadyWritten { .. })
+    ));
+    assert_eq!(p.stats().refused_already_written, 1);
+    assert!(p.import_page(h, ALICE, &bytes[1..], 4).is_err());
+}
+
+#[test]
+fn export_never_carries_an_earlier_owners_bytes() {
+    let mut p = Pool::new(shape(), 1, PoolOptions { poison: Poison::Off }).unwrap();
+    let h = alloc(&mut p, BOB, 1)[0];
+    fill_page(&mut p, h, BOB, 42.0, 4);
+    p.free(h, BOB).unwrap();
+    let h = alloc(&mut p, ALICE, 1)[0];
+    fill_page(&mut p, h, ALICE, 1.0, 1);
+    let mut out = vec![0xAAu8; shape().data_bytes()];
+    assert_eq!(p.export_page(h, ALICE, &mut out).unwrap(), 1);
+    let floats: Vec<f32> = out
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert!(floats.iter().all(|&x| x == 1.0 || x == 0.0));
+    assert!(!floats.contains(&42.0));
+}
+
+#[test]
+fn writes_cannot_leave_gaps_and_out_of_range_is_refused() {
+    let mut p = pool(Faults::default());
+    let h = alloc(&mut p, ALICE, 1)[0];
+    assert!(matches!(
+        p.write_token(h, ALICE, 0, 1, &row(1.0), &row(1.0)),
+        Err(KvError::WriteGap { .. })
+    ));
+    assert!(matches!(
+        p.write_token(h, ALICE, 9, 0, &row(1.0), &row(1.0)),
+        Err(KvError::LayerOutOfRange { .. })
+    ));
+    assert!(matches!(
+        p.write_token(h, ALICE, 0, 0, &row(1.0)[1..], &row(1.0)),
+        Err(KvError::RowWidth { .. })
+    ));
+    let bogus = PageRef { index: 999, epoch: 1 };
+    assert!(matches!(
+        p.read_layer(bogus, ALICE, 0, 0),
+        Err(KvError::OutOfRange { .. })
+    ));
+    // Rewriting a written slot is allowed (own data), appending too.
+    p.write_token(h, ALICE, 0, 0, &row(1.0), &row(1.0)).unwrap();
+    p.write_token(h, ALICE, 0, 0, &row(2.0), &row(2.0)).unwrap();
+    p.write_token(h, ALICE, 0, 1, &row(3.0), &row(3.0)).unwrap();
+    assert_eq!(p.watermark(h, ALICE, 0).unwrap(), 2);
+    assert_eq!(p.watermark(h, ALICE, 1).unwrap(), 0);
+    assert_eq!(
+        k_values(p.read_layer(h, ALICE, 0, 2).unwrap())[..1],
+        [2.0]
+    );
+}
+
+#[test]
+fn alloc_is_all_or_nothing() {
+    let mut p = pool(Faults::default());
+    let _a = alloc(&mut p, ALICE, 6);
+    let mut out = Vec::new();
+    assert!(matches!(
+        p.alloc(BOB, 3, &mut out),
+        Err(KvError::OutOfPages { requested: 3, free: 2 })
+    ));
+    assert!(out.is_empty());
+    assert_eq!(p.pages_free(), 2);
+    assert!(matches!(p.alloc(Owner::NONE, 1, &mut out), Err(KvError::InvalidOwner)));
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn f16_pool_round_trips_rows() {
+    let shape = KvShape::new(1, 2, 16, 2, DType::F16).unwrap();
+    let mut p = Pool::new(shape, 2, PoolOptions::default()).unwrap();
+    let h = alloc(&mut p, ALICE, 1)[0];
+    let k: Vec<f32> = (0..32).map(|i| i as f32 * 0.5).collect();
+    let v: Vec<f32> = (0..32).map(|i| -(i as f32)).collect();
+    p.write_token(h, ALICE, 0, 0, &k, &v).unwrap();
+    match p.read_layer(h, ALICE, 0, 1).unwrap() {
+        LayerView::F16 { k: gk, v: gv } => {
+            assert_eq!(gk.iter().map(|x| x.to_f32()).collect::<Vec<_>>(), k);
+            assert_eq!(gv.iter().map(|x| x.to_f32()).collect::<Vec<_>>(), v);
+        }
+        LayerView::F32 { .. } => panic!("wrong dtype"),
+    }
+}
+
+#[test]
+fn budget_sizing_and_limits() {
+    let s = shape();
+    let p = Pool::with_budget(s, 10 * s.page_bytes() as u64 + 5, PoolOptions::default()).unwrap();
+    assert_eq!(p.pages_total(), 10);
+    assert_eq!(p.capacity_tokens(), 40);
+    assert!(Pool::with_budget(s, 10, PoolOptions::default()).is_err());
+    assert!(Pool::new(s, 0, PoolOptions::default()).is_err());
+    assert!(Pool::new(s, u64::MAX, PoolOptions::default()).is_err());
+}
