@@ -54,8 +54,14 @@ mod tests {
     fn canary_depends_on_every_input() {
         let o = Owner::new(RequestId(1), TenantId(2));
         let base = canary_value(o, 3, 4);
-        assert_ne!(base, canary_value(Owner::new(RequestId(9), TenantId(2)), 3, 4));
-        assert_ne!(base, canary_value(Owner::new(RequestId(1), TenantId(9)), 3, 4));
+        assert_ne!(
+            base,
+            canary_value(Owner::new(RequestId(9), TenantId(2)), 3, 4)
+        );
+        assert_ne!(
+            base,
+            canary_value(Owner::new(RequestId(1), TenantId(9)), 3, 4)
+        );
         assert_ne!(base, canary_value(o, 5, 4));
         assert_ne!(base, canary_value(o, 3, 5));
         assert_eq!(base, canary_value(o, 3, 4));

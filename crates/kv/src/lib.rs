@@ -105,7 +105,7 @@ pub use integrity::{canary_value, page_checksum};
 #[cfg(any(test, feature = "fault-injection"))]
 pub use pool::Faults;
 pub use pool::{
-    FreeOutcome, LayerView, LeaseOutcome, Pool, PoolOptions, Poison, LEASES_PER_PAGE_MAX,
+    FreeOutcome, LayerView, LeaseOutcome, Poison, Pool, PoolOptions, LEASES_PER_PAGE_MAX,
     POISON_NAN_BYTE, POOL_BYTES_MAX, POOL_PAGES_MAX,
 };
 pub use shape::{

@@ -848,7 +848,9 @@ impl Pool {
                 return Err(format!("allocated page {i} has no owner"));
             }
             if !m.allocated() && (m.owner != Owner::NONE || m.leases > 0 || m.free_pending) {
-                return Err(format!("free page {i} has an owner, a lease or a pending free"));
+                return Err(format!(
+                    "free page {i} has an owner, a lease or a pending free"
+                ));
             }
             if m.free_pending && m.leases == 0 {
                 return Err(format!("page {i} pending release without a lease"));

@@ -33,7 +33,8 @@ fn alloc(p: &mut Pool, o: Owner, n: usize) -> Vec<PageRef> {
 fn fill_page(p: &mut Pool, h: PageRef, o: Owner, value: f32, slots: usize) {
     for layer in 0..shape().layers {
         for s in 0..slots {
-            p.write_token(h, o, layer, s, &row(value), &row(value)).unwrap();
+            p.write_token(h, o, layer, s, &row(value), &row(value))
+                .unwrap();
         }
     }
 }
@@ -68,7 +69,14 @@ fn scenario_incident(faults: Faults) -> Result<(), String> {
         p.free(h, BOB).unwrap();
     }
     // Poison off in this scenario to model the incident's "never zeroed".
-    let mut p2 = Pool::new(shape(), 8, PoolOptions { poison: Poison::Off }).unwrap();
+    let mut p2 = Pool::new(
+        shape(),
+        8,
+        PoolOptions {
+            poison: Poison::Off,
+        },
+    )
+    .unwrap();
     p2.set_faults(faults);
     let old = alloc(&mut p2, BOB, 8);
     for &h in &old {
@@ -120,7 +128,10 @@ fn scenario_stale(faults: Faults) -> Result<(), String> {
     // page comes back, with a new epoch. The old handle must stay dead.
     let new = alloc(&mut p, ALICE, 1)[0];
     check(new.index == old.index, "LIFO reuse expected")?;
-    check(new.epoch == old.epoch + 2, "epoch must bump on free and alloc")?;
+    check(
+        new.epoch == old.epoch + 2,
+        "epoch must bump on free and alloc",
+    )?;
     fill_page(&mut p, new, ALICE, 2.0, 4);
     let read = p.read_layer(old, ALICE, 0, 4);
     check(
@@ -133,8 +144,14 @@ fn scenario_stale(faults: Faults) -> Result<(), String> {
         "stale write accepted",
     )?;
     let now = k_values(p.read_layer(new, ALICE, 0, 4).unwrap());
-    check(now.iter().all(|&x| x == 2.0), "late write through stale handle landed")?;
-    check(p.stats().refused_stale_handle == 2, "stale accesses not counted")
+    check(
+        now.iter().all(|&x| x == 2.0),
+        "late write through stale handle landed",
+    )?;
+    check(
+        p.stats().refused_stale_handle == 2,
+        "stale accesses not counted",
+    )
 }
 
 #[test]
@@ -158,15 +175,30 @@ fn scenario_foreign(faults: Faults) -> Result<(), String> {
     let a = alloc(&mut p, ALICE, 1)[0];
     fill_page(&mut p, a, ALICE, 7.0, 4);
     let read = p.read_layer(a, BOB, 0, 4);
-    check(matches!(read, Err(KvError::ForeignOwner { .. })), "foreign read served")?;
+    check(
+        matches!(read, Err(KvError::ForeignOwner { .. })),
+        "foreign read served",
+    )?;
     let write = p.write_token(a, BOB, 0, 0, &row(9.0), &row(9.0));
-    check(matches!(write, Err(KvError::ForeignOwner { .. })), "foreign write accepted")?;
+    check(
+        matches!(write, Err(KvError::ForeignOwner { .. })),
+        "foreign write accepted",
+    )?;
     // Same tenant, other request: still foreign (pages are per request).
     let sibling = Owner::new(RequestId(3), ALICE.tenant);
-    check(p.read_layer(a, sibling, 0, 1).is_err(), "sibling request read served")?;
+    check(
+        p.read_layer(a, sibling, 0, 1).is_err(),
+        "sibling request read served",
+    )?;
     let free = p.free(a, BOB);
-    check(matches!(free, Err(KvError::ForeignOwner { .. })), "foreign free accepted")?;
-    check(p.stats().refused_foreign_owner == 4, "foreign accesses not counted")
+    check(
+        matches!(free, Err(KvError::ForeignOwner { .. })),
+        "foreign free accepted",
+    )?;
+    check(
+        p.stats().refused_foreign_owner == 4,
+        "foreign accesses not counted",
+    )
 }
 
 #[test]
@@ -192,23 +224,44 @@ fn scenario_lease(faults: Faults) -> Result<(), String> {
     p.lease(h, ALICE).map_err(|e| e.to_string())?;
     // The request is cancelled while the transfer still holds the page.
     let outcome = p.free(h, ALICE).map_err(|e| e.to_string())?;
-    check(outcome == FreeOutcome::Deferred, "free of a leased page not deferred")?;
-    check(p.pages_free() == 7, "leased page went back to the free list")?;
+    check(
+        outcome == FreeOutcome::Deferred,
+        "free of a leased page not deferred",
+    )?;
+    check(
+        p.pages_free() == 7,
+        "leased page went back to the free list",
+    )?;
     // Nobody else may get it meanwhile.
     let mut got = Vec::new();
     p.alloc(BOB, 7, &mut got).map_err(|e| e.to_string())?;
-    check(!got.iter().any(|g| g.index == h.index), "leased page handed to Bob")?;
+    check(
+        !got.iter().any(|g| g.index == h.index),
+        "leased page handed to Bob",
+    )?;
     // The owner cannot read it any more; the transfer can still export it.
     check(
-        matches!(p.read_layer(h, ALICE, 0, 1), Err(KvError::ReleasePending { .. })),
+        matches!(
+            p.read_layer(h, ALICE, 0, 1),
+            Err(KvError::ReleasePending { .. })
+        ),
         "owner read a page pending release",
     )?;
     let mut buf = vec![0u8; shape().data_bytes()];
-    check(p.export_page(h, ALICE, &mut buf).is_ok(), "lease holder could not export")?;
+    check(
+        p.export_page(h, ALICE, &mut buf).is_ok(),
+        "lease holder could not export",
+    )?;
     let s = p.stats();
-    check(s.pages_leased == 1 && s.pages_release_pending == 1, "occupancy wrong")?;
+    check(
+        s.pages_leased == 1 && s.pages_release_pending == 1,
+        "occupancy wrong",
+    )?;
     let done = p.release_lease(h, ALICE).map_err(|e| e.to_string())?;
-    check(done == LeaseOutcome::ReleasedAndFreed, "last lease did not free")?;
+    check(
+        done == LeaseOutcome::ReleasedAndFreed,
+        "last lease did not free",
+    )?;
     check(p.pages_free() == 1, "page not freed after the last lease")?;
     p.check_invariants()
 }
@@ -244,7 +297,10 @@ fn scenario_double_free(faults: Faults) -> Result<(), String> {
         matches!(p.free(h, ALICE), Err(KvError::StaleHandle { .. })),
         "stale free not detected",
     )?;
-    check(p.owner_of(h.index) == Some(ALICE), "stale free freed the new allocation")?;
+    check(
+        p.owner_of(h.index) == Some(ALICE),
+        "stale free freed the new allocation",
+    )?;
     // A free while a deferred free is pending is a double free too.
     p.lease(again, ALICE).map_err(|e| e.to_string())?;
     p.free(again, ALICE).map_err(|e| e.to_string())?;
@@ -253,7 +309,10 @@ fn scenario_double_free(faults: Faults) -> Result<(), String> {
         "double deferred free not detected",
     )?;
     let s = p.stats();
-    check(s.refused_double_free == 2 && s.refused_stale_handle == 1, "not counted")
+    check(
+        s.refused_double_free == 2 && s.refused_stale_handle == 1,
+        "not counted",
+    )
 }
 
 #[test]
@@ -280,11 +339,17 @@ fn scenario_canary(faults: Faults) -> Result<(), String> {
     let data = shape().data_bytes();
     p.page_mut(h[0].index)[data + 13] ^= 0x01;
     check(
-        matches!(p.check_canary(h[0], ALICE), Err(KvError::CanaryMismatch { .. })),
+        matches!(
+            p.check_canary(h[0], ALICE),
+            Err(KvError::CanaryMismatch { .. })
+        ),
         "stray write into the trailer not caught",
     )?;
     check(p.check_canary(h[1], ALICE).is_ok(), "neighbour canary bad")?;
-    check(p.stats().canary_mismatch == 1, "canary mismatch not counted")
+    check(
+        p.stats().canary_mismatch == 1,
+        "canary mismatch not counted",
+    )
 }
 
 #[test]
@@ -324,16 +389,25 @@ fn scenario_checksum(faults: Faults) -> Result<(), String> {
     let h = alloc(&mut src, ALICE, 1)[0];
     fill_page(&mut src, h, ALICE, 5.0, 3);
     let mut bytes = vec![0u8; shape().data_bytes()];
-    let slots = src.export_page(h, ALICE, &mut bytes).map_err(|e| e.to_string())?;
+    let slots = src
+        .export_page(h, ALICE, &mut bytes)
+        .map_err(|e| e.to_string())?;
     check(slots == 3, "export slot count")?;
     let d = alloc(&mut dst, BOB, 1)[0];
     let sum = page_checksum(BOB.request.0, d.epoch, 0, &bytes);
     // Clean transfer verifies.
-    check(dst.verify_checksum(BOB.request.0, d.epoch, 0, &bytes, sum).is_ok(), "clean")?;
+    check(
+        dst.verify_checksum(BOB.request.0, d.epoch, 0, &bytes, sum)
+            .is_ok(),
+        "clean",
+    )?;
     // One bit flipped on the wire.
     bytes[100] ^= 0x10;
     let bad = dst.verify_checksum(BOB.request.0, d.epoch, 0, &bytes, sum);
-    check(matches!(bad, Err(KvError::ChecksumMismatch { .. })), "corruption missed")?;
+    check(
+        matches!(bad, Err(KvError::ChecksumMismatch { .. })),
+        "corruption missed",
+    )?;
     bytes[100] ^= 0x10;
     // Right bytes, wrong position in the sequence (pages swapped).
     let swapped = dst.verify_checksum(BOB.request.0, d.epoch, 1, &bytes, sum);
@@ -402,7 +476,14 @@ fn import_writes_a_page_exactly_once() {
 
 #[test]
 fn export_never_carries_an_earlier_owners_bytes() {
-    let mut p = Pool::new(shape(), 1, PoolOptions { poison: Poison::Off }).unwrap();
+    let mut p = Pool::new(
+        shape(),
+        1,
+        PoolOptions {
+            poison: Poison::Off,
+        },
+    )
+    .unwrap();
     let h = alloc(&mut p, BOB, 1)[0];
     fill_page(&mut p, h, BOB, 42.0, 4);
     p.free(h, BOB).unwrap();
@@ -434,7 +515,10 @@ fn writes_cannot_leave_gaps_and_out_of_range_is_refused() {
         p.write_token(h, ALICE, 0, 0, &row(1.0)[1..], &row(1.0)),
         Err(KvError::RowWidth { .. })
     ));
-    let bogus = PageRef { index: 999, epoch: 1 };
+    let bogus = PageRef {
+        index: 999,
+        epoch: 1,
+    };
     assert!(matches!(
         p.read_layer(bogus, ALICE, 0, 0),
         Err(KvError::OutOfRange { .. })
@@ -445,10 +529,7 @@ fn writes_cannot_leave_gaps_and_out_of_range_is_refused() {
     p.write_token(h, ALICE, 0, 1, &row(3.0), &row(3.0)).unwrap();
     assert_eq!(p.watermark(h, ALICE, 0).unwrap(), 2);
     assert_eq!(p.watermark(h, ALICE, 1).unwrap(), 0);
-    assert_eq!(
-        k_values(p.read_layer(h, ALICE, 0, 2).unwrap())[..1],
-        [2.0]
-    );
+    assert_eq!(k_values(p.read_layer(h, ALICE, 0, 2).unwrap())[..1], [2.0]);
 }
 
 #[test]
@@ -458,11 +539,17 @@ fn alloc_is_all_or_nothing() {
     let mut out = Vec::new();
     assert!(matches!(
         p.alloc(BOB, 3, &mut out),
-        Err(KvError::OutOfPages { requested: 3, free: 2 })
+        Err(KvError::OutOfPages {
+            requested: 3,
+            free: 2
+        })
     ));
     assert!(out.is_empty());
     assert_eq!(p.pages_free(), 2);
-    assert!(matches!(p.alloc(Owner::NONE, 1, &mut out), Err(KvError::InvalidOwner)));
+    assert!(matches!(
+        p.alloc(Owner::NONE, 1, &mut out),
+        Err(KvError::InvalidOwner)
+    ));
     p.check_invariants().unwrap();
 }
 

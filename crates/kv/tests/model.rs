@@ -35,16 +35,46 @@ fn value(req: u64, epoch: u64, layer: usize, slot: usize) -> f32 {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { req: u64, n: usize },
-    Write { pick: usize, as_req: u64, layer: usize, slot: usize },
-    Read { pick: usize, as_req: u64, layer: usize, n: usize },
-    Lease { pick: usize },
-    Release { pick: usize },
-    Free { pick: usize, as_req: u64 },
-    Cancel { req: u64 },
-    Export { pick: usize },
-    Import { pick: usize, slots: usize },
-    Canary { pick: usize, as_req: u64 },
+    Alloc {
+        req: u64,
+        n: usize,
+    },
+    Write {
+        pick: usize,
+        as_req: u64,
+        layer: usize,
+        slot: usize,
+    },
+    Read {
+        pick: usize,
+        as_req: u64,
+        layer: usize,
+        n: usize,
+    },
+    Lease {
+        pick: usize,
+    },
+    Release {
+        pick: usize,
+    },
+    Free {
+        pick: usize,
+        as_req: u64,
+    },
+    Cancel {
+        req: u64,
+    },
+    Export {
+        pick: usize,
+    },
+    Import {
+        pick: usize,
+        slots: usize,
+    },
+    Canary {
+        pick: usize,
+        as_req: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -168,7 +198,12 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                     m.live.entry(req).or_default().push(h);
                 }
             }
-            Op::Write { pick, as_req, layer, slot } => {
+            Op::Write {
+                pick,
+                as_req,
+                layer,
+                slot,
+            } => {
                 if m.issued.is_empty() {
                     continue;
                 }
@@ -187,7 +222,12 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                 }
                 prop_assert_eq!(kind(&r), want);
             }
-            Op::Read { pick, as_req, layer, n } => {
+            Op::Read {
+                pick,
+                as_req,
+                layer,
+                n,
+            } => {
                 if m.issued.is_empty() {
                     continue;
                 }
@@ -239,7 +279,11 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                         }
                         prop_assert_eq!(
                             r.clone().ok(),
-                            Some(if freed { LeaseOutcome::ReleasedAndFreed } else { LeaseOutcome::Released })
+                            Some(if freed {
+                                LeaseOutcome::ReleasedAndFreed
+                            } else {
+                                LeaseOutcome::Released
+                            })
                         );
                     }
                 }
@@ -313,14 +357,30 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
         pool.check_invariants().map_err(TestCaseError::fail)?;
         let s = pool.stats();
         for (i, p) in m.pages.iter().enumerate() {
-            prop_assert_eq!(pool.owner_of(i as u32), p.owner.map(owner), "owner of page {}", i);
-            prop_assert_eq!(pool.epoch_of(i as u32), Some(p.epoch), "epoch of page {}", i);
+            prop_assert_eq!(
+                pool.owner_of(i as u32),
+                p.owner.map(owner),
+                "owner of page {}",
+                i
+            );
+            prop_assert_eq!(
+                pool.epoch_of(i as u32),
+                Some(p.epoch),
+                "epoch of page {}",
+                i
+            );
             prop_assert_eq!(p.epoch % 2 == 1, p.owner.is_some());
         }
         let free = m.pages.iter().filter(|p| p.owner.is_none()).count() as u64;
         prop_assert_eq!(s.pages_free, free);
-        prop_assert_eq!(s.pages_leased, m.pages.iter().filter(|p| p.leases > 0).count() as u64);
-        prop_assert_eq!(s.pages_release_pending, m.pages.iter().filter(|p| p.pending).count() as u64);
+        prop_assert_eq!(
+            s.pages_leased,
+            m.pages.iter().filter(|p| p.leases > 0).count() as u64
+        );
+        prop_assert_eq!(
+            s.pages_release_pending,
+            m.pages.iter().filter(|p| p.pending).count() as u64
+        );
         prop_assert_eq!(s.refused_stale_handle, m.stale_refusals);
         prop_assert_eq!(s.refused_foreign_owner, m.foreign_refusals);
         prop_assert_eq!(s.refused_unwritten_read, m.unwritten_refusals);
@@ -330,7 +390,12 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn free_and_check(pool: &mut Pool, m: &mut Model, h: PageRef, as_req: u64) -> Result<(), TestCaseError> {
+fn free_and_check(
+    pool: &mut Pool,
+    m: &mut Model,
+    h: PageRef,
+    as_req: u64,
+) -> Result<(), TestCaseError> {
     let r = pool.free(h, owner(as_req));
     let p = m.pages[h.index as usize].clone();
     let want = if p.epoch != h.epoch {
@@ -388,11 +453,26 @@ fn set_faults(_: &mut Pool, _: Faults) {}
 #[test]
 fn property_test_finds_each_removed_check() {
     let all = [
-        Faults { skip_epoch_check: true, ..Faults::default() },
-        Faults { skip_owner_check: true, ..Faults::default() },
-        Faults { skip_watermark_check: true, ..Faults::default() },
-        Faults { skip_lease_deferral: true, ..Faults::default() },
-        Faults { skip_double_free_check: true, ..Faults::default() },
+        Faults {
+            skip_epoch_check: true,
+            ..Faults::default()
+        },
+        Faults {
+            skip_owner_check: true,
+            ..Faults::default()
+        },
+        Faults {
+            skip_watermark_check: true,
+            ..Faults::default()
+        },
+        Faults {
+            skip_lease_deferral: true,
+            ..Faults::default()
+        },
+        Faults {
+            skip_double_free_check: true,
+            ..Faults::default()
+        },
     ];
     for faults in all {
         let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
@@ -400,7 +480,9 @@ fn property_test_finds_each_removed_check() {
             failure_persistence: None,
             ..ProptestConfig::default()
         });
-        let result = runner.run(&proptest::collection::vec(op(), 1..200), |ops| run(ops, faults));
+        let result = runner.run(&proptest::collection::vec(op(), 1..200), |ops| {
+            run(ops, faults)
+        });
         assert!(result.is_err(), "property test missed {faults:?}");
     }
 }
