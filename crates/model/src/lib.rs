@@ -1,4 +1,49 @@
-//! `model` — LLaMA-family forward pass with paged attention over the `kv`
-//! pool, and sampling.
+//! `model` — a LLaMA-family model on CPU: configuration from GGUF metadata,
+//! the forward pass with paged attention over the [`kv`] pool, and sampling.
+//!
+//! It reads and writes K/V *only* through `kv::Pool` handles, so every KV
+//! access of the forward pass is checked for epoch, owner and watermark
+//! (K1–K3). It knows nothing about HTTP, tenants' keys or scheduling: the
+//! engine decides which rows run together.
+//!
+//! ```no_run
+//! use kv::{DType, Owner, Pool, PoolOptions, RequestId, TenantId};
+//! use model::{Model, Row, Scratch, SeqCtx};
+//!
+//! let model = Model::load("model.gguf".as_ref(), kernels::ThreadPool::from_env())?;
+//! let shape = model.kv_shape(16, DType::F32)?;
+//! let mut pool = Pool::new(shape, 64, PoolOptions::default())?;
+//! let owner = Owner::new(RequestId(1), TenantId(1));
+//! let mut pages = Vec::new();
+//! pool.alloc(owner, 1, &mut pages)?;
+//! let prompt = [504u32, 3575, 282, 4649, 314]; // "The capital of France is"
+//! let rows: Vec<Row> = prompt.iter().enumerate()
+//!     .map(|(pos, &token)| Row { seq: 0, pos, token, logits: pos == prompt.len() - 1 })
+//!     .collect();
+//! let mut scratch = Scratch::new(&model, 64);
+//! model.forward(&mut pool, &[SeqCtx { owner, pages: &pages }], &rows, &mut scratch)?;
+//! let next = model::sample::argmax(&scratch.logits); // " Paris"
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
+pub mod config;
+pub mod forward;
 pub mod sample;
+
+pub use config::Config;
+pub use forward::{Model, Row, Scratch, SeqCtx, BATCH_ROWS_MAX};
+
+/// Errors of loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] gguf::GgufError),
+    #[error("KV pool refused an access: {0}")]
+    Kv(#[from] kv::KvError),
+    #[error("model not supported: {0}")]
+    Unsupported(String),
+    #[error("model file has no tensor `{0}`")]
+    MissingTensor(String),
+    #[error("invalid batch: {0}")]
+    Batch(String),
+}

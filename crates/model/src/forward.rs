@@ -1,0 +1,665 @@
+//! The LLaMA forward pass over a batch of rows from several sequences, with
+//! paged attention that reads and writes K/V only through `kv::Pool`
+//! handles.
+//!
+//! Batch invariance (K12): every per-row computation (embedding, norms,
+//! RoPE, matmuls — see `kernels` — and attention) depends only on that row's
+//! data and its own sequence's KV, in a fixed reduction order; so a row's
+//! logits are bitwise identical whatever else is in the batch and whichever
+//! pages hold its KV.
+
+use std::sync::Mutex;
+
+use gguf::{GgmlType, GgufFile};
+use kernels::{QuantizedActivations, ThreadPool, WeightMatrix, WeightType};
+use kv::{DType, KvError, KvShape, LayerView, Owner, PageRef, Pool};
+
+use crate::config::Config;
+use crate::ModelError;
+
+/// Rows per forward call (a limit on everything: the scheduler's token
+/// budget must stay under it).
+pub const BATCH_ROWS_MAX: usize = 4096;
+
+#[derive(Clone, Copy, Debug)]
+struct Mat {
+    ty: WeightType,
+    bytes: &'static [u8],
+    rows: usize,
+    cols: usize,
+}
+
+impl Mat {
+    fn wm(&self) -> WeightMatrix<'static> {
+        WeightMatrix {
+            ty: self.ty,
+            bytes: self.bytes,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    q: Mat,
+    k: Mat,
+    v: Mat,
+    o: Mat,
+    ffn_norm: Vec<f32>,
+    gate: Mat,
+    up: Mat,
+    down: Mat,
+}
+
+/// A loaded model: config, weights (zero-copy views of the mmapped GGUF),
+/// RoPE tables and the kernels' thread pool.
+pub struct Model {
+    pub config: Config,
+    file: &'static GgufFile,
+    embd: Mat,
+    output: Mat,
+    output_norm: Vec<f32>,
+    layers: Vec<Layer>,
+    /// cos/sin per (position, pair), `context_length × rope_dim/2`.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+    threads: ThreadPool,
+}
+
+/// One sequence taking part in a forward call: its owner and its pages, in
+/// sequence order (page `j` holds positions `j*page_size ..`).
+#[derive(Clone, Copy, Debug)]
+pub struct SeqCtx<'a> {
+    pub owner: Owner,
+    pub pages: &'a [PageRef],
+}
+
+/// One row of a batch: token `token` at position `pos` of sequence `seq`
+/// (an index into the `seqs` slice). Rows of one sequence come in position
+/// order. `logits`: compute this row's logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Row {
+    pub seq: usize,
+    pub pos: usize,
+    pub token: u32,
+    pub logits: bool,
+}
+
+/// Preallocated buffers for forward calls of up to `max_rows` rows.
+pub struct Scratch {
+    max_rows: usize,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    qa_dim: QuantizedActivations,
+    qa_ffn: QuantizedActivations,
+    /// Per-thread attention score buffers (context_length each).
+    scores: Vec<Mutex<Vec<f32>>>,
+    /// Logits of the rows that asked for them, in row order, vocab each.
+    pub logits: Vec<f32>,
+}
+
+impl Scratch {
+    pub fn new(model: &Model, max_rows: usize) -> Scratch {
+        let c = &model.config;
+        let max_rows = max_rows.clamp(1, BATCH_ROWS_MAX);
+        Scratch {
+            max_rows,
+            x: vec![0.0; max_rows * c.dim],
+            h: vec![0.0; max_rows * c.dim],
+            q: vec![0.0; max_rows * c.dim],
+            k: vec![0.0; max_rows * c.kv_dim()],
+            v: vec![0.0; max_rows * c.kv_dim()],
+            att: vec![0.0; max_rows * c.dim],
+            o: vec![0.0; max_rows * c.dim],
+            gate: vec![0.0; max_rows * c.ffn_dim],
+            up: vec![0.0; max_rows * c.ffn_dim],
+            qa_dim: QuantizedActivations::new(max_rows, c.dim),
+            qa_ffn: QuantizedActivations::new(max_rows, c.ffn_dim),
+            scores: (0..model.threads.n_threads())
+                .map(|_| Mutex::new(vec![0.0; c.context_length]))
+                .collect(),
+            logits: Vec::with_capacity(c.vocab),
+        }
+    }
+
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+}
+
+fn weight_type(t: GgmlType) -> WeightType {
+    match t {
+        GgmlType::F32 => WeightType::F32,
+        GgmlType::F16 => WeightType::F16,
+        GgmlType::Q4_0 => WeightType::Q4_0,
+        GgmlType::Q4_1 => WeightType::Q4_1,
+        GgmlType::Q8_0 => WeightType::Q8_0,
+    }
+}
+
+impl Model {
+    /// Loads a LLaMA-family GGUF. The file is memory-mapped for the life of
+    /// the process: the weights are read in place, never copied, and the map
+    /// is deliberately leaked (one model per process; `&'static` lets worker
+    /// threads borrow weights without reference counting).
+    pub fn load(path: &std::path::Path, threads: ThreadPool) -> Result<Model, ModelError> {
+        let file: &'static GgufFile = Box::leak(Box::new(GgufFile::open(path)?));
+        Model::from_file(file, threads)
+    }
+
+    pub fn from_file(file: &'static GgufFile, threads: ThreadPool) -> Result<Model, ModelError> {
+        let config = Config::from_gguf(file)?;
+        let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat, ModelError> {
+            let t = file
+                .tensor(name)
+                .map_err(|_| ModelError::MissingTensor(name.to_string()))?;
+            let (tr, tc) = (t.rows() as usize, t.cols() as usize);
+            if (tr, tc) != (rows, cols) {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor {name} is {tr}×{tc}, expected {rows}×{cols}"
+                )));
+            }
+            let ty = weight_type(t.ggml_type());
+            let m = Mat {
+                ty,
+                bytes: t.bytes(),
+                rows,
+                cols,
+            };
+            m.wm()
+                .validate()
+                .map_err(|e| ModelError::Unsupported(format!("tensor {name}: {e:?}")))?;
+            Ok(m)
+        };
+        let vec = |name: &str, len: usize| -> Result<Vec<f32>, ModelError> {
+            let t = file
+                .tensor(name)
+                .map_err(|_| ModelError::MissingTensor(name.to_string()))?;
+            if t.n_elements() as usize != len {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor {name} has {} elements, expected {len}",
+                    t.n_elements()
+                )));
+            }
+            Ok(t.dequantize()?)
+        };
+        let c = &config;
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for l in 0..c.n_layer {
+            let p = |s: &str| format!("blk.{l}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: vec(&p("attn_norm"), c.dim)?,
+                q: mat(&p("attn_q"), c.dim, c.dim)?,
+                k: mat(&p("attn_k"), c.kv_dim(), c.dim)?,
+                v: mat(&p("attn_v"), c.kv_dim(), c.dim)?,
+                o: mat(&p("attn_output"), c.dim, c.dim)?,
+                ffn_norm: vec(&p("ffn_norm"), c.dim)?,
+                gate: mat(&p("ffn_gate"), c.ffn_dim, c.dim)?,
+                up: mat(&p("ffn_up"), c.ffn_dim, c.dim)?,
+                down: mat(&p("ffn_down"), c.dim, c.ffn_dim)?,
+            });
+        }
+        let embd = mat("token_embd.weight", c.vocab, c.dim)?;
+        let output = if file.tensor_info("output.weight").is_some() {
+            mat("output.weight", c.vocab, c.dim)?
+        } else {
+            embd
+        };
+        let output_norm = vec("output_norm.weight", c.dim)?;
+        let half = c.rope_dim / 2;
+        let mut rope_cos = vec![0.0; c.context_length * half];
+        let mut rope_sin = vec![0.0; c.context_length * half];
+        for pos in 0..c.context_length {
+            for i in 0..half {
+                let freq = (c.rope_base as f64).powf(-2.0 * i as f64 / c.rope_dim as f64);
+                let ang = pos as f64 * freq;
+                rope_cos[pos * half + i] = ang.cos() as f32;
+                rope_sin[pos * half + i] = ang.sin() as f32;
+            }
+        }
+        Ok(Model {
+            config,
+            file,
+            embd,
+            output,
+            output_norm,
+            layers,
+            rope_cos,
+            rope_sin,
+            threads,
+        })
+    }
+
+    pub fn gguf(&self) -> &'static GgufFile {
+        self.file
+    }
+
+    pub fn threads(&self) -> &ThreadPool {
+        &self.threads
+    }
+
+    /// The KV page shape this model needs.
+    pub fn kv_shape(&self, page_size: usize, dtype: DType) -> Result<KvShape, KvError> {
+        KvShape::new(
+            self.config.n_layer,
+            self.config.n_kv_head,
+            self.config.head_dim,
+            page_size,
+            dtype,
+        )
+    }
+
+    /// Bytes of weights read per decoded token (the memory floor of decode).
+    pub fn weight_bytes(&self) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [l.q, l.k, l.v, l.o, l.gate, l.up, l.down]
+                    .iter()
+                    .map(|m| m.bytes.len())
+                    .sum::<usize>()
+            })
+            .sum();
+        l + self.output.bytes.len()
+    }
+
+    /// Runs one forward step over `rows`, writing each row's K/V into its
+    /// sequence's pages and leaving the logits of rows with `logits: true`
+    /// in `s.logits` (in row order, `vocab` each).
+    pub fn forward(
+        &self,
+        pool: &mut Pool,
+        seqs: &[SeqCtx<'_>],
+        rows: &[Row],
+        s: &mut Scratch,
+    ) -> Result<(), ModelError> {
+        let c = &self.config;
+        let n = rows.len();
+        if n == 0 {
+            s.logits.clear();
+            return Ok(());
+        }
+        if n > s.max_rows {
+            return Err(ModelError::Batch(format!(
+                "{n} rows exceed the scratch capacity of {}",
+                s.max_rows
+            )));
+        }
+        let shape = *pool.shape();
+        if shape.layers != c.n_layer || shape.token_width() != c.kv_dim() {
+            return Err(ModelError::Batch(
+                "KV pool shape does not match the model".into(),
+            ));
+        }
+        let ps = shape.page_size;
+        for r in rows {
+            let seq = seqs
+                .get(r.seq)
+                .ok_or_else(|| ModelError::Batch(format!("row names sequence {}", r.seq)))?;
+            if r.pos >= c.context_length {
+                return Err(ModelError::Batch(format!(
+                    "position {} beyond the context window {}",
+                    r.pos, c.context_length
+                )));
+            }
+            if r.pos / ps >= seq.pages.len() {
+                return Err(ModelError::Batch(format!(
+                    "position {} needs page {}, sequence holds {}",
+                    r.pos,
+                    r.pos / ps,
+                    seq.pages.len()
+                )));
+            }
+            if r.token as usize >= c.vocab {
+                return Err(ModelError::Batch(format!(
+                    "token id {} out of vocabulary ({})",
+                    r.token, c.vocab
+                )));
+            }
+        }
+        let (dim, kvd, ffn) = (c.dim, c.kv_dim(), c.ffn_dim);
+        // Embedding.
+        let erb = self.embd.ty.row_bytes(dim);
+        for (i, r) in rows.iter().enumerate() {
+            let t = r.token as usize;
+            kernels::dequantize_row(
+                self.embd.ty,
+                &self.embd.bytes[t * erb..(t + 1) * erb],
+                &mut s.x[i * dim..(i + 1) * dim],
+            );
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            // Attention block.
+            rmsnorm_rows(
+                &s.x[..n * dim],
+                &layer.attn_norm,
+                c.rms_eps,
+                &mut s.h[..n * dim],
+            );
+            s.qa_dim.quantize(&s.h[..n * dim], dim);
+            self.mm(layer.q, &s.qa_dim, &s.h[..n * dim], &mut s.q[..n * dim]);
+            self.mm(layer.k, &s.qa_dim, &s.h[..n * dim], &mut s.k[..n * kvd]);
+            self.mm(layer.v, &s.qa_dim, &s.h[..n * dim], &mut s.v[..n * kvd]);
+            for (i, r) in rows.iter().enumerate() {
+                self.rope(&mut s.q[i * dim..(i + 1) * dim], r.pos, c.n_head);
+                self.rope(&mut s.k[i * kvd..(i + 1) * kvd], r.pos, c.n_kv_head);
+            }
+            for (i, r) in rows.iter().enumerate() {
+                let seq = &seqs[r.seq];
+                pool.write_token(
+                    seq.pages[r.pos / ps],
+                    seq.owner,
+                    l,
+                    r.pos % ps,
+                    &s.k[i * kvd..(i + 1) * kvd],
+                    &s.v[i * kvd..(i + 1) * kvd],
+                )?;
+            }
+            self.attention(
+                pool,
+                seqs,
+                rows,
+                l,
+                &s.q[..n * dim],
+                &mut s.att[..n * dim],
+                &s.scores,
+            )?;
+            s.qa_dim.quantize(&s.att[..n * dim], dim);
+            self.mm(layer.o, &s.qa_dim, &s.att[..n * dim], &mut s.o[..n * dim]);
+            for (x, o) in s.x[..n * dim].iter_mut().zip(&s.o[..n * dim]) {
+                *x += o;
+            }
+            // Feed-forward block.
+            rmsnorm_rows(
+                &s.x[..n * dim],
+                &layer.ffn_norm,
+                c.rms_eps,
+                &mut s.h[..n * dim],
+            );
+            s.qa_dim.quantize(&s.h[..n * dim], dim);
+            self.mm(
+                layer.gate,
+                &s.qa_dim,
+                &s.h[..n * dim],
+                &mut s.gate[..n * ffn],
+            );
+            self.mm(layer.up, &s.qa_dim, &s.h[..n * dim], &mut s.up[..n * ffn]);
+            for (g, u) in s.gate[..n * ffn].iter_mut().zip(&s.up[..n * ffn]) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+            s.qa_ffn.quantize(&s.gate[..n * ffn], ffn);
+            self.mm(
+                layer.down,
+                &s.qa_ffn,
+                &s.gate[..n * ffn],
+                &mut s.o[..n * dim],
+            );
+            for (x, o) in s.x[..n * dim].iter_mut().zip(&s.o[..n * dim]) {
+                *x += o;
+            }
+        }
+        // Logits for the rows that want them.
+        let mut m = 0;
+        for (i, r) in rows.iter().enumerate() {
+            if r.logits {
+                let (src, dst) = (i * dim, m * dim);
+                rmsnorm_rows(
+                    &s.x[src..src + dim],
+                    &self.output_norm,
+                    c.rms_eps,
+                    &mut s.h[dst..dst + dim],
+                );
+                m += 1;
+            }
+        }
+        s.logits.clear();
+        s.logits.resize(m * c.vocab, 0.0);
+        if m > 0 {
+            s.qa_dim.quantize(&s.h[..m * dim], dim);
+            self.mm(self.output, &s.qa_dim, &s.h[..m * dim], &mut s.logits);
+        }
+        Ok(())
+    }
+
+    fn mm(&self, w: Mat, qa: &QuantizedActivations, x: &[f32], out: &mut [f32]) {
+        if w.ty.is_quantized() {
+            kernels::matmul(&self.threads, w.wm(), qa, out);
+        } else {
+            kernels::matmul_f32(&self.threads, w.wm(), x, out);
+        }
+    }
+
+    /// RoPE on adjacent pairs (GGUF's llama convention: the converter
+    /// permuted Q and K so that pairs are (2i, 2i+1)).
+    fn rope(&self, x: &mut [f32], pos: usize, heads: usize) {
+        let c = &self.config;
+        let half = c.rope_dim / 2;
+        let cos = &self.rope_cos[pos * half..(pos + 1) * half];
+        let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+        for h in 0..heads {
+            let v = &mut x[h * c.head_dim..h * c.head_dim + c.rope_dim];
+            for i in 0..half {
+                let (a, b) = (v[2 * i], v[2 * i + 1]);
+                v[2 * i] = a * cos[i] - b * sin[i];
+                v[2 * i + 1] = a * sin[i] + b * cos[i];
+            }
+        }
+    }
+
+    /// Causal attention of every (row, head) over its own sequence's pages,
+    /// in parallel across threads. Reads go through `Pool::read_layer`, so a
+    /// stale handle, a foreign page or an unwritten slot is an error (K1–K3).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        pool: &Pool,
+        seqs: &[SeqCtx<'_>],
+        rows: &[Row],
+        layer: usize,
+        q: &[f32],
+        out: &mut [f32],
+        scores: &[Mutex<Vec<f32>>],
+    ) -> Result<(), ModelError> {
+        let c = &self.config;
+        let (hd, kvd, group) = (c.head_dim, c.kv_dim(), c.group());
+        let ps = pool.shape().page_size;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let items = rows.len() * c.n_head;
+        let first_err: Mutex<Option<KvError>> = Mutex::new(None);
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        let nt = self.threads.n_threads();
+        self.threads.broadcast(|tid| {
+            let range = kernels::split_range(items, nt, tid);
+            if range.is_empty() {
+                return;
+            }
+            let mut sc = scores[tid].lock().unwrap_or_else(|e| e.into_inner());
+            for item in range {
+                let (ri, h) = (item / c.n_head, item % c.n_head);
+                let r = rows[ri];
+                let seq = &seqs[r.seq];
+                let g = h / group;
+                let qh = &q[ri * c.dim + h * hd..ri * c.dim + (h + 1) * hd];
+                let len = r.pos + 1;
+                let res = attend_one(
+                    pool,
+                    seq,
+                    layer,
+                    qh,
+                    g,
+                    hd,
+                    kvd,
+                    ps,
+                    len,
+                    scale,
+                    &mut sc[..len],
+                );
+                match res {
+                    Ok(acc) => {
+                        // SAFETY: each (row, head) item owns the disjoint
+                        // range [ri*dim + h*hd, +hd) of `out`, which outlives
+                        // the broadcast.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                out_ptr.get().add(ri * c.dim + h * hd),
+                                hd,
+                            )
+                        };
+                        dst.copy_from_slice(&acc[..hd]);
+                    }
+                    Err(e) => {
+                        let mut slot = first_err.lock().unwrap_or_else(|e| e.into_inner());
+                        slot.get_or_insert(e);
+                        return;
+                    }
+                }
+            }
+        });
+        match first_err.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Head dimension limit for the stack accumulator in `attend_one`.
+pub const HEAD_DIM_MAX: usize = 256;
+
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: used only to hand disjoint sub-slices to worker threads (see the
+// call site); the pointer itself is plain data.
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Attention of one query head over positions `0..len` of one sequence.
+#[allow(clippy::too_many_arguments)]
+fn attend_one(
+    pool: &Pool,
+    seq: &SeqCtx<'_>,
+    layer: usize,
+    qh: &[f32],
+    g: usize,
+    hd: usize,
+    kvd: usize,
+    ps: usize,
+    len: usize,
+    scale: f32,
+    sc: &mut [f32],
+) -> Result<[f32; HEAD_DIM_MAX], KvError> {
+    let pages = len.div_ceil(ps);
+    let mut max = f32::NEG_INFINITY;
+    for j in 0..pages {
+        let n = ps.min(len - j * ps);
+        let view = pool.read_layer(seq.pages[j], seq.owner, layer, n)?;
+        for t in 0..n {
+            let s = match view {
+                LayerView::F32 { k, .. } => dot(qh, &k[t * kvd + g * hd..t * kvd + (g + 1) * hd]),
+                LayerView::F16 { k, .. } => {
+                    dot_f16(qh, &k[t * kvd + g * hd..t * kvd + (g + 1) * hd])
+                }
+            } * scale;
+            sc[j * ps + t] = s;
+            max = max.max(s);
+        }
+    }
+    let mut sum = 0.0f32;
+    for s in sc.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    let mut acc = [0.0f32; HEAD_DIM_MAX];
+    let acc_h = &mut acc[..hd];
+    for j in 0..pages {
+        let n = ps.min(len - j * ps);
+        let view = pool.read_layer(seq.pages[j], seq.owner, layer, n)?;
+        for t in 0..n {
+            let w = sc[j * ps + t] * inv;
+            match view {
+                LayerView::F32 { v, .. } => {
+                    let vr = &v[t * kvd + g * hd..t * kvd + (g + 1) * hd];
+                    for (a, x) in acc_h.iter_mut().zip(vr) {
+                        *a += w * x;
+                    }
+                }
+                LayerView::F16 { v, .. } => {
+                    let vr = &v[t * kvd + g * hd..t * kvd + (g + 1) * hd];
+                    for (a, x) in acc_h.iter_mut().zip(vr) {
+                        *a += w * x.to_f32();
+                    }
+                }
+            }
+        }
+    }
+    Ok(acc)
+}
+
+/// Dot product with 8 independent lanes, in a fixed order (deterministic).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    let mut s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
+        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
+}
+
+#[inline]
+fn dot_f16(a: &[f32], b: &[half::f16]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i].to_f32();
+        }
+    }
+    let mut s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
+        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y.to_f32();
+    }
+    s
+}
+
+/// RMSNorm of each `w.len()`-long row of `x` into `out`.
+fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let mut lanes = [0.0f32; 8];
+        for ch in xr.chunks_exact(8) {
+            for i in 0..8 {
+                lanes[i] += ch[i] * ch[i];
+            }
+        }
+        let ss: f32 = lanes.iter().sum();
+        let inv = 1.0 / (ss / d as f32 + eps).sqrt();
+        for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {
+            *o = xv * inv * wv;
+        }
+    }
+}

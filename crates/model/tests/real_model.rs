@@ -1,0 +1,262 @@
+//! The real default model (SmolLM2-135M-Instruct Q4_1) against an
+//! independent numpy reference, greedy sanity, and batch invariance (K12).
+//! Needs the model in the cache (scripts/test fetches it) — never skips.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use kv::{DType, Owner, PageRef, Pool, PoolOptions, RequestId, TenantId};
+use model::{sample::argmax, Model, Row, Scratch, SeqCtx};
+
+fn model_path() -> PathBuf {
+    let p = match std::env::var_os("ISOSERVE_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let home = std::env::var_os("ISOSERVE_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/isoserve")
+                });
+            home.join("SmolLM2-135M-Instruct.Q4_1.gguf")
+        }
+    };
+    assert!(
+        p.is_file(),
+        "model not found at {} — run `isoserve fetch-model` (scripts/test does)",
+        p.display()
+    );
+    p
+}
+
+fn model() -> &'static Model {
+    static M: OnceLock<Model> = OnceLock::new();
+    M.get_or_init(|| Model::load(&model_path(), kernels::ThreadPool::new(2)).unwrap())
+}
+
+const PAGE: usize = 16;
+
+fn pool(pages: u64) -> Pool {
+    let shape = model().kv_shape(PAGE, DType::F32).unwrap();
+    Pool::new(shape, pages, PoolOptions::default()).unwrap()
+}
+
+/// Prefill `ids` in one batch; logits of every position.
+fn all_logits(ids: &[u32]) -> Vec<f32> {
+    let m = model();
+    let mut pool = pool(64);
+    let owner = Owner::new(RequestId(1), TenantId(1));
+    let mut pages = Vec::new();
+    pool.alloc(owner, ids.len().div_ceil(PAGE), &mut pages)
+        .unwrap();
+    let rows: Vec<Row> = ids
+        .iter()
+        .enumerate()
+        .map(|(pos, &token)| Row {
+            seq: 0,
+            pos,
+            token,
+            logits: true,
+        })
+        .collect();
+    let mut s = Scratch::new(m, ids.len());
+    m.forward(
+        &mut pool,
+        &[SeqCtx {
+            owner,
+            pages: &pages,
+        }],
+        &rows,
+        &mut s,
+    )
+    .unwrap();
+    s.logits.clone()
+}
+
+fn reference_logits(ids: &[u32], q8: bool) -> Vec<f32> {
+    let dir = std::env::temp_dir().join(format!("isoserve-ref-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ids_path = dir.join(format!("ids-{}.json", ids.len()));
+    let out_path = dir.join(format!("logits-{}-{q8}.bin", ids.len()));
+    std::fs::write(&ids_path, format!("{ids:?}")).unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/reference.py");
+    let st = std::process::Command::new("python3")
+        .arg(script)
+        .arg(model_path())
+        .arg(&ids_path)
+        .arg(&out_path)
+        .args(if q8 {
+            &["--q8-activations"][..]
+        } else {
+            &[][..]
+        })
+        .status()
+        .expect("python3 must be installed (scripts/test installs numpy and gguf)");
+    assert!(st.success(), "reference.py failed");
+    let bytes = std::fs::read(&out_path).unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn capital_of_france_is_paris() {
+    // "The capital of France is" → " Paris" (7042)
+    let ids = [504u32, 3575, 282, 4649, 314];
+    let logits = all_logits(&ids);
+    let v = model().config.vocab;
+    assert_eq!(argmax(&logits[4 * v..5 * v]), 7042);
+}
+
+#[test]
+fn logits_match_numpy_reference() {
+    // Two prompts: a plain sentence and a chat-formatted one (ids fixed here
+    // so this test does not depend on the tokenizer).
+    let prompts: [&[u32]; 2] = [
+        &[504, 3575, 282, 4649, 314],
+        &[
+            1, 4093, 198, 19556, 28, 638, 359, 346, 47, 2, 198, 1, 520, 9531, 198,
+        ],
+    ];
+    let v = model().config.vocab;
+    for ids in prompts {
+        let ours = all_logits(ids);
+        let theirs = reference_logits(ids, false);
+
+        assert_eq!(ours.len(), theirs.len());
+        let mut max_err = 0.0f32;
+        let mut sum_err = 0.0f64;
+        for p in 0..ids.len() {
+            let (a, b) = (&ours[p * v..(p + 1) * v], &theirs[p * v..(p + 1) * v]);
+            assert_eq!(
+                argmax(a),
+                argmax(b),
+                "argmax differs at position {p} of {ids:?}"
+            );
+            for (x, y) in a.iter().zip(b) {
+                max_err = max_err.max((x - y).abs());
+                sum_err += (x - y).abs() as f64;
+            }
+        }
+        let mean_err = sum_err / ours.len() as f64;
+        eprintln!(
+            "logit error vs numpy reference over {} positions: max {max_err}, mean {mean_err}",
+            ids.len()
+        );
+
+        // Activations are quantised to 8 bits per 32-block before every
+        // matmul (as llama.cpp does), the reference computes in f64 from the
+        // dequantised weights: measured max 1.00, mean ~0.1 on these prompts
+        // for logits of magnitude ~20. `reference.py --q8-activations`
+        // (rounding activations like we do) differs from the f64 reference
+        // by the same amount (max 0.95, mean 0.21), so this error is the
+        // quantisation's, not the kernels'. Bounds leave headroom, not slack.
+        assert!(max_err < 1.5, "max abs logit error {max_err}");
+        assert!(mean_err < 0.25, "mean abs logit error {mean_err}");
+    }
+}
+
+/// K12: a sequence's logits are bitwise identical alone and batched with
+/// other sequences at other positions, whichever pages it got.
+#[test]
+fn logits_are_batch_and_page_invariant() {
+    let m = model();
+    let v = m.config.vocab;
+    let a: Vec<u32> = vec![504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282];
+    let b: Vec<u32> = (0..37).map(|i| 100 + i * 7).collect();
+    // Alone: prefill a in one go, logits at every position.
+    let alone = all_logits(&a);
+    // Batched: b's first 30 tokens first (so pages interleave), then a's
+    // prefill in chunks of 3 mixed with b's remaining tokens one by one.
+    let mut pool = pool(64);
+    let oa = Owner::new(RequestId(1), TenantId(1));
+    let ob = Owner::new(RequestId(2), TenantId(2));
+    let (mut pa, mut pb): (Vec<PageRef>, Vec<PageRef>) = (Vec::new(), Vec::new());
+    // Take some pages first and free them so a gets different page indices.
+    let mut junk = Vec::new();
+    pool.alloc(ob, 5, &mut junk).unwrap();
+    pool.alloc(ob, 3, &mut pb).unwrap();
+    for h in junk {
+        pool.free(h, ob).unwrap();
+    }
+    pool.alloc(oa, 1, &mut pa).unwrap();
+    let mut s = Scratch::new(m, 64);
+    let rows: Vec<Row> = (0..30)
+        .map(|p| Row {
+            seq: 1,
+            pos: p,
+            token: b[p],
+            logits: false,
+        })
+        .collect();
+    m.forward(
+        &mut pool,
+        &[
+            SeqCtx {
+                owner: oa,
+                pages: &pa,
+            },
+            SeqCtx {
+                owner: ob,
+                pages: &pb,
+            },
+        ],
+        &rows,
+        &mut s,
+    )
+    .unwrap();
+    let mut batched = vec![0.0f32; a.len() * v];
+    let mut bpos = 30;
+    for chunk_start in (0..a.len()).step_by(3) {
+        let mut rows = Vec::new();
+        if bpos < b.len() {
+            rows.push(Row {
+                seq: 1,
+                pos: bpos,
+                token: b[bpos],
+                logits: true,
+            });
+            bpos += 1;
+        }
+        let end = (chunk_start + 3).min(a.len());
+        for p in chunk_start..end {
+            rows.push(Row {
+                seq: 0,
+                pos: p,
+                token: a[p],
+                logits: true,
+            });
+        }
+        m.forward(
+            &mut pool,
+            &[
+                SeqCtx {
+                    owner: oa,
+                    pages: &pa,
+                },
+                SeqCtx {
+                    owner: ob,
+                    pages: &pb,
+                },
+            ],
+            &rows,
+            &mut s,
+        )
+        .unwrap();
+        let mut k = 0;
+        for r in &rows {
+            if r.seq == 0 {
+                batched[r.pos * v..(r.pos + 1) * v].copy_from_slice(&s.logits[k * v..(k + 1) * v]);
+            }
+            k += 1;
+        }
+    }
+    assert!(pa[0].index != 0, "test meant a to get a different page");
+    for p in 0..a.len() {
+        let (x, y) = (&alone[p * v..(p + 1) * v], &batched[p * v..(p + 1) * v]);
+        assert!(
+            x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "logits at position {p} differ between alone and batched"
+        );
+    }
+}
