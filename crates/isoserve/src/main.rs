@@ -1,6 +1,7 @@
 //! `isoserve` — the command-line entry point. See README.md.
 
 mod fetch;
+mod generate;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -30,6 +31,74 @@ enum Cmd {
         #[arg(long, short)]
         quiet: bool,
     },
+    /// Generate text from a prompt; the text goes to stdout, timings to stderr.
+    Generate {
+        /// The prompt. Without --chat it is raw text in which special tokens
+        /// such as <|im_start|> are recognised.
+        #[arg(long, short)]
+        prompt: String,
+        /// Wrap the prompt in the model's chat template as a user message.
+        #[arg(long)]
+        chat: bool,
+        /// Maximum number of tokens to generate.
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        /// Sampling temperature; 0 is greedy (deterministic).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Keep only the K most likely tokens (0: off).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Nucleus sampling mass (1: off).
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// Drop tokens less likely than min_p × the most likely (0: off).
+        #[arg(long, default_value_t = 0.0)]
+        min_p: f32,
+        /// Repetition penalty (1: off).
+        #[arg(long, default_value_t = 1.0)]
+        repeat_penalty: f32,
+        /// Presence penalty, OpenAI style (0: off).
+        #[arg(long, default_value_t = 0.0)]
+        presence_penalty: f32,
+        /// Frequency penalty, OpenAI style (0: off).
+        #[arg(long, default_value_t = 0.0)]
+        frequency_penalty: f32,
+        /// Random seed for sampling.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Stop when this string is generated (repeatable, at most 4).
+        #[arg(long)]
+        stop: Vec<String>,
+        /// Keep generating past end-of-sequence tokens.
+        #[arg(long)]
+        ignore_eos: bool,
+        /// A LLaMA-family GGUF file (default: the cached default model,
+        /// fetched if missing).
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+    /// Measure prefill and single-stream decode speed.
+    Bench {
+        #[arg(long, default_value_t = 512)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 64)]
+        gen_tokens: usize,
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+    /// Print the token ids of a text as JSON (special tokens recognised).
+    Tokenize {
+        #[arg(long, short)]
+        text: String,
+        /// Apply the chat template to the text as a user message first.
+        #[arg(long)]
+        chat: bool,
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
     /// Print where the model cache lives.
     ModelPath {
         #[arg(long)]
@@ -53,6 +122,60 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::FetchModel { verify, quiet } => {
             let path = fetch::fetch_default_model(verify, quiet)?;
             println!("{}", path.display());
+        }
+        Cmd::Generate {
+            prompt,
+            chat,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            presence_penalty,
+            frequency_penalty,
+            seed,
+            stop,
+            ignore_eos,
+            model,
+        } => {
+            let path = fetch::resolve_model(model.as_deref(), false)?;
+            let params = model::sample::SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                repetition_penalty: repeat_penalty,
+                presence_penalty,
+                frequency_penalty,
+                seed,
+            };
+            generate::run_generate(
+                &path,
+                generate::GenerateArgs {
+                    prompt,
+                    chat,
+                    max_tokens,
+                    params,
+                    stop,
+                    ignore_eos,
+                },
+            )?;
+        }
+        Cmd::Bench {
+            prompt_tokens,
+            gen_tokens,
+            reps,
+            model,
+        } => {
+            let path = fetch::resolve_model(model.as_deref(), false)?;
+            generate::run_bench(&path, prompt_tokens, gen_tokens, reps)?;
+        }
+        Cmd::Tokenize { text, chat, model } => {
+            let path = fetch::resolve_model(model.as_deref(), false)?;
+            let loaded = generate::load(&path)?;
+            let ids = loaded.prompt_ids(&text, chat)?;
+            println!("{ids:?}");
         }
         Cmd::ModelPath { model } => {
             let p = match model {
