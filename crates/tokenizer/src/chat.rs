@@ -1,0 +1,198 @@
+//! Chat templates (`tokenizer.chat_template`) rendered with minijinja.
+
+use std::collections::BTreeMap;
+
+use gguf::GgufFile;
+use minijinja::syntax::SyntaxConfig;
+use minijinja::value::Value;
+use minijinja::{Environment, ErrorKind};
+
+use crate::error::{Result, TokenizerError};
+
+/// Template name inside the environment; no extension, so no auto-escaping.
+const NAME: &str = "chat";
+/// Prefix marking errors raised by the template's `raise_exception`.
+const RAISE_PREFIX: &str = "raise_exception: ";
+/// Instruction budget for one render: bounds a runaway template.
+const FUEL: u64 = 50_000_000;
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with any role.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    /// A `system` message.
+    pub fn system(content: impl Into<String>) -> ChatMessage {
+        Self::new("system", content)
+    }
+
+    /// A `user` message.
+    pub fn user(content: impl Into<String>) -> ChatMessage {
+        Self::new("user", content)
+    }
+
+    /// An `assistant` message.
+    pub fn assistant(content: impl Into<String>) -> ChatMessage {
+        Self::new("assistant", content)
+    }
+}
+
+/// A compiled chat template.
+///
+/// Rendered like Hugging Face `apply_chat_template`: Jinja with
+/// `trim_blocks` and `lstrip_blocks`, loop controls, Python string/dict/list
+/// methods (`.strip()`, `.startswith()`, `.items()`, ...), and the globals
+/// `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and
+/// `raise_exception(msg)`.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source", &self.source)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+fn token_text(file: &GgufFile, id_key: &str) -> Result<String> {
+    if !file.contains_key(id_key) {
+        return Ok(String::new());
+    }
+    let id = file.get_u32(id_key)? as usize;
+    let tokens = file.get_array("tokenizer.ggml.tokens")?;
+    match tokens.get(id).and_then(|v| v.as_str()) {
+        Some(s) => Ok(s.to_string()),
+        None => Err(TokenizerError::InvalidVocab(format!(
+            "{id_key} = {id} is not a string token of the vocabulary ({} tokens)",
+            tokens.len()
+        ))),
+    }
+}
+
+impl ChatTemplate {
+    /// The template in `tokenizer.chat_template`, with `bos_token` and
+    /// `eos_token` the texts of `tokenizer.ggml.bos_token_id` /
+    /// `eos_token_id` (empty when absent).
+    pub fn from_gguf(file: &GgufFile) -> Result<ChatTemplate> {
+        let source = file.get_str("tokenizer.chat_template")?;
+        let bos = token_text(file, "tokenizer.ggml.bos_token_id")?;
+        let eos = token_text(file, "tokenizer.ggml.eos_token_id")?;
+        Self::new(source, bos, eos)
+    }
+
+    /// Compiles a template; syntax errors are [`TokenizerError::Template`].
+    pub fn new(
+        source: impl Into<String>,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<ChatTemplate> {
+        let source = source.into();
+        let mut env = Environment::new();
+        env.set_syntax(
+            SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()?,
+        );
+        env.set_fuel(Some(FUEL));
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<Value, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("{RAISE_PREFIX}{msg}"),
+                ))
+            },
+        );
+        env.add_template_owned(NAME, source.clone())?;
+        Ok(ChatTemplate {
+            env,
+            source,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+        })
+    }
+
+    /// The template source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The `bos_token` global.
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+
+    /// The `eos_token` global.
+    pub fn eos_token(&self) -> &str {
+        &self.eos_token
+    }
+
+    /// Renders `messages`; with `add_generation_prompt` the text ends with
+    /// the opening of the assistant's turn.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                let mut map = BTreeMap::new();
+                map.insert("role".to_string(), Value::from(m.role.as_str()));
+                map.insert("content".to_string(), Value::from(m.content.as_str()));
+                Value::from(map)
+            })
+            .collect();
+        let mut ctx = BTreeMap::new();
+        ctx.insert("messages".to_string(), Value::from(messages));
+        ctx.insert(
+            "add_generation_prompt".to_string(),
+            Value::from(add_generation_prompt),
+        );
+        ctx.insert(
+            "bos_token".to_string(),
+            Value::from(self.bos_token.as_str()),
+        );
+        ctx.insert(
+            "eos_token".to_string(),
+            Value::from(self.eos_token.as_str()),
+        );
+        let tmpl = self.env.get_template(NAME)?;
+        tmpl.render(Value::from(ctx)).map_err(map_render_error)
+    }
+}
+
+fn map_render_error(e: minijinja::Error) -> TokenizerError {
+    // raise_exception's error may be wrapped by the engine; look through
+    // the chain for it.
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(err) = cur {
+        if let Some(mj) = err.downcast_ref::<minijinja::Error>() {
+            if mj.kind() == ErrorKind::InvalidOperation {
+                if let Some(msg) = mj.detail().and_then(|d| d.strip_prefix(RAISE_PREFIX)) {
+                    return TokenizerError::TemplateException(msg.to_string());
+                }
+            }
+        }
+        cur = err.source();
+    }
+    TokenizerError::Template(e)
+}
