@@ -343,8 +343,21 @@ impl Pool {
     }
 
     /// `check_handle` plus "not released": the owner's own reads and writes.
+    /// The happy path is one bounds check and four compares; the error paths
+    /// are out of line.
     #[inline]
     fn check_live(&self, h: PageRef, owner: Owner) -> Result<(), KvError> {
+        if let Some(m) = self.meta.get(h.index as usize) {
+            if m.epoch == h.epoch && h.epoch & 1 == 1 && m.owner == owner && !m.free_pending {
+                return Ok(());
+            }
+        }
+        self.check_live_slow(h, owner)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn check_live_slow(&self, h: PageRef, owner: Owner) -> Result<(), KvError> {
         let meta = self.check_handle(h, owner)?;
         if meta.free_pending {
             bump(&self.counters.refused_release_pending);
@@ -618,28 +631,27 @@ impl Pool {
         }
         let n = n.min(self.shape.page_size);
         let shape = self.shape;
-        let layer_off = layer * shape.layer_bytes();
         let count = n * shape.token_width();
-        let page = self.page(h.index);
-        let k_bytes = &page[layer_off..layer_off + shape.half_bytes()];
-        let v_bytes = &page[layer_off + shape.half_bytes()..layer_off + shape.layer_bytes()];
-        // SAFETY (both arms): every (page, layer) half starts 64-byte aligned
-        // (KvShape::validate) and holds page_size × width elements, count ≤
-        // that; f32 and f16 have no invalid bit patterns.
-        Ok(match shape.dtype {
-            DType::F32 => unsafe {
-                LayerView::F32 {
-                    k: std::slice::from_raw_parts(k_bytes.as_ptr().cast::<f32>(), count),
-                    v: std::slice::from_raw_parts(v_bytes.as_ptr().cast::<f32>(), count),
-                }
-            },
-            DType::F16 => unsafe {
-                LayerView::F16 {
-                    k: std::slice::from_raw_parts(k_bytes.as_ptr().cast::<f16>(), count),
-                    v: std::slice::from_raw_parts(v_bytes.as_ptr().cast::<f16>(), count),
-                }
-            },
-        })
+        let off = h.index as usize * shape.page_bytes() + layer * shape.layer_bytes();
+        // SAFETY: index < pages (check_live) and layer < layers (check_layer),
+        // so [off, off + layer_bytes) lies inside the allocation. Every
+        // (page, layer) half starts 64-byte aligned (KvShape::validate) and
+        // holds page_size × width ≥ count elements; f32 and f16 have no
+        // invalid bit patterns; `&self` forbids concurrent writes.
+        unsafe {
+            let k = self.memory.ptr.as_ptr().add(off);
+            let v = k.add(shape.half_bytes());
+            Ok(match shape.dtype {
+                DType::F32 => LayerView::F32 {
+                    k: std::slice::from_raw_parts(k.cast::<f32>(), count),
+                    v: std::slice::from_raw_parts(v.cast::<f32>(), count),
+                },
+                DType::F16 => LayerView::F16 {
+                    k: std::slice::from_raw_parts(k.cast::<f16>(), count),
+                    v: std::slice::from_raw_parts(v.cast::<f16>(), count),
+                },
+            })
+        }
     }
 
     /// Written slots of (page, layer) in the current epoch.

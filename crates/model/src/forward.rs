@@ -456,8 +456,10 @@ impl Model {
     }
 
     /// Causal attention of every (row, head) over its own sequence's pages,
-    /// in parallel across threads. Reads go through `Pool::read_layer`, so a
-    /// stale handle, a foreign page or an unwritten slot is an error (K1–K3).
+    /// in parallel across threads. Every page is read through
+    /// `Pool::read_layer` once per (row, layer) — for all heads — so a stale
+    /// handle, a foreign page or an unwritten slot is an error (K1–K3)
+    /// before any arithmetic.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -473,8 +475,19 @@ impl Model {
         let (hd, kvd, group) = (c.head_dim, c.kv_dim(), c.group());
         let ps = pool.shape().page_size;
         let scale = 1.0 / (hd as f32).sqrt();
+        let mut views: Vec<LayerView<'_>> = Vec::new();
+        let mut view_start: Vec<usize> = Vec::with_capacity(rows.len() + 1);
+        for r in rows {
+            view_start.push(views.len());
+            let seq = &seqs[r.seq];
+            let len = r.pos + 1;
+            for j in 0..len.div_ceil(ps) {
+                let n = ps.min(len - j * ps);
+                views.push(pool.read_layer(seq.pages[j], seq.owner, layer, n)?);
+            }
+        }
+        view_start.push(views.len());
         let items = rows.len() * c.n_head;
-        let first_err: Mutex<Option<KvError>> = Mutex::new(None);
         let out_ptr = SyncPtr(out.as_mut_ptr());
         let nt = self.threads.n_threads();
         self.threads.broadcast(|tid| {
@@ -485,49 +498,19 @@ impl Model {
             let mut sc = scores[tid].lock().unwrap_or_else(|e| e.into_inner());
             for item in range {
                 let (ri, h) = (item / c.n_head, item % c.n_head);
-                let r = rows[ri];
-                let seq = &seqs[r.seq];
-                let g = h / group;
+                let len = rows[ri].pos + 1;
                 let qh = &q[ri * c.dim + h * hd..ri * c.dim + (h + 1) * hd];
-                let len = r.pos + 1;
-                let res = attend_one(
-                    pool,
-                    seq,
-                    layer,
-                    qh,
-                    g,
-                    hd,
-                    kvd,
-                    ps,
-                    len,
-                    scale,
-                    &mut sc[..len],
-                );
-                match res {
-                    Ok(acc) => {
-                        // SAFETY: each (row, head) item owns the disjoint
-                        // range [ri*dim + h*hd, +hd) of `out`, which outlives
-                        // the broadcast.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                out_ptr.get().add(ri * c.dim + h * hd),
-                                hd,
-                            )
-                        };
-                        dst.copy_from_slice(&acc[..hd]);
-                    }
-                    Err(e) => {
-                        let mut slot = first_err.lock().unwrap_or_else(|e| e.into_inner());
-                        slot.get_or_insert(e);
-                        return;
-                    }
-                }
+                let pages = &views[view_start[ri]..view_start[ri + 1]];
+                let acc = attend_one(pages, qh, h / group, hd, kvd, ps, scale, &mut sc[..len]);
+                // SAFETY: each (row, head) item owns the disjoint range
+                // [ri*dim + h*hd, +hd) of `out`, which outlives the broadcast.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(out_ptr.get().add(ri * c.dim + h * hd), hd)
+                };
+                dst.copy_from_slice(&acc[..hd]);
             }
         });
-        match first_err.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
+        Ok(())
     }
 }
 
@@ -546,32 +529,27 @@ impl SyncPtr {
     }
 }
 
-/// Attention of one query head over positions `0..len` of one sequence.
+/// Attention of one query head (of KV group `g`) over the checked views of
+/// its sequence's pages; `sc` holds one score per position.
 #[allow(clippy::too_many_arguments)]
 fn attend_one(
-    pool: &Pool,
-    seq: &SeqCtx<'_>,
-    layer: usize,
+    pages: &[LayerView<'_>],
     qh: &[f32],
     g: usize,
     hd: usize,
     kvd: usize,
     ps: usize,
-    len: usize,
     scale: f32,
     sc: &mut [f32],
-) -> Result<[f32; HEAD_DIM_MAX], KvError> {
-    let pages = len.div_ceil(ps);
+) -> [f32; HEAD_DIM_MAX] {
     let mut max = f32::NEG_INFINITY;
-    for j in 0..pages {
-        let n = ps.min(len - j * ps);
-        let view = pool.read_layer(seq.pages[j], seq.owner, layer, n)?;
+    for (j, view) in pages.iter().enumerate() {
+        let n = view.slots(kvd);
         for t in 0..n {
+            let span = t * kvd + g * hd..t * kvd + (g + 1) * hd;
             let s = match view {
-                LayerView::F32 { k, .. } => dot(qh, &k[t * kvd + g * hd..t * kvd + (g + 1) * hd]),
-                LayerView::F16 { k, .. } => {
-                    dot_f16(qh, &k[t * kvd + g * hd..t * kvd + (g + 1) * hd])
-                }
+                LayerView::F32 { k, .. } => dot(qh, &k[span]),
+                LayerView::F16 { k, .. } => dot_f16(qh, &k[span]),
             } * scale;
             sc[j * ps + t] = s;
             max = max.max(s);
@@ -585,28 +563,26 @@ fn attend_one(
     let inv = 1.0 / sum;
     let mut acc = [0.0f32; HEAD_DIM_MAX];
     let acc_h = &mut acc[..hd];
-    for j in 0..pages {
-        let n = ps.min(len - j * ps);
-        let view = pool.read_layer(seq.pages[j], seq.owner, layer, n)?;
+    for (j, view) in pages.iter().enumerate() {
+        let n = view.slots(kvd);
         for t in 0..n {
             let w = sc[j * ps + t] * inv;
+            let span = t * kvd + g * hd..t * kvd + (g + 1) * hd;
             match view {
                 LayerView::F32 { v, .. } => {
-                    let vr = &v[t * kvd + g * hd..t * kvd + (g + 1) * hd];
-                    for (a, x) in acc_h.iter_mut().zip(vr) {
+                    for (a, x) in acc_h.iter_mut().zip(&v[span]) {
                         *a += w * x;
                     }
                 }
                 LayerView::F16 { v, .. } => {
-                    let vr = &v[t * kvd + g * hd..t * kvd + (g + 1) * hd];
-                    for (a, x) in acc_h.iter_mut().zip(vr) {
+                    for (a, x) in acc_h.iter_mut().zip(&v[span]) {
                         *a += w * x.to_f32();
                     }
                 }
             }
         }
     }
-    Ok(acc)
+    acc
 }
 
 /// Dot product with 8 independent lanes, in a fixed order (deterministic).
