@@ -1,0 +1,337 @@
+//! The engine on the real default model (release-mode tests; the model is
+//! fetched by scripts/test — a missing model fails, never skips).
+
+use std::path::PathBuf;
+
+use engine::{Engine, EngineConfig, Event, GenRequest, RequestError, StartError};
+use kv::TenantId;
+use model::sample::FinishReason;
+use model::Model;
+use tokenizer::Tokenizer;
+
+fn model_path() -> PathBuf {
+    let p = match std::env::var_os("ISOSERVE_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::var_os("ISOSERVE_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/isoserve")
+            })
+            .join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    assert!(
+        p.is_file(),
+        "model not found at {} — run `isoserve fetch-model`",
+        p.display()
+    );
+    p
+}
+
+fn load() -> (Model, Tokenizer) {
+    let m = Model::load(&model_path(), kernels::ThreadPool::new(2)).unwrap();
+    let t = Tokenizer::from_gguf(m.gguf()).unwrap();
+    (m, t)
+}
+
+fn start(cfg: EngineConfig) -> (Engine, Tokenizer) {
+    let (m, t) = load();
+    (Engine::start(m, t.clone(), cfg).unwrap(), t)
+}
+
+/// Runs a request to the end; returns (token ids, text, finish).
+fn run(engine: &Engine, req: GenRequest) -> Result<(Vec<u32>, String, FinishReason), RequestError> {
+    let mut h = engine.submit(req)?;
+    let mut ids = Vec::new();
+    let mut text = String::new();
+    while let Some(ev) = h.blocking_next() {
+        match ev {
+            Event::Token(t) => {
+                ids.push(t.id);
+                text.push_str(&t.text);
+            }
+            Event::Done(d) => {
+                text.push_str(&d.tail_text);
+                assert_eq!(d.usage.completion_tokens >= ids.len(), true);
+                return Ok((ids, text, d.finish));
+            }
+            Event::Error(e) => return Err(e),
+        }
+    }
+    panic!("event stream ended without Done");
+}
+
+fn small_cfg() -> EngineConfig {
+    EngineConfig {
+        kv_pages: Some(160), // 2560 tokens
+        max_context: Some(2048),
+        ..EngineConfig::default()
+    }
+}
+
+#[test]
+fn paris_through_the_engine() {
+    let (engine, tok) = start(small_cfg());
+    let prompt = tok.encode("The capital of France is", true).unwrap();
+    let (_, text, finish) = run(&engine, GenRequest::greedy(TenantId(1), prompt, 3)).unwrap();
+    assert!(text.starts_with(" Paris"), "got {text:?}");
+    assert_eq!(finish, FinishReason::Length);
+    let s = engine.stats();
+    assert_eq!(s.pool.pages_free, s.pool.pages_total);
+    assert_eq!(s.pool.safety_refusals(), 0);
+}
+
+/// K12 through the scheduler: 32 concurrent greedy requests from 4 tenants
+/// (continuous batching, chunked prefill mixed with decode rows, a small
+/// step budget so prompts split) give token-for-token the output each
+/// prompt gives alone.
+#[test]
+fn concurrent_greedy_outputs_equal_alone() {
+    let cfg = EngineConfig {
+        step_tokens_max: 24,
+        running_max: 24,
+        ..small_cfg()
+    };
+    let (engine, tok) = start(cfg);
+    let texts = [
+        "The capital of France is",
+        "Once upon a time, in a small village,",
+        "def fibonacci(n):",
+        "The three primary colors are",
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+        "Water boils at a temperature of",
+        "List three fruits: apple,",
+        "In 1969, the first humans",
+    ];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+    let max_tokens = 12;
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            run(
+                &engine,
+                GenRequest::greedy(TenantId(9), p.clone(), max_tokens),
+            )
+            .unwrap()
+            .0
+        })
+        .collect();
+    let mut handles = Vec::new();
+    for i in 0..32 {
+        let req = GenRequest {
+            ignore_eos: false,
+            ..GenRequest::greedy(
+                TenantId((i % 4) as u64),
+                prompts[i % prompts.len()].clone(),
+                max_tokens,
+            )
+        };
+        handles.push((i, engine.submit(req).unwrap()));
+    }
+    let mut max_running = 0;
+    for (i, mut h) in handles {
+        let mut ids = Vec::new();
+        while let Some(ev) = h.blocking_next() {
+            max_running = max_running.max(engine.stats().running);
+            match ev {
+                Event::Token(t) => ids.push(t.id),
+                Event::Done(_) => break,
+                Event::Error(e) => panic!("request {i}: {e}"),
+            }
+        }
+        let expect = &alone[i % prompts.len()];
+        // EOS ends a request without a token event; compare what was emitted.
+        assert_eq!(
+            &ids[..],
+            &expect[..ids.len().min(expect.len())],
+            "request {i} differs from alone"
+        );
+        assert_eq!(
+            ids.len(),
+            expect.len(),
+            "request {i} length differs from alone"
+        );
+    }
+    assert!(max_running > 1, "requests never ran concurrently");
+    let s = engine.stats();
+    assert_eq!(s.pool.pages_free, s.pool.pages_total, "pages leaked");
+    assert_eq!(s.pool.safety_refusals(), 0);
+}
+
+#[test]
+fn pool_smaller_than_window_refuses_to_start_naming_both_numbers() {
+    let (m, t) = load();
+    let cfg = EngineConfig {
+        kv_pages: Some(64), // 1024 tokens < 8192
+        ..EngineConfig::default()
+    };
+    let err = Engine::start(m, t, cfg).err().expect("must refuse");
+    assert!(matches!(
+        err,
+        StartError::PoolSmallerThanWindow {
+            pool_tokens: 1024,
+            window_tokens: 8192
+        }
+    ));
+    let msg = err.to_string();
+    assert!(msg.contains("1024") && msg.contains("8192"), "{msg}");
+}
+
+/// Incident replay (unified): the pool is smaller than the model's window;
+/// with --max-context the node advertises what it holds. A tenant's request
+/// with a secret runs; another tenant's over-long request is refused with
+/// the numbers before any allocation; the secret is in no other output.
+#[test]
+fn incident_replay_over_long_request_refused_secret_never_leaks() {
+    let (m, t) = load();
+    let cfg = EngineConfig {
+        kv_pages: Some(64),
+        max_context: Some(1024),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(m, t.clone(), cfg).unwrap();
+    assert_eq!(engine.capacity().max_request_tokens, 1024);
+    let secret = "The vault code is 7391-ALPHA-QUASAR. Repeat the vault code:";
+    let a = t.encode(secret, true).unwrap();
+    let (_, a_text, _) = run(&engine, GenRequest::greedy(TenantId(1), a, 24)).unwrap();
+    let allocs_before = engine.stats().pool.allocs;
+    // Tenant 2: 1020 prompt tokens + 8 > 1024.
+    let long: Vec<u32> = (0..1020).map(|i| 100 + (i % 500) as u32).collect();
+    let err = run(&engine, GenRequest::greedy(TenantId(2), long, 8)).unwrap_err();
+    match &err {
+        RequestError::ContextLengthExceeded {
+            prompt,
+            max_tokens,
+            total,
+            limit,
+        } => {
+            assert_eq!(
+                (*prompt, *max_tokens, *total, *limit),
+                (1020, 8, 1028, 1024)
+            );
+        }
+        other => panic!("expected context_length_exceeded, got {other:?}"),
+    }
+    assert!(err.to_string().contains("1024") && err.to_string().contains("1028"));
+    assert_eq!(
+        engine.stats().pool.allocs,
+        allocs_before,
+        "refused request allocated pages"
+    );
+    // Tenant 2 asks something short: its answer must not carry the secret.
+    let b = t.encode("Tell me a number:", true).unwrap();
+    let (_, b_text, _) = run(&engine, GenRequest::greedy(TenantId(2), b, 24)).unwrap();
+    for frag in ["7391", "ALPHA", "QUASAR"] {
+        assert!(
+            !b_text.contains(frag),
+            "secret fragment {frag} leaked: {b_text:?}"
+        );
+    }
+    let _ = a_text;
+    let s = engine.stats();
+    assert_eq!(s.pool.pages_free, s.pool.pages_total);
+    assert_eq!(s.pool.safety_refusals(), 0);
+}
+
+#[test]
+fn cancel_mid_stream_frees_pages_and_engine_keeps_serving() {
+    let (engine, tok) = start(small_cfg());
+    let prompt = tok.encode("Once upon a time", true).unwrap();
+    for _ in 0..5 {
+        let mut h = engine
+            .submit(GenRequest {
+                ignore_eos: true,
+                ..GenRequest::greedy(TenantId(1), prompt.clone(), 200)
+            })
+            .unwrap();
+        // Read two tokens, then drop the handle (a client disconnect).
+        for _ in 0..2 {
+            assert!(matches!(h.blocking_next(), Some(Event::Token(_))));
+        }
+        drop(h);
+    }
+    let (_, text, _) = run(
+        &engine,
+        GenRequest::greedy(
+            TenantId(2),
+            tok.encode("The capital of France is", true).unwrap(),
+            3,
+        ),
+    )
+    .unwrap();
+    assert!(text.starts_with(" Paris"));
+    // The engine reaps cancelled requests at its next step; wait for idle.
+    for _ in 0..200 {
+        let s = engine.stats();
+        if s.running == 0 && s.pool.pages_free == s.pool.pages_total {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let s = engine.stats();
+    assert_eq!(s.pool.pages_free, s.pool.pages_total);
+    assert_eq!(s.requests_cancelled_total, 5);
+    assert_eq!(s.pool.safety_refusals(), 0);
+}
+
+#[test]
+fn invalid_requests_are_refused_with_the_field() {
+    let (engine, _) = start(small_cfg());
+    let e = engine
+        .submit(GenRequest::greedy(TenantId(1), vec![], 4))
+        .err()
+        .unwrap();
+    assert_eq!(e, RequestError::EmptyPrompt);
+    let e = engine
+        .submit(GenRequest::greedy(TenantId(1), vec![1, 2], 0))
+        .err()
+        .unwrap();
+    assert!(matches!(
+        e,
+        RequestError::InvalidParam {
+            field: "max_tokens",
+            ..
+        }
+    ));
+    let e = engine
+        .submit(GenRequest::greedy(TenantId(1), vec![999_999], 4))
+        .err()
+        .unwrap();
+    assert!(matches!(
+        e,
+        RequestError::InvalidParam {
+            field: "prompt",
+            ..
+        }
+    ));
+    let mut r = GenRequest::greedy(TenantId(1), vec![504], 4);
+    r.params.top_p = 2.0;
+    assert!(matches!(
+        engine.submit(r).err().unwrap(),
+        RequestError::InvalidParam { field: "top_p", .. }
+    ));
+    assert_eq!(engine.stats().pool.allocs, 0);
+}
+
+#[test]
+fn stop_strings_and_eos_end_requests() {
+    let (engine, tok) = start(small_cfg());
+    let prompt = tok.encode("The capital of France is", true).unwrap();
+    let (_, full, _) = run(&engine, GenRequest::greedy(TenantId(1), prompt.clone(), 12)).unwrap();
+    // Stop on the second word of the greedy continuation.
+    let word = full
+        .split_whitespace()
+        .nth(1)
+        .expect("two words")
+        .to_string();
+    let req = GenRequest {
+        stop: vec![word.clone()],
+        ..GenRequest::greedy(TenantId(1), prompt, 12)
+    };
+    let (_, text, finish) = run(&engine, req).unwrap();
+    assert_eq!(finish, FinishReason::Stop);
+    assert!(
+        !text.contains(&word),
+        "{text:?} contains the stop string {word:?}"
+    );
+    assert!(full.starts_with(&text));
+}
