@@ -405,7 +405,7 @@ impl Core {
             }
         }
         // Remove finished requests (highest index first keeps indices valid).
-        finished.sort_by(|a, b| b.0.cmp(&a.0));
+        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         let mut dones = Vec::with_capacity(finished.len());
         for (i, finish) in finished {
             let mut a = self.running.swap_remove(i);

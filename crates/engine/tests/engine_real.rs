@@ -51,7 +51,7 @@ fn run(engine: &Engine, req: GenRequest) -> Result<(Vec<u32>, String, FinishReas
             }
             Event::Done(d) => {
                 text.push_str(&d.tail_text);
-                assert_eq!(d.usage.completion_tokens >= ids.len(), true);
+                assert!(d.usage.completion_tokens >= ids.len());
                 return Ok((ids, text, d.finish));
             }
             Event::Error(e) => return Err(e),

@@ -97,7 +97,9 @@ impl KvShape {
             ));
         }
         // Keep every (page, layer) block and K/V half 64-byte aligned.
-        if (self.page_size * self.token_width() * self.dtype.size_bytes()) % PAGE_ALIGN_BYTES != 0 {
+        if !(self.page_size * self.token_width() * self.dtype.size_bytes())
+            .is_multiple_of(PAGE_ALIGN_BYTES)
+        {
             return bad("page_size × kv_heads × head_dim × dtype bytes must be a multiple of 64");
         }
         Ok(())

@@ -430,7 +430,7 @@ proptest! {
 
     #[test]
     fn pool_matches_reference_model(ops in proptest::collection::vec(op(), 1..200)) {
-        run(ops, Faults::default())?;
+        run(ops, Faults)?;
     }
 }
 

@@ -90,7 +90,7 @@ impl Config {
         if self.n_layer == 0 || self.n_layer > 1024 {
             return bad(format!("{} layers", self.n_layer));
         }
-        if self.dim % 32 != 0 || self.ffn_dim % 32 != 0 {
+        if !self.dim.is_multiple_of(32) || !self.ffn_dim.is_multiple_of(32) {
             return bad(format!(
                 "dims must be multiples of 32 (dim {}, ffn {})",
                 self.dim, self.ffn_dim
@@ -103,7 +103,7 @@ impl Config {
                 crate::forward::HEAD_DIM_MAX
             ));
         }
-        if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
+        if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
             return bad(format!("rope dimension {}", self.rope_dim));
         }
         if self.context_length == 0 {

@@ -219,11 +219,11 @@ fn logits_are_batch_and_page_invariant() {
             bpos += 1;
         }
         let end = (chunk_start + 3).min(a.len());
-        for p in chunk_start..end {
+        for (p, &token) in a.iter().enumerate().take(end).skip(chunk_start) {
             rows.push(Row {
                 seq: 0,
                 pos: p,
-                token: a[p],
+                token,
                 logits: true,
             });
         }
@@ -243,12 +243,10 @@ fn logits_are_batch_and_page_invariant() {
             &mut s,
         )
         .unwrap();
-        let mut k = 0;
-        for r in &rows {
+        for (k, r) in rows.iter().enumerate() {
             if r.seq == 0 {
                 batched[r.pos * v..(r.pos + 1) * v].copy_from_slice(&s.logits[k * v..(k + 1) * v]);
             }
-            k += 1;
         }
     }
     assert!(pa[0].index != 0, "test meant a to get a different page");
