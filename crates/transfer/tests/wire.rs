@@ -1,0 +1,223 @@
+//! Wire format: every message round-trips; no byte string makes the decoder
+//! panic, loop or allocate beyond the limits.
+
+use proptest::prelude::*;
+use transfer::wire::{KvLayout, Message, WireError, WirePage, FRAME_BYTES_MAX, WIRE_VERSION};
+
+fn page() -> impl Strategy<Value = WirePage> {
+    (any::<u32>(), any::<u64>()).prop_map(|(index, epoch)| WirePage { index, epoch })
+}
+
+fn message() -> impl Strategy<Value = Message> {
+    let s = "[a-zA-Z0-9 éü✓]{0,40}";
+    prop_oneof![
+        (
+            any::<u8>(),
+            s,
+            any::<[u8; 32]>(),
+            any::<(u32, u8, u32, u32, u32)>(),
+            any::<u32>()
+        )
+            .prop_map(
+                |(role, node, fp, (page_size, dtype, layers, kv_heads, head_dim), m)| {
+                    Message::Hello {
+                        role,
+                        node,
+                        model_fingerprint: fp,
+                        layout: KvLayout {
+                            page_size,
+                            dtype,
+                            layers,
+                            kv_heads,
+                            head_dim,
+                        },
+                        max_request_tokens: m,
+                    }
+                }
+            ),
+        any::<(u64, u64, u32, u32)>().prop_map(|(req, tenant, prompt_tokens, max_tokens)| {
+            Message::Reserve {
+                req,
+                tenant,
+                prompt_tokens,
+                max_tokens,
+            }
+        }),
+        (any::<u64>(), proptest::collection::vec(page(), 0..20))
+            .prop_map(|(req, pages)| Message::Reserved { req, pages }),
+        (any::<u64>(), any::<u16>(), s).prop_map(|(req, code, message)| Message::Rejected {
+            req,
+            code,
+            message
+        }),
+        (
+            any::<(u64, u64, u32)>(),
+            proptest::collection::vec(any::<u32>(), 0..50),
+            proptest::collection::vec(page(), 0..8)
+        )
+            .prop_map(
+                |((req, tenant, max_tokens), tokens, pages)| Message::Prefill {
+                    req,
+                    tenant,
+                    tokens,
+                    max_tokens,
+                    pages
+                }
+            ),
+        (
+            any::<(u64, u32, u32, u64, u64)>(),
+            page(),
+            proptest::collection::vec(any::<u8>(), 0..300)
+        )
+            .prop_map(|((req, position, slots, checksum, canary), dst, bytes)| {
+                Message::Page {
+                    req,
+                    position,
+                    dst,
+                    slots,
+                    checksum,
+                    canary,
+                    bytes,
+                }
+            }),
+        any::<(u64, u32, u32, u32, u64)>().prop_map(
+            |(req, first_token, page_count, token_count, digest)| {
+                Message::Done {
+                    req,
+                    first_token,
+                    page_count,
+                    token_count,
+                    digest,
+                }
+            }
+        ),
+        any::<(u64, u32)>().prop_map(|(req, pages)| Message::Ack { req, pages }),
+        any::<u64>().prop_map(|req| Message::Cancel { req }),
+        (any::<u64>(), any::<u32>(), s).prop_map(|(req, id, text)| Message::Token {
+            req,
+            id,
+            text
+        }),
+        any::<(u64, u8, u32, u32)>().prop_map(|(req, finish, prompt_tokens, completion_tokens)| {
+            Message::Finished {
+                req,
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            }
+        }),
+        any::<u64>().prop_map(|nonce| Message::Heartbeat { nonce }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_message_round_trips(msgs in proptest::collection::vec(message(), 1..6)) {
+        let mut buf = Vec::new();
+        for m in &msgs {
+            m.encode(&mut buf);
+        }
+        // Decode as a stream, also fed in two pieces at an arbitrary cut.
+        let mut off = 0;
+        for m in &msgs {
+            let (got, used) = Message::decode(&buf[off..]).unwrap().expect("whole frame");
+            prop_assert_eq!(&got, m);
+            off += used;
+        }
+        prop_assert_eq!(off, buf.len());
+    }
+
+    #[test]
+    fn prefixes_are_incomplete_never_errors(m in message()) {
+        let mut buf = Vec::new();
+        m.encode(&mut buf);
+        for cut in 0..buf.len() {
+            prop_assert_eq!(Message::decode(&buf[..cut]), Ok(None));
+        }
+    }
+
+    #[test]
+    fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+        let _ = Message::decode(&bytes);
+    }
+
+    #[test]
+    fn corrupted_frames_never_panic(m in message(), flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
+        let mut buf = Vec::new();
+        m.encode(&mut buf);
+        for (at, x) in flips {
+            let i = at % buf.len();
+            buf[i] ^= x | 1;
+        }
+        let _ = Message::decode(&buf);
+    }
+}
+
+#[test]
+fn oversized_frame_is_refused_from_its_header() {
+    let len = (FRAME_BYTES_MAX as u32 + 1).to_le_bytes();
+    assert!(matches!(
+        Message::decode(&len),
+        Err(WireError::FrameTooLarge { .. })
+    ));
+}
+
+#[test]
+fn hostile_counts_are_refused_before_allocation() {
+    // A Reserved frame claiming 2^31 pages in a 20-byte body.
+    let mut body = vec![WIRE_VERSION, 3];
+    body.extend_from_slice(&7u64.to_le_bytes());
+    body.extend_from_slice(&(1u32 << 31).to_le_bytes());
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    assert!(matches!(
+        Message::decode(&frame),
+        Err(WireError::TooLong { .. })
+    ));
+    // A page claiming more bytes than the frame holds.
+    let mut buf = Vec::new();
+    Message::Page {
+        req: 1,
+        position: 0,
+        dst: WirePage { index: 0, epoch: 1 },
+        slots: 1,
+        checksum: 0,
+        canary: 0,
+        bytes: vec![1; 8],
+    }
+    .encode(&mut buf);
+    let n = buf.len();
+    buf[n - 12..n - 8].copy_from_slice(&1000u32.to_le_bytes());
+    assert!(matches!(
+        Message::decode(&buf),
+        Err(WireError::Truncated { .. })
+    ));
+}
+
+#[test]
+fn other_versions_and_kinds_are_refused() {
+    let mut buf = Vec::new();
+    Message::Cancel { req: 1 }.encode(&mut buf);
+    let mut v2 = buf.clone();
+    v2[4] = WIRE_VERSION + 1;
+    assert!(matches!(
+        Message::decode(&v2),
+        Err(WireError::Version { .. })
+    ));
+    let mut k = buf.clone();
+    k[5] = 200;
+    assert!(matches!(
+        Message::decode(&k),
+        Err(WireError::UnknownKind(200))
+    ));
+    let mut trailing = buf.clone();
+    trailing.push(0);
+    let n = (trailing.len() - 4) as u32;
+    trailing[..4].copy_from_slice(&n.to_le_bytes());
+    assert!(matches!(
+        Message::decode(&trailing),
+        Err(WireError::Trailing { .. })
+    ));
+}
