@@ -1,0 +1,445 @@
+//! Correctness and determinism tests of the quantised matmul kernels.
+
+use kernels::{
+    dequantize_row, matmul_f32_with_level, matmul_with_level, quantize_row, reference_dot,
+    KernelLevel, QuantizedActivations, ThreadPool, WeightMatrix, WeightType,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const QTYPES: [WeightType; 3] = [WeightType::Q4_0, WeightType::Q4_1, WeightType::Q8_0];
+
+fn f16b(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Random raw bytes of a `rows × cols` matrix: random scales and codes
+/// (covering the full code ranges, including -128 for Q8_0).
+fn random_weights(rng: &mut StdRng, ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut b = Vec::with_capacity(rows * ty.row_bytes(cols));
+    match ty {
+        WeightType::F32 | WeightType::F16 => {
+            let x: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            for r in x.chunks(cols.max(1)) {
+                quantize_row(ty, r, &mut b);
+            }
+        }
+        _ => {
+            for _ in 0..rows * cols / 32 {
+                let d: f32 = rng.gen_range(0.0005..0.05) * if rng.gen() { 1.0 } else { -1.0 };
+                b.extend_from_slice(&f16b(d));
+                match ty {
+                    WeightType::Q4_1 => {
+                        b.extend_from_slice(&f16b(rng.gen_range(-0.4..0.1)));
+                        b.extend((0..16).map(|_| rng.gen::<u8>()));
+                    }
+                    WeightType::Q4_0 => b.extend((0..16).map(|_| rng.gen::<u8>())),
+                    _ => b.extend((0..32).map(|_| rng.gen::<u8>())),
+                }
+            }
+        }
+    }
+    b
+}
+
+/// Activation-like values: mostly small, a few outliers, some exact zeros.
+fn random_acts(rng: &mut StdRng, n: usize, cols: usize) -> Vec<f32> {
+    (0..n * cols)
+        .map(|_| match rng.gen_range(0..100) {
+            0 => rng.gen_range(-30.0..30.0),
+            1 => 0.0,
+            _ => rng.gen_range(-2.0..2.0),
+        })
+        .collect()
+}
+
+fn run(level: KernelLevel, pool: &ThreadPool, w: WeightMatrix<'_>, x: &[f32]) -> Vec<f32> {
+    let mut q = QuantizedActivations::new(1, w.cols);
+    q.quantize_with_level(level, x, w.cols);
+    let mut out = vec![f32::NAN; q.n_rows() * w.rows];
+    matmul_with_level(pool, level, w, &q, &mut out);
+    out
+}
+
+fn levels() -> Vec<KernelLevel> {
+    KernelLevel::supported().collect()
+}
+
+fn assert_bits_eq(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    for (k, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            x.to_bits() == y.to_bits(),
+            "{what}: element {k} differs: {x:e} vs {y:e}"
+        );
+    }
+}
+
+#[test]
+fn scalar_matches_dequantized_reference() {
+    let mut rng = StdRng::seed_from_u64(1);
+    let pool = ThreadPool::new(1);
+    for ty in QTYPES {
+        for &(rows, cols) in &[(7, 32), (5, 96), (9, 576), (4, 1536)] {
+            let wb = random_weights(&mut rng, ty, rows, cols);
+            let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
+            let n = 3;
+            let x = random_acts(&mut rng, n, cols);
+            let out = run(KernelLevel::Scalar, &pool, w, &x);
+            let mut q = QuantizedActivations::new(n, cols);
+            q.quantize_with_level(KernelLevel::Scalar, &x, cols);
+            let mut wf = vec![0.0f32; cols];
+            let mut xdq = vec![0.0f32; cols];
+            for i in 0..n {
+                q.dequantize_row(i, &mut xdq);
+                let xi = &x[i * cols..(i + 1) * cols];
+                for r in 0..rows {
+                    w.dequantize_row(r, &mut wf);
+                    let got = out[i * rows + r] as f64;
+                    // (1) Same math on the dequantised activations: only f32
+                    // rounding of the block accumulation differs.
+                    let exact = reference_dot(ty, w.row(r), &xdq);
+                    let mag: f64 = wf.iter().zip(&xdq).map(|(a, b)| (a * b).abs() as f64).sum();
+                    assert!(
+                        (got - exact).abs() <= 2e-6 * mag + 1e-6,
+                        "{ty:?} {rows}x{cols} row {r} act {i}: {got} vs {exact} (mag {mag})"
+                    );
+                    // (2) Against the unquantised activations: bounded by the
+                    // activation quantisation error |x - d q| <= d/2.
+                    let truth = reference_dot(ty, w.row(r), xi);
+                    let bound: f64 = (0..cols)
+                        .map(|j| wf[j].abs() as f64 * q.row(i).d[j / 32] as f64 * 0.5)
+                        .sum();
+                    assert!(
+                        (got - truth).abs() <= bound * 1.01 + 2e-6 * mag + 1e-6,
+                        "{ty:?} quantisation error too large: {got} vs {truth} (bound {bound})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Every SIMD level reproduces the scalar reference bit for bit (a stronger
+/// property than the required "within tolerance"), on odd shapes.
+#[test]
+fn levels_match_scalar_on_odd_shapes() {
+    let mut rng = StdRng::seed_from_u64(2);
+    let pool = ThreadPool::new(2);
+    let simd: Vec<_> = levels()
+        .into_iter()
+        .filter(|&l| l != KernelLevel::Scalar)
+        .collect();
+    if simd.is_empty() {
+        eprintln!("no SIMD level on this CPU; nothing to compare");
+    }
+    let ns: Vec<usize> = (1..=9).chain([33]).collect();
+    for ty in QTYPES {
+        for &rows in &[1usize, 3, 17, 33, 577] {
+            for &cols in &[32usize, 64, 96, 576, 1536] {
+                let wb = random_weights(&mut rng, ty, rows, cols);
+                let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
+                for &n in &ns {
+                    if rows * cols * n > 577 * 1536 * 9 && n != 33 {
+                        continue; // keep the run short: largest shape at n ≤ 9 and 33
+                    }
+                    let x = random_acts(&mut rng, n, cols);
+                    let want = run(KernelLevel::Scalar, &pool, w, &x);
+                    for &l in &simd {
+                        let got = run(l, &pool, w, &x);
+                        assert_bits_eq(
+                            &got,
+                            &want,
+                            &format!("{ty:?} {l:?} rows {rows} cols {cols} n {n}"),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Rows longer than one expansion chunk (65 blocks: chunks of 36 + 29 with a
+/// trailing single block) and a weight matrix smaller than one panel.
+#[test]
+fn levels_match_scalar_on_long_rows() {
+    let mut rng = StdRng::seed_from_u64(6);
+    let pool = ThreadPool::new(2);
+    for ty in QTYPES {
+        for &(rows, cols) in &[(40usize, 2080usize), (5, 4096)] {
+            let wb = random_weights(&mut rng, ty, rows, cols);
+            let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
+            for n in [1usize, 2, 5] {
+                let x = random_acts(&mut rng, n, cols);
+                let want = run(KernelLevel::Scalar, &pool, w, &x);
+                for l in levels() {
+                    let got = run(l, &pool, w, &x);
+                    assert_bits_eq(&got, &want, &format!("{ty:?} {l:?} {rows}x{cols} n {n}"));
+                }
+            }
+        }
+    }
+}
+
+/// K12: a row's output does not depend on the batch it is in, its position
+/// or the number of threads.
+#[test]
+fn batch_invariance_is_bitwise() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let pools: Vec<ThreadPool> = [1, 2, 3, 4].into_iter().map(ThreadPool::new).collect();
+    for level in levels() {
+        for ty in QTYPES {
+            let (rows, cols) = if level == KernelLevel::Scalar {
+                (37, 576)
+            } else {
+                (577, 576)
+            };
+            let wb = random_weights(&mut rng, ty, rows, cols);
+            let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
+            let row = random_acts(&mut rng, 1, cols);
+            let alone = run(level, &pools[0], w, &row);
+            for &n in &[1usize, 2, 3, 7, 16, 33] {
+                let mut positions = vec![0, n / 2, n - 1];
+                positions.dedup();
+                for &pos in &positions {
+                    let mut x = random_acts(&mut rng, n, cols);
+                    x[pos * cols..(pos + 1) * cols].copy_from_slice(&row);
+                    for pool in &pools {
+                        let out = run(level, pool, w, &x);
+                        assert_bits_eq(
+                            &out[pos * rows..(pos + 1) * rows],
+                            &alone,
+                            &format!(
+                                "{level:?} {ty:?} n {n} pos {pos} threads {}",
+                                pool.n_threads()
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantization_properties() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let cols = 96;
+    let mut x = random_acts(&mut rng, 5, cols);
+    x[32..64].fill(0.0); // an all-zero block
+    let mut want: Option<QuantizedActivations> = None;
+    for level in levels() {
+        let mut q = QuantizedActivations::new(5, cols);
+        q.quantize_with_level(level, &x, cols);
+        assert_eq!(q.n_rows(), 5);
+        let mut dq = vec![0.0; cols];
+        for i in 0..5 {
+            let r = q.row(i);
+            q.dequantize_row(i, &mut dq);
+            for b in 0..cols / 32 {
+                let blk = &r.qs[b * 32..(b + 1) * 32];
+                assert_eq!(r.sums[b], blk.iter().map(|&v| v as i32).sum::<i32>());
+                assert_eq!(r.s[b], r.d[b] * r.sums[b] as f32);
+                assert!(blk.iter().all(|&v| v >= -127));
+                let amax = x[i * cols + b * 32..i * cols + b * 32 + 32]
+                    .iter()
+                    .fold(0.0f32, |a, v| a.max(v.abs()));
+                assert_eq!(r.d[b], amax / 127.0);
+            }
+            for j in 0..cols {
+                let err = (dq[j] - x[i * cols + j]).abs();
+                assert!(
+                    err <= r.d[j / 32] * 0.5001 + 1e-12,
+                    "quantisation error {err}"
+                );
+            }
+        }
+        assert!(q.row(0).d[1] == 0.0 && q.row(0).qs[32..64].iter().all(|&v| v == 0));
+        // Parallel quantisation gives the same result.
+        let pool = ThreadPool::new(3);
+        let big = random_acts(&mut StdRng::seed_from_u64(44), 700, cols);
+        let mut a = QuantizedActivations::new(0, cols);
+        let mut b = QuantizedActivations::new(0, cols);
+        a.quantize_with_level(level, &big, cols);
+        b.quantize_par_with_level(&pool, level, &big, cols);
+        for i in 0..700 {
+            assert_eq!(a.row(i).qs, b.row(i).qs);
+            assert_eq!(a.row(i).d, b.row(i).d);
+            assert_eq!(a.row(i).s, b.row(i).s);
+            assert_eq!(a.row(i).sums, b.row(i).sums);
+        }
+        // Identical at every level.
+        if let Some(w) = &want {
+            for i in 0..5 {
+                assert_eq!(w.row(i).qs, q.row(i).qs);
+                assert_eq!(w.row(i).d, q.row(i).d);
+            }
+        } else {
+            want = Some(q);
+        }
+    }
+}
+
+#[test]
+fn quantization_levels_agree_on_edge_cases() {
+    let cols = 32 * 6;
+    let mut x = vec![0.0f32; cols];
+    // Block 0: subnormal values (1/d overflows to inf); block 1: NaN and inf;
+    // block 2: -0.0 and exact ties; block 3: huge values; block 4: one
+    // nonzero; block 5: alternating signs.
+    for j in 0..32 {
+        x[j] = if j % 3 == 0 { 1e-40 } else { -3e-41 };
+        x[32 + j] = j as f32 - 10.0;
+        x[64 + j] = if j % 2 == 0 {
+            -0.0
+        } else {
+            (j as f32 - 15.5) * 127.0 / 16.5
+        };
+        x[96 + j] = (j as f32 - 16.0) * 1e37;
+        x[160 + j] = if j % 2 == 0 { 0.5 } else { -0.5 };
+    }
+    x[32 + 3] = f32::NAN;
+    x[32 + 4] = f32::INFINITY;
+    x[64 + 31] = 16.5 * 127.0 / 16.5; // amax; other entries give .5 ties
+    x[128 + 7] = -2.5;
+    let mut want = QuantizedActivations::new(1, cols);
+    want.quantize_with_level(KernelLevel::Scalar, &x, cols);
+    for level in levels() {
+        let mut q = QuantizedActivations::new(1, cols);
+        q.quantize_with_level(level, &x, cols);
+        let (a, b) = (q.row(0), want.row(0));
+        assert_eq!(a.qs, b.qs, "{level:?} codes");
+        assert_eq!(a.sums, b.sums, "{level:?} sums");
+        for (u, v) in a.d.iter().zip(b.d).chain(a.s.iter().zip(b.s)) {
+            assert_eq!(u.to_bits(), v.to_bits(), "{level:?} scales");
+        }
+    }
+}
+
+#[test]
+fn quantization_reuses_buffers_and_survives_non_finite() {
+    let cols = 64;
+    let mut q = QuantizedActivations::new(8, cols);
+    let cap = q.capacity_rows();
+    assert_eq!(cap, 8);
+    q.quantize(&vec![0.0; cols], cols);
+    let p0 = q.row(0).qs.as_ptr();
+    for n in [1, 8, 3, 8] {
+        let x = vec![0.25f32; n * cols];
+        q.quantize(&x, cols);
+        assert_eq!(q.n_rows(), n);
+    }
+    assert_eq!(q.capacity_rows(), cap);
+    assert_eq!(q.row(0).qs.as_ptr(), p0, "buffers were reallocated");
+    let mut x = vec![1.0f32; cols];
+    x[3] = f32::NAN;
+    x[40] = f32::INFINITY;
+    q.quantize(&x, cols);
+    assert!(q.row(0).qs.iter().all(|&v| (-127..=127).contains(&v)));
+    // Growing beyond the capacity is allowed (it reallocates once).
+    q.quantize(&vec![0.5f32; 20 * cols], cols);
+    assert_eq!(q.n_rows(), 20);
+}
+
+#[test]
+fn matmul_f32_matches_reference_and_is_invariant() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let pools: Vec<ThreadPool> = [1, 3].into_iter().map(ThreadPool::new).collect();
+    for ty in [
+        WeightType::F32,
+        WeightType::F16,
+        WeightType::Q4_1,
+        WeightType::Q8_0,
+    ] {
+        let cols = if ty.is_quantized() { 96 } else { 77 };
+        let rows = 19;
+        let wb = random_weights(&mut rng, ty, rows, cols);
+        let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
+        let n = 11;
+        let x = random_acts(&mut rng, n, cols);
+        let mut want = vec![0.0; n * rows];
+        matmul_f32_with_level(&pools[0], KernelLevel::Scalar, w, &x, &mut want);
+        let mut wf = vec![0.0f32; cols];
+        for i in 0..n {
+            for r in 0..rows {
+                dequantize_row(ty, w.row(r), &mut wf);
+                let xi = &x[i * cols..(i + 1) * cols];
+                let exact = reference_dot(ty, w.row(r), xi);
+                let mag: f64 = wf.iter().zip(xi).map(|(a, b)| (a * b).abs() as f64).sum();
+                let got = want[i * rows + r] as f64;
+                assert!(
+                    (got - exact).abs() <= 1e-6 * mag + 1e-7,
+                    "{ty:?}: {got} vs {exact}"
+                );
+            }
+        }
+        for level in levels() {
+            for pool in &pools {
+                let mut out = vec![0.0; n * rows];
+                matmul_f32_with_level(pool, level, w, &x, &mut out);
+                assert_bits_eq(&out, &want, &format!("matmul_f32 {ty:?} {level:?}"));
+                // Row 4 alone.
+                let mut one = vec![0.0; rows];
+                matmul_f32_with_level(pool, level, w, &x[4 * cols..5 * cols], &mut one);
+                assert_bits_eq(&one, &want[4 * rows..5 * rows], "matmul_f32 alone");
+            }
+        }
+    }
+}
+
+#[test]
+fn empty_batches_are_no_ops() {
+    let pool = ThreadPool::new(2);
+    let wb = vec![0u8; 3 * 20];
+    let w = WeightMatrix::new(WeightType::Q4_1, &wb, 3, 32).unwrap();
+    let mut q = QuantizedActivations::new(0, 32);
+    q.quantize(&[], 32);
+    let mut out: Vec<f32> = vec![];
+    for level in levels() {
+        matmul_with_level(&pool, level, w, &q, &mut out);
+    }
+}
+
+#[test]
+fn weight_matrix_validation() {
+    let b = vec![0u8; 40];
+    assert!(WeightMatrix::new(WeightType::Q4_1, &b, 2, 32).is_ok());
+    assert!(WeightMatrix::new(WeightType::Q4_1, &b, 1, 32).is_err());
+    assert!(WeightMatrix::new(WeightType::Q4_1, &b, 2, 33).is_err());
+    assert!(WeightMatrix::new(WeightType::F32, &b, 2, 5).is_ok());
+    let e = WeightMatrix::new(WeightType::Q8_0, &b, 2, 32).unwrap_err();
+    assert!(e.to_string().contains("expected 68"), "{e}");
+}
+
+#[test]
+#[should_panic(expected = "use matmul_f32")]
+fn matmul_rejects_float_weights() {
+    let pool = ThreadPool::new(1);
+    let b = vec![0u8; 4 * 32];
+    let w = WeightMatrix::new(WeightType::F32, &b, 1, 32).unwrap();
+    let mut q = QuantizedActivations::new(1, 32);
+    q.quantize(&[0.0; 32], 32);
+    matmul_with_level(&pool, KernelLevel::Scalar, w, &q, &mut [0.0]);
+}
+
+#[test]
+#[should_panic(expected = "columns")]
+fn matmul_rejects_mismatched_columns() {
+    let pool = ThreadPool::new(1);
+    let b = vec![0u8; 2 * 20];
+    let w = WeightMatrix::new(WeightType::Q4_1, &b, 1, 64).unwrap();
+    let mut q = QuantizedActivations::new(1, 32);
+    q.quantize(&[0.0; 32], 32);
+    matmul_with_level(&pool, KernelLevel::Scalar, w, &q, &mut [0.0]);
+}
+
+#[test]
+#[should_panic(expected = "out.len()")]
+fn matmul_rejects_wrong_output_length() {
+    let pool = ThreadPool::new(1);
+    let b = vec![0u8; 2 * 20];
+    let w = WeightMatrix::new(WeightType::Q4_1, &b, 2, 32).unwrap();
+    let mut q = QuantizedActivations::new(1, 32);
+    q.quantize(&[0.0; 32], 32);
+    matmul_with_level(&pool, KernelLevel::Scalar, w, &q, &mut [0.0]);
+}
