@@ -529,8 +529,10 @@ impl SyncPtr {
     }
 }
 
-/// Attention of one query head (of KV group `g`) over the checked views of
-/// its sequence's pages; `sc` holds one score per position.
+/// Attention of one query head: dispatches once per process to a build of
+/// the same code with AVX2+FMA enabled when the CPU has them. The arithmetic
+/// (order and operations; no FMA contraction) is identical in both builds,
+/// and the choice never depends on the batch, so K12 holds either way.
 #[allow(clippy::too_many_arguments)]
 fn attend_one(
     pages: &[LayerView<'_>],
@@ -542,17 +544,99 @@ fn attend_one(
     scale: f32,
     sc: &mut [f32],
 ) -> [f32; HEAD_DIM_MAX] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static AVX2: OnceLock<bool> = OnceLock::new();
+        if *AVX2.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        }) {
+            if hd % 8 == 0 {
+                // SAFETY: the CPU supports AVX2 and FMA (checked above).
+                return unsafe { attend_one_avx2(pages, qh, g, hd, kvd, ps, scale, sc) };
+            }
+        }
+    }
+    attend_one_generic(pages, qh, g, hd, kvd, ps, scale, sc, dot)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_one_avx2(
+    pages: &[LayerView<'_>],
+    qh: &[f32],
+    g: usize,
+    hd: usize,
+    kvd: usize,
+    ps: usize,
+    scale: f32,
+    sc: &mut [f32],
+) -> [f32; HEAD_DIM_MAX] {
+    // SAFETY (closure): this function only runs where AVX2 is available,
+    // and hd is a multiple of 8 (checked by the caller).
+    attend_one_generic(pages, qh, g, hd, kvd, ps, scale, sc, |a, b| unsafe {
+        dot_avx2(a, b)
+    })
+}
+
+/// `dot` with AVX2: the same lanes, products, sums and reduction order as
+/// the portable `dot`, so both give the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    debug_assert_eq!(n % 8, 0);
+    let mut acc = _mm256_setzero_ps();
+    let mut c = 0;
+    while c + 8 <= n {
+        // SAFETY: c + 8 <= n <= both lengths.
+        let x = unsafe { _mm256_loadu_ps(a.as_ptr().add(c)) };
+        let y = unsafe { _mm256_loadu_ps(b.as_ptr().add(c)) };
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+        c += 8;
+    }
+    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let u = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+    _mm_cvtss_f32(u)
+}
+
+/// Attention of one query head (of KV group `g`) over the checked views of
+/// its sequence's pages; `sc` holds one score per position.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_one_generic(
+    pages: &[LayerView<'_>],
+    qh: &[f32],
+    g: usize,
+    hd: usize,
+    kvd: usize,
+    ps: usize,
+    scale: f32,
+    sc: &mut [f32],
+    dot_f32: impl Fn(&[f32], &[f32]) -> f32,
+) -> [f32; HEAD_DIM_MAX] {
     let mut max = f32::NEG_INFINITY;
     for (j, view) in pages.iter().enumerate() {
-        let n = view.slots(kvd);
-        for t in 0..n {
-            let span = t * kvd + g * hd..t * kvd + (g + 1) * hd;
-            let s = match view {
-                LayerView::F32 { k, .. } => dot(qh, &k[span]),
-                LayerView::F16 { k, .. } => dot_f16(qh, &k[span]),
-            } * scale;
-            sc[j * ps + t] = s;
-            max = max.max(s);
+        let scores = &mut sc[j * ps..];
+        match view {
+            LayerView::F32 { k, .. } => {
+                for (t, kr) in k.chunks_exact(kvd).enumerate() {
+                    let s = dot_f32(qh, &kr[g * hd..(g + 1) * hd]) * scale;
+                    scores[t] = s;
+                    max = max.max(s);
+                }
+            }
+            LayerView::F16 { k, .. } => {
+                for (t, kr) in k.chunks_exact(kvd).enumerate() {
+                    let s = dot_f16(qh, &kr[g * hd..(g + 1) * hd]) * scale;
+                    scores[t] = s;
+                    max = max.max(s);
+                }
+            }
         }
     }
     let mut sum = 0.0f32;
@@ -564,18 +648,20 @@ fn attend_one(
     let mut acc = [0.0f32; HEAD_DIM_MAX];
     let acc_h = &mut acc[..hd];
     for (j, view) in pages.iter().enumerate() {
-        let n = view.slots(kvd);
-        for t in 0..n {
-            let w = sc[j * ps + t] * inv;
-            let span = t * kvd + g * hd..t * kvd + (g + 1) * hd;
-            match view {
-                LayerView::F32 { v, .. } => {
-                    for (a, x) in acc_h.iter_mut().zip(&v[span]) {
+        let weights = &sc[j * ps..];
+        match view {
+            LayerView::F32 { v, .. } => {
+                for (t, vr) in v.chunks_exact(kvd).enumerate() {
+                    let w = weights[t] * inv;
+                    for (a, x) in acc_h.iter_mut().zip(&vr[g * hd..(g + 1) * hd]) {
                         *a += w * x;
                     }
                 }
-                LayerView::F16 { v, .. } => {
-                    for (a, x) in acc_h.iter_mut().zip(&v[span]) {
+            }
+            LayerView::F16 { v, .. } => {
+                for (t, vr) in v.chunks_exact(kvd).enumerate() {
+                    let w = weights[t] * inv;
+                    for (a, x) in acc_h.iter_mut().zip(&vr[g * hd..(g + 1) * hd]) {
                         *a += w * x.to_f32();
                     }
                 }
@@ -586,7 +672,7 @@ fn attend_one(
 }
 
 /// Dot product with 8 independent lanes, in a fixed order (deterministic).
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0.0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -596,15 +682,17 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
             lanes[i] += x[i] * y[i];
         }
     }
-    let mut s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    // s_i = l_i + l_{i+4}; then (s0 + s2) + (s1 + s3): the order the AVX2
+    // build's horizontal reduction uses.
+    let s: [f32; 4] = std::array::from_fn(|i| lanes[i] + lanes[i + 4]);
+    let mut r = (s[0] + s[2]) + (s[1] + s[3]);
     for (x, y) in ar.iter().zip(br) {
-        s += x * y;
+        r += x * y;
     }
-    s
+    r
 }
 
-#[inline]
+#[inline(always)]
 fn dot_f16(a: &[f32], b: &[half::f16]) -> f32 {
     let mut lanes = [0.0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
