@@ -548,14 +548,13 @@ fn attend_one(
     {
         use std::sync::OnceLock;
         static AVX2: OnceLock<bool> = OnceLock::new();
-        if *AVX2.get_or_init(|| {
+        let avx2 = *AVX2.get_or_init(|| {
             std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
-        }) {
-            if hd % 8 == 0 {
-                // SAFETY: the CPU supports AVX2 and FMA (checked above).
-                return unsafe { attend_one_avx2(pages, qh, g, hd, kvd, ps, scale, sc) };
-            }
+        });
+        if avx2 && hd.is_multiple_of(8) {
+            // SAFETY: the CPU supports AVX2 and FMA (checked above).
+            return unsafe { attend_one_avx2(pages, qh, g, hd, kvd, ps, scale, sc) };
         }
     }
     attend_one_generic(pages, qh, g, hd, kvd, ps, scale, sc, dot)
