@@ -209,14 +209,19 @@ pub fn run_generate(model_path: &Path, args: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// `isoserve bench`: prefill of an N-token prompt and single-stream decode
-/// of M tokens, repeated; prints the median of each.
+/// `isoserve bench`: the same two tests as `llama-bench -p N -n M`:
+/// prefill of an N-token prompt, and decode of M tokens from an empty
+/// context (a 1-token prompt); plus decode of M tokens after the N-token
+/// prompt (attention over a longer context). Medians over `reps` runs.
 pub fn run_bench(
     model_path: &Path,
     prompt_tokens: usize,
     gen_tokens: usize,
     reps: usize,
 ) -> Result<()> {
+    if prompt_tokens == 0 || gen_tokens < 2 {
+        bail!("--prompt-tokens must be ≥ 1 and --gen-tokens ≥ 2");
+    }
     let loaded = load(model_path)?;
     // A deterministic pseudo-prompt of ordinary tokens (ids 100.. avoid the
     // special tokens at the start of the vocabulary).
@@ -224,39 +229,36 @@ pub fn run_bench(
     let ids: Vec<u32> = (0..prompt_tokens as u32)
         .map(|i| 100 + (i * 7919) % (vocab - 100))
         .collect();
-    let args = GenerateArgs {
+    let args = |max_tokens| GenerateArgs {
         prompt: String::new(),
         chat: false,
-        max_tokens: gen_tokens,
+        max_tokens,
         params: SamplingParams::default(),
         stop: Vec::new(),
         ignore_eos: true,
     };
-    let mut pp = Vec::new();
-    let mut tg = Vec::new();
+    let (mut pp, mut tg, mut tg_ctx) = (Vec::new(), Vec::new(), Vec::new());
     // One warm-up run (page faults of the mmapped weights).
-    loaded.generate(&ids, &args, |_| Ok(()))?;
+    loaded.generate(&ids, &args(2), |_| Ok(()))?;
     for _ in 0..reps.max(1) {
-        let t = loaded.generate(&ids, &args, |_| Ok(()))?;
+        let t = loaded.generate(&ids, &args(1), |_| Ok(()))?;
         pp.push(prompt_tokens as f64 / t.prefill.as_secs_f64());
-        tg.push((t.generated_tokens - 1) as f64 / t.decode.as_secs_f64());
+        // The first token comes from the prompt's logits; the decode time
+        // covers the remaining gen_tokens forward steps.
+        let t = loaded.generate(&ids[..1], &args(gen_tokens + 1), |_| Ok(()))?;
+        tg.push(gen_tokens as f64 / t.decode.as_secs_f64());
+        let t = loaded.generate(&ids, &args(gen_tokens + 1), |_| Ok(()))?;
+        tg_ctx.push(gen_tokens as f64 / t.decode.as_secs_f64());
     }
-    let med = |v: &mut Vec<f64>| {
+    let summary = |v: &mut Vec<f64>| {
         v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
+        (v[v.len() / 2], v[0], v[v.len() - 1])
     };
-    let (mut pp2, mut tg2) = (pp.clone(), tg.clone());
-    let spread = |v: &[f64]| {
-        let lo = v.iter().cloned().fold(f64::INFINITY, f64::min);
-        let hi = v.iter().cloned().fold(0.0, f64::max);
-        (lo, hi)
-    };
-    let (pl, ph) = spread(&pp);
-    let (tl, th) = spread(&tg);
+    let (p, pl, ph) = summary(&mut pp);
+    let (d, dl, dh) = summary(&mut tg);
+    let (c, cl, ch) = summary(&mut tg_ctx);
     println!(
-        "prefill pp{prompt_tokens}: {:.1} tok/s (min {pl:.1}, max {ph:.1}); decode tg{gen_tokens}: {:.1} tok/s (min {tl:.1}, max {th:.1}); {} reps, {} threads, kernels {:?}",
-        med(&mut pp2),
-        med(&mut tg2),
+        "prefill pp{prompt_tokens}: {p:.1} tok/s (min {pl:.1}, max {ph:.1}); decode tg{gen_tokens}: {d:.1} tok/s (min {dl:.1}, max {dh:.1}); decode tg{gen_tokens} after pp{prompt_tokens}: {c:.1} tok/s (min {cl:.1}, max {ch:.1}); {} reps, {} threads, kernels {:?}",
         reps.max(1),
         loaded.model.threads().n_threads(),
         kernels::KernelLevel::active(),
