@@ -2,6 +2,7 @@
 
 mod fetch;
 mod generate;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -99,6 +100,10 @@ enum Cmd {
         #[arg(long)]
         model: Option<PathBuf>,
     },
+    /// Serve the OpenAI-compatible HTTP API (chat/completions, completions,
+    /// models, health, metrics) with tenant-isolated KV, until SIGTERM or
+    /// Ctrl-C.
+    Serve(serve::ServeArgs),
     /// Print where the model cache lives.
     ModelPath {
         #[arg(long)]
@@ -177,6 +182,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let ids = loaded.prompt_ids(&text, chat)?;
             println!("{ids:?}");
         }
+        Cmd::Serve(args) => serve::run(args)?,
         Cmd::ModelPath { model } => {
             let p = match model {
                 Some(m) => m,

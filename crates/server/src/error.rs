@@ -1,0 +1,393 @@
+//! Errors: [`ApiError`] is what a client sees (always OpenAI's JSON shape
+//! `{"error":{"message","type","param","code"}}`), [`ServerError`] is what
+//! can go wrong starting or running the server.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use engine::RequestError;
+use serde::{Deserialize, Serialize};
+
+/// Why a request was refused, as the `reason` label of
+/// `isoserve_rejections_total` and the `error_kind` of the request log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Reason {
+    ContextLengthExceeded,
+    QueueFull,
+    TenantLimit,
+    Unauthorized,
+    InvalidRequest,
+    ModelNotFound,
+    BodyTooLarge,
+    ShuttingDown,
+    NotFound,
+    MethodNotAllowed,
+    Timeout,
+    Internal,
+}
+
+impl Reason {
+    /// Every reason, for pre-registering metric series at 0.
+    pub const ALL: [Reason; 12] = [
+        Reason::ContextLengthExceeded,
+        Reason::QueueFull,
+        Reason::TenantLimit,
+        Reason::Unauthorized,
+        Reason::InvalidRequest,
+        Reason::ModelNotFound,
+        Reason::BodyTooLarge,
+        Reason::ShuttingDown,
+        Reason::NotFound,
+        Reason::MethodNotAllowed,
+        Reason::Timeout,
+        Reason::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::ContextLengthExceeded => "context_length_exceeded",
+            Reason::QueueFull => "queue_full",
+            Reason::TenantLimit => "tenant_limit",
+            Reason::Unauthorized => "unauthorized",
+            Reason::InvalidRequest => "invalid_request",
+            Reason::ModelNotFound => "model_not_found",
+            Reason::BodyTooLarge => "body_too_large",
+            Reason::ShuttingDown => "shutting_down",
+            Reason::NotFound => "not_found",
+            Reason::MethodNotAllowed => "method_not_allowed",
+            Reason::Timeout => "timeout",
+            Reason::Internal => "internal_error",
+        }
+    }
+}
+
+/// An error answered to a client.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    pub status: StatusCode,
+    /// OpenAI's `type`, e.g. `invalid_request_error`.
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+    /// The request field at fault (`max_tokens`, `messages[1].content`, ...).
+    pub param: Option<String>,
+    pub message: String,
+    /// Seconds for the `Retry-After` header (429, 503).
+    pub retry_after: Option<u64>,
+    pub reason: Reason,
+}
+
+/// The JSON body of an error, exactly OpenAI's shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, reason: Reason, message: String) -> ApiError {
+        ApiError {
+            status,
+            kind,
+            code: None,
+            param: None,
+            message,
+            retry_after: None,
+            reason,
+        }
+    }
+
+    fn code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    fn param(mut self, param: impl Into<String>) -> ApiError {
+        self.param = Some(param.into());
+        self
+    }
+
+    /// 400 for a field with the wrong type.
+    pub fn invalid_type(param: impl Into<String>, expected: &str) -> ApiError {
+        let param = param.into();
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("Invalid type for '{param}': expected {expected}."),
+        )
+        .code("invalid_type")
+        .param(param)
+    }
+
+    /// 400 for a field with a value out of range or otherwise invalid.
+    pub fn invalid_value(param: impl Into<String>, why: impl std::fmt::Display) -> ApiError {
+        let param = param.into();
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("Invalid value for '{param}': {why}"),
+        )
+        .code("invalid_value")
+        .param(param)
+    }
+
+    /// 400 for a required field that is absent.
+    pub fn missing(param: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("Missing required parameter: '{param}'."),
+        )
+        .code("missing_required_parameter")
+        .param(param)
+    }
+
+    /// 400 for a parameter this server does not implement.
+    pub fn unsupported(param: &str, why: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("Unsupported value for '{param}': {why}"),
+        )
+        .code("unsupported_value")
+        .param(param)
+    }
+
+    /// 400 for a body that is not JSON (or not an object).
+    pub fn invalid_json(why: impl std::fmt::Display) -> ApiError {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("We could not parse the JSON body of your request: {why}"),
+        )
+        .code("invalid_json")
+    }
+
+    /// 400 for a prompt the tokenizer or the chat template refused.
+    pub fn bad_prompt(param: &str, why: impl std::fmt::Display) -> ApiError {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("The prompt could not be prepared: {why}"),
+        )
+        .code("invalid_prompt")
+        .param(param)
+    }
+
+    /// 401: wrong or missing API key.
+    pub fn unauthorized(missing: bool) -> ApiError {
+        let message = if missing {
+            "You didn't provide an API key. You need to provide your API key in an Authorization \
+             header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+        } else {
+            "Incorrect API key provided."
+        };
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            Reason::Unauthorized,
+            message.to_string(),
+        )
+        .code("invalid_api_key")
+    }
+
+    /// 404: the `model` field names no model served here.
+    pub fn model_not_found(model: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Reason::ModelNotFound,
+            format!("The model `{model}` does not exist or you do not have access to it."),
+        )
+        .code("model_not_found")
+        .param("model")
+    }
+
+    /// 404 for an unknown route.
+    pub fn route_not_found(method: &str, path: &str) -> ApiError {
+        // Keep the message bounded whatever the path.
+        let path: String = path.chars().take(200).collect();
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Reason::NotFound,
+            format!("Invalid URL ({method} {path})"),
+        )
+        .code("not_found")
+    }
+
+    /// 405 for a known route with the wrong method.
+    pub fn method_not_allowed(method: &str, path: &str) -> ApiError {
+        let path: String = path.chars().take(200).collect();
+        ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            Reason::MethodNotAllowed,
+            format!("Method {method} is not allowed for {path}"),
+        )
+        .code("method_not_allowed")
+    }
+
+    /// 413: the body is larger than the limit.
+    pub fn body_too_large(limit: usize) -> ApiError {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            Reason::BodyTooLarge,
+            format!("The request body exceeds the limit of {limit} bytes."),
+        )
+        .code("request_too_large")
+    }
+
+    /// 408: the body did not arrive in time.
+    pub fn body_timeout(secs: u64) -> ApiError {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            Reason::Timeout,
+            format!("The request body did not arrive within {secs} s."),
+        )
+        .code("timeout")
+    }
+
+    /// 429: a tenant's concurrency or tokens-per-minute limit.
+    pub fn tenant_limit(message: String, retry_after: u64) -> ApiError {
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            Reason::TenantLimit,
+            message,
+        )
+        .code("rate_limit_exceeded");
+        e.retry_after = Some(retry_after.max(1));
+        e
+    }
+
+    /// 503: the server is shutting down.
+    pub fn shutting_down() -> ApiError {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Reason::ShuttingDown,
+            "The server is shutting down; retry on another instance.".to_string(),
+        )
+        .code("shutting_down");
+        e.retry_after = Some(5);
+        e
+    }
+
+    /// 500.
+    pub fn internal(why: impl std::fmt::Display) -> ApiError {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            Reason::Internal,
+            format!("Internal error: {why}"),
+        )
+        .code("internal_error")
+    }
+
+    /// Maps an engine error. `prompt_param` names the prompt's field
+    /// (`messages` or `prompt`), `logprobs_param` the field that asked for
+    /// alternatives (`top_logprobs` or `logprobs`).
+    pub fn from_engine(e: &RequestError, prompt_param: &str, logprobs_param: &str) -> ApiError {
+        match e {
+            RequestError::ContextLengthExceeded { .. } => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Reason::ContextLengthExceeded,
+                e.to_string(),
+            )
+            .code("context_length_exceeded")
+            .param(prompt_param),
+            RequestError::EmptyPrompt => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Reason::InvalidRequest,
+                "The prompt is empty.".to_string(),
+            )
+            .code("empty_prompt")
+            .param(prompt_param),
+            RequestError::InvalidParam { field, why } => {
+                let field = match *field {
+                    "top_logprobs" => logprobs_param,
+                    "prompt" => prompt_param,
+                    f => f,
+                };
+                ApiError::invalid_value(field, why)
+            }
+            RequestError::QueueFull { .. } => {
+                let mut e = ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    Reason::QueueFull,
+                    e.to_string(),
+                )
+                .code("queue_full");
+                e.retry_after = Some(1);
+                e
+            }
+            RequestError::ShuttingDown => ApiError::shutting_down(),
+            RequestError::Internal(why) => ApiError::internal(why),
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.message.clone(),
+                kind: self.kind.to_string(),
+                param: self.param.clone(),
+                code: self.code.map(str::to_string),
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}
+
+/// Errors starting or running the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot read the tenants file {path}: {source}")]
+    TenantsIo {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid tenants file {path}: {why}")]
+    TenantsInvalid { path: String, why: String },
+    #[error("cannot open the request log {path}: {source}")]
+    RequestLog {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the model has no chat template")]
+    NoChatTemplate,
+    #[error("invalid server configuration: {0}")]
+    Config(String),
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}

@@ -1,0 +1,844 @@
+//! Routes and handlers: admission, non-streaming and streaming responses,
+//! and the per-request accounting (metrics and request log).
+
+use std::collections::hash_map::RandomState;
+use std::convert::Infallible;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use engine::{DoneEvent, Event, GenRequest, RequestHandle, TokenEvent};
+use futures_util::StreamExt;
+use model::sample::SamplingParams;
+use serde::Serialize;
+use serde_json::{Map, Value};
+use tokenizer::ChatMessage;
+
+use crate::api::{
+    self, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatLogprobs, ChatMessageOut,
+    Completion, CompletionChoice, CompletionLogprobs, Delta, Endpoint, GenParams, Input, ModelCard,
+    ModelList, TokenLogprob, TopLogprob, Usage,
+};
+use crate::error::ApiError;
+use crate::reqlog::{rfc3339, LogRecord};
+use crate::tenants::TenantPermit;
+use crate::{unix_now, AppState, InflightGuard};
+
+/// Bodies declared or found larger than the limit are still read (and
+/// discarded) up to this size, so the client finishes sending and sees the
+/// 413 instead of a connection reset.
+const DRAIN_MAX: usize = 64 << 20;
+
+pub(crate) fn router(st: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model_by_id))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(st)
+}
+
+async fn not_found(State(st): State<Arc<AppState>>, method: Method, uri: Uri) -> Response {
+    let e = ApiError::route_not_found(method.as_str(), uri.path());
+    st.metrics.rejection(e.reason);
+    e.into_response()
+}
+
+async fn method_not_allowed(State(st): State<Arc<AppState>>, method: Method, uri: Uri) -> Response {
+    let e = ApiError::method_not_allowed(method.as_str(), uri.path());
+    st.metrics.rejection(e.reason);
+    e.into_response()
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if st.is_shutting_down() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "shutting_down"})),
+        )
+            .into_response()
+    } else {
+        Json(serde_json::json!({"status": "ok"})).into_response()
+    }
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.set_inflight(st.inflight());
+    let text = st.metrics.render(st.engine.stats());
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+        )],
+        text,
+    )
+        .into_response()
+}
+
+fn model_card(st: &AppState) -> ModelCard {
+    ModelCard {
+        id: st.cfg.model_id.clone(),
+        object: "model".into(),
+        created: st.started,
+        owned_by: "isoserve".into(),
+        max_model_len: st.max_request,
+        context_length: st.max_request,
+    }
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![model_card(&st)],
+    })
+    .into_response()
+}
+
+async fn model_by_id(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    if id == st.cfg.model_id || id == "default" {
+        Json(model_card(&st)).into_response()
+    } else {
+        let e = ApiError::model_not_found(&id);
+        st.metrics.rejection(e.reason);
+        e.into_response()
+    }
+}
+
+async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    generate(st, Endpoint::Chat, headers, body).await
+}
+
+async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    generate(st, Endpoint::Completions, headers, body).await
+}
+
+// ---- ids, randomness -------------------------------------------------------
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh random 64-bit value (std's randomly keyed SipHash over a counter
+/// and the clock; good enough for ids and default seeds, not for secrets).
+fn random_u64() -> u64 {
+    let mut h = RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    h.write_u128(nanos);
+    h.finish()
+}
+
+fn request_id(ep: Endpoint) -> String {
+    let prefix = match ep {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completions => "cmpl",
+    };
+    format!("{prefix}-{:016x}{:08x}", random_u64(), random_u64() as u32)
+}
+
+// ---- accounting ------------------------------------------------------------
+
+/// Accounts for one generation request: metrics and the request log, once,
+/// whatever way it ends. Dropped without an explicit end (the client went
+/// away) it records `cancelled`.
+struct Tracker {
+    st: Arc<AppState>,
+    rec: LogRecord,
+    start: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    done: bool,
+}
+
+impl Tracker {
+    fn new(st: &Arc<AppState>, ep: Endpoint, id: &str) -> Tracker {
+        Tracker {
+            st: st.clone(),
+            rec: LogRecord {
+                id: id.to_string(),
+                endpoint: ep.as_str(),
+                ..LogRecord::default()
+            },
+            start: Instant::now(),
+            first_token: None,
+            last_token: None,
+            done: false,
+        }
+    }
+
+    fn token(&mut self) {
+        let now = Instant::now();
+        match self.last_token {
+            None => {
+                self.first_token = Some(now);
+                self.st
+                    .metrics
+                    .ttft
+                    .observe((now - self.start).as_secs_f64());
+            }
+            Some(prev) => self
+                .st
+                .metrics
+                .inter_token
+                .observe((now - prev).as_secs_f64()),
+        }
+        self.last_token = Some(now);
+        self.rec.output_tokens += 1;
+    }
+
+    fn write(&mut self, outcome: &'static str) {
+        // Milliseconds with microsecond resolution.
+        let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+        self.done = true;
+        self.rec.outcome = outcome;
+        self.rec.total_ms = ms(self.start.elapsed());
+        self.rec.ttft_ms = self.first_token.map(|t| ms(t - self.start));
+        self.rec.queue_ms = self.rec.queue_ms.map(|q| (q * 1e3).round() / 1e3);
+        self.rec.ts = rfc3339(SystemTime::now());
+        self.st.metrics.request(outcome);
+        if let Some(log) = &self.st.reqlog {
+            log.write(&self.rec);
+        }
+    }
+
+    fn reject(&mut self, e: &ApiError) {
+        self.st.metrics.rejection(e.reason);
+        self.rec.error_kind = Some(e.reason.as_str());
+        self.write("rejected");
+    }
+
+    fn failed(&mut self, e: &ApiError) {
+        self.rec.error_kind = Some(e.reason.as_str());
+        self.write("error");
+    }
+
+    fn finished(&mut self, d: &DoneEvent) {
+        let m = &self.st.metrics;
+        m.queue_time.observe(d.queue_ms / 1e3);
+        m.e2e.observe(self.start.elapsed().as_secs_f64());
+        m.tokens(d.usage.prompt_tokens, d.usage.completion_tokens);
+        self.rec.prompt_tokens = d.usage.prompt_tokens;
+        self.rec.output_tokens = d.usage.completion_tokens;
+        self.rec.queue_ms = Some(d.queue_ms);
+        self.rec.pages = Some(d.pages);
+        self.rec.finish_reason = Some(d.finish.as_openai());
+        self.write("finished");
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        if !self.done {
+            self.write("cancelled");
+        }
+    }
+}
+
+// ---- admission -------------------------------------------------------------
+
+/// An admitted request: its engine handle and what it holds.
+struct Admitted {
+    handle: RequestHandle,
+    params: GenParams,
+    _permit: TenantPermit,
+    _inflight: InflightGuard,
+}
+
+/// Reads the body with a size limit and a deadline.
+async fn read_body(
+    body: Body,
+    headers: &HeaderMap,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let expects_continue = headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if let Some(n) = declared {
+        // Refuse before reading when the client waits for our go-ahead or
+        // the body is too large even to drain.
+        if n > limit as u64 && (expects_continue || n > DRAIN_MAX as u64) {
+            return Err(ApiError::body_too_large(limit));
+        }
+    }
+    let read = async {
+        let mut stream = body.into_data_stream();
+        let mut buf: Vec<u8> = Vec::with_capacity(declared.unwrap_or(0).min(limit as u64) as usize);
+        let mut seen: usize = 0;
+        while let Some(chunk) = stream.next().await {
+            let chunk =
+                chunk.map_err(|e| ApiError::invalid_json(format!("reading the body: {e}")))?;
+            seen = seen.saturating_add(chunk.len());
+            if seen > DRAIN_MAX {
+                break;
+            }
+            if seen <= limit {
+                buf.extend_from_slice(&chunk);
+            }
+        }
+        if seen > limit {
+            return Err(ApiError::body_too_large(limit));
+        }
+        Ok(Bytes::from(buf))
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(r) => r,
+        Err(_) => Err(ApiError::body_timeout(timeout.as_secs())),
+    }
+}
+
+/// Prompt token ids (and the prompt text, for the log) of a request: chat
+/// messages rendered with the model's template, special tokens recognised,
+/// BOS prepended when the model asks for it — exactly as `isoserve
+/// tokenize` does.
+fn tokenize(st: &AppState, input: &Input) -> Result<(Vec<u32>, String), ApiError> {
+    let (param, text) = match input {
+        Input::Tokens(ids) => return Ok((ids.clone(), format!("{ids:?}"))),
+        Input::Text(t) => ("prompt", t.clone()),
+        Input::Chat(msgs) => {
+            let template = st.template.as_ref().ok_or_else(|| {
+                ApiError::bad_prompt("messages", "the model has no chat template")
+            })?;
+            let msgs: Vec<ChatMessage> = msgs
+                .iter()
+                .map(|(r, c)| ChatMessage::new(r.as_str(), c.as_str()))
+                .collect();
+            let text = template
+                .render(&msgs, true)
+                .map_err(|e| ApiError::bad_prompt("messages", e))?;
+            ("messages", text)
+        }
+    };
+    let mut ids = st
+        .tokenizer
+        .encode(&text, true)
+        .map_err(|e| ApiError::bad_prompt(param, e))?;
+    if st.tokenizer.add_bos() {
+        if let Some(b) = st.tokenizer.bos_id() {
+            ids.insert(0, b);
+        }
+    }
+    Ok((ids, text))
+}
+
+async fn admit(
+    st: &Arc<AppState>,
+    ep: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+    tr: &mut Tracker,
+) -> Result<Admitted, ApiError> {
+    if st.is_shutting_down() {
+        return Err(ApiError::shutting_down());
+    }
+    let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    let tenant = st
+        .tenants
+        .authenticate(auth)
+        .map_err(ApiError::unauthorized)?;
+    tr.rec.tenant = Some(tenant.name.clone());
+    let bytes = read_body(body, headers, st.cfg.body_limit, st.cfg.body_timeout).await?;
+    let params = match ep {
+        Endpoint::Chat => api::parse_chat(&bytes)?,
+        Endpoint::Completions => api::parse_completion(&bytes)?,
+    };
+    drop(bytes);
+    if let Some(m) = &params.model {
+        if *m != st.cfg.model_id && m != "default" {
+            return Err(ApiError::model_not_found(m));
+        }
+    }
+    // Tokenising a multi-megabyte prompt is CPU work: off the async workers.
+    let (ids, text, params) = {
+        let st2 = st.clone();
+        tokio::task::spawn_blocking(move || {
+            tokenize(&st2, &params.input).map(|(ids, text)| (ids, text, params))
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))??
+    };
+    tr.rec.prompt_tokens = ids.len();
+    if st.cfg.log_prompts {
+        tr.rec.prompt = Some(text);
+    }
+    let max_tokens = params.max_tokens.unwrap_or_else(|| {
+        st.max_request
+            .saturating_sub(ids.len())
+            .clamp(1, st.cfg.default_max_tokens)
+    });
+    let req = GenRequest {
+        tenant: tenant.id,
+        prompt: ids,
+        max_tokens,
+        params: SamplingParams {
+            temperature: params.temperature,
+            top_k: params.top_k,
+            top_p: params.top_p,
+            min_p: params.min_p,
+            repetition_penalty: params.repetition_penalty,
+            presence_penalty: params.presence_penalty,
+            frequency_penalty: params.frequency_penalty,
+            seed: params.seed.unwrap_or_else(random_u64),
+        },
+        stop: params.stop.clone(),
+        ignore_eos: params.ignore_eos,
+        logprobs: params.logprobs,
+    };
+    let engine_err =
+        |e: &engine::RequestError| ApiError::from_engine(e, ep.prompt_param(), ep.logprobs_param());
+    // The window check (K8) before any tenant budget or queue slot is used.
+    engine::validate(&req, st.max_request, st.vocab).map_err(|e| engine_err(&e))?;
+    let need = (req.prompt.len() + req.max_tokens) as u64;
+    let mut permit = st.tenants.admit(&tenant, need, Instant::now())?;
+    let handle = match st.engine.submit(req) {
+        Ok(h) => h,
+        Err(e) => {
+            permit.refund();
+            return Err(engine_err(&e));
+        }
+    };
+    Ok(Admitted {
+        handle,
+        params,
+        _permit: permit,
+        _inflight: InflightGuard::new(st),
+    })
+}
+
+async fn generate(st: Arc<AppState>, ep: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let id = request_id(ep);
+    let mut tr = Tracker::new(&st, ep, &id);
+    let adm = match admit(&st, ep, &headers, body, &mut tr).await {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::debug!(id, reason = e.reason.as_str(), "refused: {e}");
+            tr.reject(&e);
+            return e.into_response();
+        }
+    };
+    let shaper = Shaper {
+        st: st.clone(),
+        ep,
+        id,
+        created: unix_now(),
+        include_usage: adm.params.include_usage,
+        logprobs: adm.params.logprobs.is_some(),
+    };
+    if adm.params.stream {
+        stream_response(shaper, adm, tr)
+    } else {
+        full_response(shaper, adm, tr).await
+    }
+}
+
+// ---- response shaping ------------------------------------------------------
+
+/// Builds the OpenAI JSON of one request's responses and chunks.
+struct Shaper {
+    st: Arc<AppState>,
+    ep: Endpoint,
+    id: String,
+    created: u64,
+    include_usage: bool,
+    logprobs: bool,
+}
+
+/// A logprob as JSON can carry it (no infinities).
+fn finite(lp: f32) -> f32 {
+    if lp.is_finite() {
+        lp
+    } else {
+        -9999.0
+    }
+}
+
+fn sse<T: Serialize>(v: &T) -> Vec<u8> {
+    let mut out = b"data: ".to_vec();
+    if serde_json::to_writer(&mut out, v).is_err() {
+        out.extend_from_slice(b"{}");
+    }
+    out.extend_from_slice(b"\n\n");
+    out
+}
+
+const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
+
+impl Shaper {
+    fn model(&self) -> String {
+        self.st.cfg.model_id.clone()
+    }
+
+    fn token_str(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = self
+            .st
+            .tokenizer
+            .token_bytes(id)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default();
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    }
+
+    fn chat_logprob(&self, t: &TokenEvent) -> TokenLogprob {
+        let (token, bytes) = self.token_str(t.id);
+        TokenLogprob {
+            token,
+            logprob: finite(t.logprob.unwrap_or(0.0)),
+            bytes,
+            top_logprobs: t
+                .top_logprobs
+                .iter()
+                .map(|&(id, lp)| {
+                    let (token, bytes) = self.token_str(id);
+                    TopLogprob {
+                        token,
+                        logprob: finite(lp),
+                        bytes,
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    /// Appends `t` to completions-style logprobs; `offset` is the text
+    /// offset (in characters) of the token.
+    fn completion_logprob(&self, lp: &mut CompletionLogprobs, t: &TokenEvent, offset: usize) {
+        let (token, _) = self.token_str(t.id);
+        let mut top = Map::new();
+        for &(id, l) in &t.top_logprobs {
+            let (s, _) = self.token_str(id);
+            top.entry(s)
+                .or_insert_with(|| Value::from(finite(l) as f64));
+        }
+        lp.tokens.push(token);
+        lp.token_logprobs.push(finite(t.logprob.unwrap_or(0.0)));
+        lp.top_logprobs.push(top);
+        lp.text_offset.push(offset);
+    }
+
+    fn chat_chunk(&self, delta: Delta, lp: Option<ChatLogprobs>, finish: Option<&str>) -> Vec<u8> {
+        sse(&ChatChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk".into(),
+            created: self.created,
+            model: self.model(),
+            choices: vec![ChatChunkChoice {
+                index: 0,
+                delta,
+                logprobs: lp,
+                finish_reason: finish.map(str::to_string),
+            }],
+            usage: self.include_usage.then_some(None),
+        })
+    }
+
+    fn completion_chunk(
+        &self,
+        text: String,
+        lp: Option<CompletionLogprobs>,
+        finish: Option<&str>,
+    ) -> Vec<u8> {
+        sse(&Completion {
+            id: self.id.clone(),
+            object: "text_completion".into(),
+            created: self.created,
+            model: self.model(),
+            choices: vec![CompletionChoice {
+                index: 0,
+                text,
+                logprobs: lp,
+                finish_reason: finish.map(str::to_string),
+            }],
+            usage: self.include_usage.then_some(None),
+        })
+    }
+
+    /// The first chunk: chat announces the assistant's role.
+    fn start(&self) -> Option<Vec<u8>> {
+        match self.ep {
+            Endpoint::Chat => Some(self.chat_chunk(
+                Delta {
+                    role: Some("assistant".into()),
+                    content: Some(String::new()),
+                },
+                None,
+                None,
+            )),
+            Endpoint::Completions => None,
+        }
+    }
+
+    fn token_chunk(&self, t: &TokenEvent, offset: usize) -> Vec<u8> {
+        match self.ep {
+            Endpoint::Chat => {
+                let lp = self.logprobs.then(|| ChatLogprobs {
+                    content: vec![self.chat_logprob(t)],
+                });
+                self.chat_chunk(
+                    Delta {
+                        role: None,
+                        content: Some(t.text.clone()),
+                    },
+                    lp,
+                    None,
+                )
+            }
+            Endpoint::Completions => {
+                let lp = self.logprobs.then(|| {
+                    let mut lp = CompletionLogprobs::default();
+                    self.completion_logprob(&mut lp, t, offset);
+                    lp
+                });
+                self.completion_chunk(t.text.clone(), lp, None)
+            }
+        }
+    }
+
+    /// The held-back tail (if any), the finish chunk, the usage chunk (if
+    /// asked for) and `[DONE]`.
+    fn finish(&self, d: &DoneEvent) -> Vec<u8> {
+        let mut out = Vec::new();
+        let reason = Some(d.finish.as_openai());
+        let usage = Usage::new(d.usage.prompt_tokens, d.usage.completion_tokens);
+        match self.ep {
+            Endpoint::Chat => {
+                if !d.tail_text.is_empty() {
+                    out.extend(self.chat_chunk(
+                        Delta {
+                            role: None,
+                            content: Some(d.tail_text.clone()),
+                        },
+                        None,
+                        None,
+                    ));
+                }
+                out.extend(self.chat_chunk(Delta::default(), None, reason));
+                if self.include_usage {
+                    out.extend(sse(&ChatChunk {
+                        id: self.id.clone(),
+                        object: "chat.completion.chunk".into(),
+                        created: self.created,
+                        model: self.model(),
+                        choices: Vec::new(),
+                        usage: Some(Some(usage)),
+                    }));
+                }
+            }
+            Endpoint::Completions => {
+                if !d.tail_text.is_empty() {
+                    out.extend(self.completion_chunk(d.tail_text.clone(), None, None));
+                }
+                out.extend(self.completion_chunk(String::new(), None, reason));
+                if self.include_usage {
+                    out.extend(sse(&Completion {
+                        id: self.id.clone(),
+                        object: "text_completion".into(),
+                        created: self.created,
+                        model: self.model(),
+                        choices: Vec::new(),
+                        usage: Some(Some(usage)),
+                    }));
+                }
+            }
+        }
+        out.extend_from_slice(SSE_DONE);
+        out
+    }
+
+    /// An error after the stream started: an error event, then `[DONE]`.
+    fn error(&self, e: &ApiError) -> Vec<u8> {
+        let mut out = sse(&e.body());
+        out.extend_from_slice(SSE_DONE);
+        out
+    }
+}
+
+fn engine_error(ep: Endpoint, e: &engine::RequestError) -> ApiError {
+    ApiError::from_engine(e, ep.prompt_param(), ep.logprobs_param())
+}
+
+fn ended_without_result() -> ApiError {
+    ApiError::internal("the engine ended the request without a result")
+}
+
+// ---- non-streaming ---------------------------------------------------------
+
+async fn full_response(sh: Shaper, mut adm: Admitted, mut tr: Tracker) -> Response {
+    let mut text = String::new();
+    let mut events: Vec<TokenEvent> = Vec::new();
+    let done = loop {
+        match adm.handle.next().await {
+            Some(Event::Token(t)) => {
+                tr.token();
+                text.push_str(&t.text);
+                if sh.logprobs {
+                    events.push(t);
+                }
+            }
+            Some(Event::Done(d)) => break d,
+            Some(Event::Error(e)) => {
+                let e = engine_error(sh.ep, &e);
+                tr.failed(&e);
+                return e.into_response();
+            }
+            None => {
+                let e = ended_without_result();
+                tr.failed(&e);
+                return e.into_response();
+            }
+        }
+    };
+    text.push_str(&done.tail_text);
+    tr.finished(&done);
+    let usage = Usage::new(done.usage.prompt_tokens, done.usage.completion_tokens);
+    let finish = Some(done.finish.as_openai().to_string());
+    match sh.ep {
+        Endpoint::Chat => Json(ChatCompletion {
+            id: sh.id.clone(),
+            object: "chat.completion".into(),
+            created: sh.created,
+            model: sh.model(),
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessageOut {
+                    role: "assistant".into(),
+                    content: text,
+                },
+                logprobs: sh.logprobs.then(|| ChatLogprobs {
+                    content: events.iter().map(|t| sh.chat_logprob(t)).collect(),
+                }),
+                finish_reason: finish,
+            }],
+            usage,
+        })
+        .into_response(),
+        Endpoint::Completions => {
+            let logprobs = sh.logprobs.then(|| {
+                let mut lp = CompletionLogprobs::default();
+                let mut offset = 0;
+                for t in &events {
+                    sh.completion_logprob(&mut lp, t, offset);
+                    offset += t.text.chars().count();
+                }
+                lp
+            });
+            Json(Completion {
+                id: sh.id.clone(),
+                object: "text_completion".into(),
+                created: sh.created,
+                model: sh.model(),
+                choices: vec![CompletionChoice {
+                    index: 0,
+                    text,
+                    logprobs,
+                    finish_reason: finish,
+                }],
+                usage: Some(Some(usage)),
+            })
+            .into_response()
+        }
+    }
+}
+
+// ---- streaming -------------------------------------------------------------
+
+enum Phase {
+    Start,
+    Tokens,
+    End,
+}
+
+/// The state of an SSE body. It owns the engine handle: when hyper drops
+/// the body (the client disconnected), the handle is dropped with it and
+/// the engine cancels the request; the tracker records `cancelled`.
+struct Streaming {
+    sh: Shaper,
+    adm: Admitted,
+    tr: Tracker,
+    phase: Phase,
+    /// Characters sent so far (completions' `text_offset`).
+    offset: usize,
+}
+
+impl Streaming {
+    async fn next_bytes(&mut self) -> Option<Vec<u8>> {
+        match self.phase {
+            Phase::End => return None,
+            Phase::Start => {
+                self.phase = Phase::Tokens;
+                if let Some(first) = self.sh.start() {
+                    return Some(first);
+                }
+            }
+            Phase::Tokens => {}
+        }
+        loop {
+            match self.adm.handle.next().await {
+                Some(Event::Token(t)) => {
+                    self.tr.token();
+                    if t.text.is_empty() && !self.sh.logprobs {
+                        continue;
+                    }
+                    let out = self.sh.token_chunk(&t, self.offset);
+                    self.offset += t.text.chars().count();
+                    return Some(out);
+                }
+                Some(Event::Done(d)) => {
+                    self.phase = Phase::End;
+                    self.tr.finished(&d);
+                    return Some(self.sh.finish(&d));
+                }
+                Some(Event::Error(e)) => {
+                    self.phase = Phase::End;
+                    let e = engine_error(self.sh.ep, &e);
+                    self.tr.failed(&e);
+                    return Some(self.sh.error(&e));
+                }
+                None => {
+                    self.phase = Phase::End;
+                    let e = ended_without_result();
+                    self.tr.failed(&e);
+                    return Some(self.sh.error(&e));
+                }
+            }
+        }
+    }
+}
+
+fn stream_response(sh: Shaper, adm: Admitted, tr: Tracker) -> Response {
+    let state = Streaming {
+        sh,
+        adm,
+        tr,
+        phase: Phase::Start,
+        offset: 0,
+    };
+    let stream = futures_util::stream::unfold(state, |mut s| async move {
+        let bytes = s.next_bytes().await?;
+        Some((Ok::<Bytes, Infallible>(Bytes::from(bytes)), s))
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    resp
+}

@@ -1,0 +1,407 @@
+//! Prometheus metrics (`GET /metrics`, text format 0.0.4).
+//!
+//! Built on `prometheus-client`, the Prometheus project's own Rust client:
+//! typed metric families without a global registry, real histograms (cumulative
+//! buckets, `_sum`, `_count`) and an encoder that follows the exposition
+//! format (escaping, `# HELP`/`# TYPE`, `_total` suffixes), so none of that is
+//! hand-written here. Server-side events (requests, rejections, latencies)
+//! are counters and histograms updated as they happen; the engine's and the
+//! pool's state is read from `Engine::stats()` at scrape time by a
+//! [`Collector`], so the exported values are exactly the engine's.
+
+use std::sync::{Arc, Mutex};
+
+use engine::EngineStats;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use crate::error::Reason;
+
+/// The content type of the exposition.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// Request outcomes (`isoserve_requests_total{outcome}`).
+pub const OUTCOMES: [&str; 4] = ["finished", "cancelled", "rejected", "error"];
+
+/// Every metric of the server.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Labels, Counter>,
+    rejections: Family<Labels, Counter>,
+    prompt_tokens: Counter,
+    completion_tokens: Counter,
+    pub ttft: Histogram,
+    pub inter_token: Histogram,
+    pub queue_time: Histogram,
+    pub e2e: Histogram,
+    http_inflight: Gauge,
+    engine: Arc<EngineCollector>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+/// The engine's state, refreshed before each scrape.
+#[derive(Debug, Default)]
+struct EngineCollector {
+    stats: Mutex<EngineStats>,
+}
+
+fn const_counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: u64,
+) -> Result<(), std::fmt::Error> {
+    let c = ConstCounter::new(v);
+    let m = enc.encode_descriptor(name, help, None, c.metric_type())?;
+    c.encode(m)
+}
+
+fn const_gauge(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: u64,
+) -> Result<(), std::fmt::Error> {
+    let g = ConstGauge::new(v as i64);
+    let m = enc.encode_descriptor(name, help, None, g.metric_type())?;
+    g.encode(m)
+}
+
+impl Collector for EngineCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let p = &s.pool;
+        const_gauge(
+            &mut enc,
+            "isoserve_kv_pages_total",
+            "Pages in the KV pool",
+            p.pages_total,
+        )?;
+        {
+            let mut m = enc.encode_descriptor(
+                "isoserve_kv_pages",
+                "KV pages by state (owned includes leased and release-pending pages)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (state, v) in [
+                ("free", p.pages_free),
+                ("owned", p.pages_owned),
+                ("leased", p.pages_leased),
+                ("release_pending", p.pages_release_pending),
+            ] {
+                let labels = [("state", state)];
+                ConstGauge::new(v as i64).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut m = enc.encode_descriptor(
+                "isoserve_kv_refusals",
+                "KV pool refusals by kind (every one but out_of_pages is a safety check firing)",
+                None,
+                MetricType::Counter,
+            )?;
+            for (kind, v) in [
+                ("stale_handle", p.refused_stale_handle),
+                ("foreign_owner", p.refused_foreign_owner),
+                ("unwritten_read", p.refused_unwritten_read),
+                ("double_free", p.refused_double_free),
+                ("release_pending", p.refused_release_pending),
+                ("out_of_range", p.refused_out_of_range),
+                ("write_gap", p.refused_write_gap),
+                ("already_written", p.refused_already_written),
+                ("out_of_pages", p.refused_out_of_pages),
+                ("lease_limit", p.refused_lease_limit),
+                ("canary_mismatch", p.canary_mismatch),
+                ("checksum_mismatch", p.checksum_mismatch),
+            ] {
+                let labels = [("kind", kind)];
+                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        const_counter(
+            &mut enc,
+            "isoserve_kv_safety_refusals",
+            "Sum of every KV safety refusal (must stay 0)",
+            p.safety_refusals(),
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_kv_allocs",
+            "KV page allocations",
+            p.allocs,
+        )?;
+        const_counter(&mut enc, "isoserve_kv_frees", "KV page frees", p.frees)?;
+        const_counter(
+            &mut enc,
+            "isoserve_kv_frees_deferred",
+            "KV page frees deferred by a lease",
+            p.frees_deferred,
+        )?;
+        const_gauge(
+            &mut enc,
+            "isoserve_requests_running",
+            "Requests running in the engine",
+            s.running as u64,
+        )?;
+        const_gauge(
+            &mut enc,
+            "isoserve_requests_waiting",
+            "Requests waiting for admission in the engine",
+            s.waiting as u64,
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_prompt_tokens",
+            "Prompt tokens admitted by the engine",
+            s.prompt_tokens_total,
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_generation_tokens",
+            "Tokens generated by the engine",
+            s.generated_tokens_total,
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_engine_steps",
+            "Forward steps run by the engine",
+            s.steps_total,
+        )?;
+        {
+            let mut m = enc.encode_descriptor(
+                "isoserve_engine_requests",
+                "Requests ended by the engine, by how",
+                None,
+                MetricType::Counter,
+            )?;
+            for (how, v) in [
+                ("finished", s.requests_finished_total),
+                ("cancelled", s.requests_cancelled_total),
+                ("failed", s.requests_failed_total),
+                ("refused", s.requests_refused_total),
+            ] {
+                let labels = [("how", how)];
+                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Latency buckets from 1 ms to ~65 s (doubling).
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.001, 2.0, 17)
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let requests = Family::<Labels, Counter>::default();
+        let rejections = Family::<Labels, Counter>::default();
+        // Pre-create every series so a dashboard (and a test) sees zeros.
+        for o in OUTCOMES {
+            let _ = requests.get_or_create(&vec![("outcome", o)]);
+        }
+        for r in Reason::ALL {
+            let _ = rejections.get_or_create(&vec![("reason", r.as_str())]);
+        }
+        registry.register(
+            "isoserve_requests",
+            "Generation requests by outcome (finished, cancelled, rejected, error)",
+            requests.clone(),
+        );
+        registry.register(
+            "isoserve_rejections",
+            "Requests refused before generation, by reason",
+            rejections.clone(),
+        );
+        let prompt_tokens = Counter::default();
+        let completion_tokens = Counter::default();
+        registry.register(
+            "isoserve_http_prompt_tokens",
+            "Prompt tokens of requests answered by the HTTP layer",
+            prompt_tokens.clone(),
+        );
+        registry.register(
+            "isoserve_http_completion_tokens",
+            "Completion tokens of requests answered by the HTTP layer",
+            completion_tokens.clone(),
+        );
+        let ttft = Histogram::new(latency_buckets());
+        let inter_token = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        let queue_time = Histogram::new(latency_buckets());
+        let e2e = Histogram::new(latency_buckets());
+        registry.register(
+            "isoserve_time_to_first_token_seconds",
+            "Time from the request's arrival to its first generated token",
+            ttft.clone(),
+        );
+        registry.register(
+            "isoserve_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            inter_token.clone(),
+        );
+        registry.register(
+            "isoserve_queue_time_seconds",
+            "Time a request waited in the engine's queue before admission",
+            queue_time.clone(),
+        );
+        registry.register(
+            "isoserve_request_duration_seconds",
+            "Time from the request's arrival to its end (finished requests)",
+            e2e.clone(),
+        );
+        let http_inflight = Gauge::default();
+        registry.register(
+            "isoserve_http_inflight_requests",
+            "Generation requests admitted by the HTTP layer and not yet ended",
+            http_inflight.clone(),
+        );
+        let engine = Arc::new(EngineCollector::default());
+        registry.register_collector(Box::new(engine.clone()));
+        Metrics {
+            registry,
+            requests,
+            rejections,
+            prompt_tokens,
+            completion_tokens,
+            ttft,
+            inter_token,
+            queue_time,
+            e2e,
+            http_inflight,
+            engine,
+        }
+    }
+
+    pub fn request(&self, outcome: &'static str) {
+        self.requests
+            .get_or_create(&vec![("outcome", outcome)])
+            .inc();
+    }
+
+    pub fn rejection(&self, reason: Reason) {
+        self.rejections
+            .get_or_create(&vec![("reason", reason.as_str())])
+            .inc();
+    }
+
+    pub fn tokens(&self, prompt: usize, completion: usize) {
+        self.prompt_tokens.inc_by(prompt as u64);
+        self.completion_tokens.inc_by(completion as u64);
+    }
+
+    pub fn set_inflight(&self, n: usize) {
+        self.http_inflight.set(n as i64);
+    }
+
+    /// The exposition, with the engine's state as of `stats`.
+    pub fn render(&self, stats: EngineStats) -> String {
+        *self.engine.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+        let mut out = String::with_capacity(8192);
+        if let Err(e) =
+            prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry)
+        {
+            tracing::error!("cannot encode metrics: {e}");
+        }
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of the series `name` (exact text before the value).
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn exposition_has_every_family_and_real_histograms() {
+        let m = Metrics::new();
+        m.rejection(Reason::QueueFull);
+        m.rejection(Reason::QueueFull);
+        m.request("finished");
+        m.ttft.observe(0.003);
+        m.ttft.observe(10.0);
+        let mut s = EngineStats::default();
+        s.pool.pages_total = 64;
+        s.pool.pages_free = 60;
+        s.pool.pages_owned = 4;
+        s.pool.refused_stale_handle = 3;
+        s.running = 2;
+        let text = m.render(s);
+        assert_eq!(
+            value(&text, "isoserve_rejections_total{reason=\"queue_full\"}"),
+            Some(2.0)
+        );
+        assert_eq!(
+            value(&text, "isoserve_rejections_total{reason=\"unauthorized\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            value(&text, "isoserve_requests_total{outcome=\"finished\"}"),
+            Some(1.0)
+        );
+        assert_eq!(value(&text, "isoserve_kv_pages_total"), Some(64.0));
+        assert_eq!(
+            value(&text, "isoserve_kv_pages{state=\"free\"}"),
+            Some(60.0)
+        );
+        assert_eq!(
+            value(&text, "isoserve_kv_pages{state=\"owned\"}"),
+            Some(4.0)
+        );
+        assert_eq!(
+            value(&text, "isoserve_kv_refusals_total{kind=\"stale_handle\"}"),
+            Some(3.0)
+        );
+        assert_eq!(value(&text, "isoserve_kv_safety_refusals_total"), Some(3.0));
+        assert_eq!(value(&text, "isoserve_requests_running"), Some(2.0));
+        // Histogram: cumulative buckets, +Inf, sum and count.
+        assert_eq!(
+            value(
+                &text,
+                "isoserve_time_to_first_token_seconds_bucket{le=\"0.004\"}"
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(
+                &text,
+                "isoserve_time_to_first_token_seconds_bucket{le=\"+Inf\"}"
+            ),
+            Some(2.0)
+        );
+        assert_eq!(
+            value(&text, "isoserve_time_to_first_token_seconds_count"),
+            Some(2.0)
+        );
+        let sum = value(&text, "isoserve_time_to_first_token_seconds_sum").expect("sum");
+        assert!((sum - 10.003).abs() < 1e-9);
+        assert!(text.contains("# TYPE isoserve_inter_token_latency_seconds histogram"));
+        assert!(text.contains("# TYPE isoserve_queue_time_seconds histogram"));
+    }
+}

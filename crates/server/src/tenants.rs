@@ -1,0 +1,565 @@
+//! Tenants: API keys (stored as SHA-256 hashes), per-tenant concurrency and
+//! tokens-per-minute limits.
+//!
+//! The file (`--tenants FILE`) is TOML:
+//!
+//! ```toml
+//! [[tenant]]
+//! name = "a"
+//! api_key_sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+//! max_concurrent = 8            # optional; default 64
+//! max_tokens_per_minute = 100000  # optional; default unlimited
+//! ```
+//!
+//! A key is hashed and compared with *every* tenant's hash in constant time
+//! (no early exit, no data-dependent branch), so neither the match nor its
+//! position leaks through timing. Tenant `i` (0-based, in file order) gets
+//! the pool owner id `kv::TenantId(i + 1)`; the anonymous tenant of a server
+//! without a tenants file is `TenantId(0)`.
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use crate::error::{ApiError, ServerError};
+
+/// Default concurrency limit of a tenant that does not set one.
+pub const MAX_CONCURRENT_DEFAULT: usize = 64;
+/// Upper bound on tenants in one file.
+pub const TENANTS_MAX: usize = 10_000;
+/// Upper bound on the length of an API key we hash.
+pub const API_KEY_BYTES_MAX: usize = 1024;
+/// The tokens-per-minute window.
+pub const WINDOW: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantsFile {
+    #[serde(default)]
+    tenant: Vec<TenantSpec>,
+}
+
+/// One `[[tenant]]` entry of the tenants file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSpec {
+    pub name: String,
+    pub api_key_sha256: String,
+    pub max_concurrent: Option<usize>,
+    pub max_tokens_per_minute: Option<u64>,
+}
+
+/// A tenant and its live usage.
+#[derive(Debug)]
+pub struct Tenant {
+    pub id: kv::TenantId,
+    pub name: String,
+    key_hash: [u8; 32],
+    pub max_concurrent: usize,
+    pub max_tokens_per_minute: Option<u64>,
+    usage: Mutex<Usage>,
+}
+
+#[derive(Debug, Default)]
+struct Usage {
+    running: usize,
+    /// Tokens admitted per whole second since `epoch`, oldest first; at most
+    /// 61 entries (a sliding 60 s window at one-second resolution).
+    window: VecDeque<(u64, u64)>,
+    window_sum: u64,
+}
+
+/// The set of tenants, or the one anonymous tenant.
+#[derive(Debug)]
+pub struct Tenants {
+    list: Vec<Arc<Tenant>>,
+    anonymous: bool,
+    epoch: Instant,
+}
+
+/// Why a tenant's request was refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum LimitError {
+    #[error("tenant `{tenant}` already has {limit} requests running (max_concurrent = {limit}); retry later")]
+    Concurrency { tenant: String, limit: usize },
+    #[error("tenant `{tenant}` would exceed its limit of {limit} tokens per minute ({used} used in the last 60 s, this request needs {need}); retry in {retry_after} s")]
+    TokensPerMinute {
+        tenant: String,
+        limit: u64,
+        used: u64,
+        need: u64,
+        retry_after: u64,
+    },
+    #[error("this request needs {need} tokens (prompt + max_tokens), more than tenant `{tenant}`'s limit of {limit} tokens per minute; lower max_tokens")]
+    RequestTooLarge {
+        tenant: String,
+        limit: u64,
+        need: u64,
+    },
+}
+
+impl LimitError {
+    pub fn retry_after(&self) -> u64 {
+        match self {
+            LimitError::Concurrency { .. } => 1,
+            LimitError::TokensPerMinute { retry_after, .. } => *retry_after,
+            LimitError::RequestTooLarge { .. } => WINDOW.as_secs(),
+        }
+    }
+}
+
+impl From<LimitError> for ApiError {
+    fn from(e: LimitError) -> ApiError {
+        let retry = e.retry_after();
+        ApiError::tenant_limit(e.to_string(), retry)
+    }
+}
+
+/// A running request's hold on its tenant's concurrency slot; released on
+/// drop.
+#[derive(Debug)]
+pub struct TenantPermit {
+    tenant: Arc<Tenant>,
+    /// (second, tokens) charged to the window, for a refund.
+    charged: Option<(u64, u64)>,
+}
+
+impl TenantPermit {
+    pub fn tenant(&self) -> &Arc<Tenant> {
+        &self.tenant
+    }
+
+    /// Gives back the tokens charged at admission (the request never ran).
+    pub fn refund(&mut self) {
+        if let Some((sec, tokens)) = self.charged.take() {
+            let mut u = self.tenant.lock();
+            if let Some(e) = u.window.iter_mut().find(|e| e.0 == sec) {
+                let back = e.1.min(tokens);
+                e.1 -= back;
+                u.window_sum -= back;
+            }
+        }
+    }
+}
+
+impl Drop for TenantPermit {
+    fn drop(&mut self) {
+        let mut u = self.tenant.lock();
+        u.running = u.running.saturating_sub(1);
+    }
+}
+
+/// SHA-256 of `data`.
+pub fn sha256(data: &[u8]) -> [u8; 32] {
+    Sha256::digest(data).into()
+}
+
+/// Constant-time equality of two hashes: 1 if equal, else 0. Every byte is
+/// looked at whatever the inputs.
+pub fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> u8 {
+    let mut diff: u8 = 0;
+    for i in 0..32 {
+        diff |= a[i] ^ b[i];
+    }
+    let diff = std::hint::black_box(diff);
+    // 1 when diff == 0, without a branch: (diff - 1) borrows into bit 8
+    // only when diff is 0.
+    (((diff as u16).wrapping_sub(1) >> 8) & 1) as u8
+}
+
+fn parse_hex32(s: &str) -> Option<[u8; 32]> {
+    let s = s.trim();
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, chunk) in s.as_bytes().chunks(2).enumerate() {
+        let hi = (chunk[0] as char).to_digit(16)?;
+        let lo = (chunk[1] as char).to_digit(16)?;
+        out[i] = (hi * 16 + lo) as u8;
+    }
+    Some(out)
+}
+
+impl Tenant {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Usage> {
+        self.usage.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Requests of this tenant running now.
+    pub fn running(&self) -> usize {
+        self.lock().running
+    }
+}
+
+impl Tenants {
+    /// One anonymous tenant (no tenants file): any key, or none, is accepted.
+    pub fn anonymous() -> Tenants {
+        Tenants {
+            list: vec![Arc::new(Tenant {
+                id: kv::TenantId(0),
+                name: "anonymous".to_string(),
+                key_hash: [0; 32],
+                max_concurrent: usize::MAX,
+                max_tokens_per_minute: None,
+                usage: Mutex::new(Usage::default()),
+            })],
+            anonymous: true,
+            epoch: Instant::now(),
+        }
+    }
+
+    /// Tenants from specs (validated: names and hashes unique and well
+    /// formed, limits positive).
+    pub fn from_specs(specs: Vec<TenantSpec>) -> Result<Tenants, String> {
+        if specs.is_empty() {
+            return Err("no [[tenant]] entries".into());
+        }
+        if specs.len() > TENANTS_MAX {
+            return Err(format!("more than {TENANTS_MAX} tenants"));
+        }
+        let mut list: Vec<Arc<Tenant>> = Vec::with_capacity(specs.len());
+        for (i, s) in specs.into_iter().enumerate() {
+            if s.name.is_empty() || s.name.len() > 128 {
+                return Err(format!("tenant #{}: name must be 1 to 128 bytes", i + 1));
+            }
+            let key_hash = parse_hex32(&s.api_key_sha256).ok_or_else(|| {
+                format!(
+                    "tenant `{}`: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)",
+                    s.name
+                )
+            })?;
+            if s.max_concurrent == Some(0) {
+                return Err(format!(
+                    "tenant `{}`: max_concurrent must be positive",
+                    s.name
+                ));
+            }
+            if s.max_tokens_per_minute == Some(0) {
+                return Err(format!(
+                    "tenant `{}`: max_tokens_per_minute must be positive",
+                    s.name
+                ));
+            }
+            if list.iter().any(|t| t.name == s.name) {
+                return Err(format!("tenant name `{}` appears twice", s.name));
+            }
+            if list.iter().any(|t| t.key_hash == key_hash) {
+                return Err(format!(
+                    "tenant `{}` has the same api_key_sha256 as another tenant",
+                    s.name
+                ));
+            }
+            list.push(Arc::new(Tenant {
+                id: kv::TenantId(i as u64 + 1),
+                name: s.name,
+                key_hash,
+                max_concurrent: s.max_concurrent.unwrap_or(MAX_CONCURRENT_DEFAULT),
+                max_tokens_per_minute: s.max_tokens_per_minute,
+                usage: Mutex::new(Usage::default()),
+            }));
+        }
+        Ok(Tenants {
+            list,
+            anonymous: false,
+            epoch: Instant::now(),
+        })
+    }
+
+    /// Parses the TOML text of a tenants file.
+    pub fn from_toml(text: &str) -> Result<Tenants, String> {
+        let f: TenantsFile = toml::from_str(text).map_err(|e| e.to_string())?;
+        Tenants::from_specs(f.tenant)
+    }
+
+    /// Reads a tenants file.
+    pub fn load(path: &Path) -> Result<Tenants, ServerError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ServerError::TenantsIo {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Tenants::from_toml(&text).map_err(|why| ServerError::TenantsInvalid {
+            path: path.display().to_string(),
+            why,
+        })
+    }
+
+    pub fn is_anonymous(&self) -> bool {
+        self.anonymous
+    }
+
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Tenant>> {
+        self.list.iter()
+    }
+
+    /// The tenant of an `Authorization` header value (`Bearer KEY`).
+    /// `Err(true)`: no key given; `Err(false)`: a wrong key.
+    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Arc<Tenant>, bool> {
+        if self.anonymous {
+            return Ok(self.list[0].clone());
+        }
+        let key = authorization.and_then(bearer_key);
+        let Some(key) = key else {
+            return Err(true);
+        };
+        let h = sha256(key);
+        // Compare with every tenant; select the match without branching on
+        // secret data.
+        let mut hit: u8 = 0;
+        let mut index: usize = 0;
+        for (i, t) in self.list.iter().enumerate() {
+            let eq = ct_eq(&h, &t.key_hash);
+            let mask = (eq as usize).wrapping_neg();
+            index |= i & mask;
+            hit |= eq;
+        }
+        if std::hint::black_box(hit) == 1 {
+            Ok(self.list[index].clone())
+        } else {
+            Err(false)
+        }
+    }
+
+    fn second(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_secs()
+    }
+
+    /// Admits a request of `tokens` (prompt + max_tokens) for `tenant` at
+    /// `now`: checks the concurrency and tokens-per-minute limits and, if
+    /// both pass, takes a concurrency slot and charges the tokens.
+    pub fn admit(
+        &self,
+        tenant: &Arc<Tenant>,
+        tokens: u64,
+        now: Instant,
+    ) -> Result<TenantPermit, LimitError> {
+        let sec = self.second(now);
+        let mut u = tenant.lock();
+        if u.running >= tenant.max_concurrent {
+            return Err(LimitError::Concurrency {
+                tenant: tenant.name.clone(),
+                limit: tenant.max_concurrent,
+            });
+        }
+        let mut charged = None;
+        if let Some(limit) = tenant.max_tokens_per_minute {
+            if tokens > limit {
+                return Err(LimitError::RequestTooLarge {
+                    tenant: tenant.name.clone(),
+                    limit,
+                    need: tokens,
+                });
+            }
+            // Drop seconds that left the window [sec - 59, sec].
+            while let Some(&(s, t)) = u.window.front() {
+                if s + WINDOW.as_secs() <= sec {
+                    u.window.pop_front();
+                    u.window_sum -= t;
+                } else {
+                    break;
+                }
+            }
+            if u.window_sum + tokens > limit {
+                // The earliest second at which enough old tokens expire.
+                let mut freed = 0;
+                let mut retry_after = WINDOW.as_secs();
+                for &(s, t) in &u.window {
+                    freed += t;
+                    if u.window_sum - freed + tokens <= limit {
+                        retry_after = (s + WINDOW.as_secs()).saturating_sub(sec).max(1);
+                        break;
+                    }
+                }
+                return Err(LimitError::TokensPerMinute {
+                    tenant: tenant.name.clone(),
+                    limit,
+                    used: u.window_sum,
+                    need: tokens,
+                    retry_after,
+                });
+            }
+            match u.window.back_mut() {
+                Some(last) if last.0 == sec => last.1 += tokens,
+                _ => u.window.push_back((sec, tokens)),
+            }
+            u.window_sum += tokens;
+            charged = Some((sec, tokens));
+        }
+        u.running += 1;
+        drop(u);
+        Ok(TenantPermit {
+            tenant: tenant.clone(),
+            charged,
+        })
+    }
+}
+
+/// The key of `Bearer KEY` (scheme case-insensitive), bounded in length.
+fn bearer_key(value: &[u8]) -> Option<&[u8]> {
+    if value.len() < 7 || !value[..7].eq_ignore_ascii_case(b"bearer ") {
+        return None;
+    }
+    let key = value[7..].trim_ascii();
+    if key.is_empty() || key.len() > API_KEY_BYTES_MAX {
+        return None;
+    }
+    Some(key)
+}
+
+/// Hex SHA-256 of a key, as the tenants file wants it.
+pub fn key_sha256_hex(key: &str) -> String {
+    sha256(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn two() -> Tenants {
+        let text = format!(
+            "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{}\"\nmax_concurrent = 2\nmax_tokens_per_minute = 100\n\n\
+             [[tenant]]\nname = \"b\"\napi_key_sha256 = \"{}\"\n",
+            key_sha256_hex("key-a"),
+            key_sha256_hex("key-b").to_uppercase()
+        );
+        Tenants::from_toml(&text).expect("valid file")
+    }
+
+    #[test]
+    fn ct_eq_matches_plain_equality() {
+        let a = sha256(b"x");
+        let mut b = a;
+        assert_eq!(ct_eq(&a, &b), 1);
+        for i in 0..32 {
+            for bit in 0..8 {
+                b = a;
+                b[i] ^= 1 << bit;
+                assert_eq!(ct_eq(&a, &b), 0, "byte {i} bit {bit}");
+            }
+        }
+        assert_eq!(ct_eq(&[0; 32], &[0xff; 32]), 0);
+    }
+
+    #[test]
+    fn sha256_of_known_input() {
+        // SHA-256("test"), the example in the module docs.
+        assert_eq!(
+            key_sha256_hex("test"),
+            "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+        );
+    }
+
+    #[test]
+    fn keys_map_to_their_tenants_and_ids() {
+        let t = two();
+        let a = t.authenticate(Some(b"Bearer key-a")).expect("a");
+        assert_eq!((a.name.as_str(), a.id), ("a", kv::TenantId(1)));
+        // Upper-case hex in the file and a lower-case scheme both work.
+        let b = t.authenticate(Some(b"bearer  key-b ")).expect("b");
+        assert_eq!((b.name.as_str(), b.id), ("b", kv::TenantId(2)));
+        assert_eq!(b.max_concurrent, MAX_CONCURRENT_DEFAULT);
+    }
+
+    #[test]
+    fn wrong_or_missing_keys_are_refused() {
+        let t = two();
+        assert_eq!(t.authenticate(Some(b"Bearer key-c")).err(), Some(false));
+        assert_eq!(t.authenticate(Some(b"Bearer ")).err(), Some(true));
+        assert_eq!(t.authenticate(Some(b"Basic a2V5LWE=")).err(), Some(true));
+        assert_eq!(t.authenticate(None).err(), Some(true));
+        let long = [b'x'; API_KEY_BYTES_MAX + 10];
+        let mut v = b"Bearer ".to_vec();
+        v.extend_from_slice(&long);
+        assert_eq!(t.authenticate(Some(&v)).err(), Some(true));
+    }
+
+    #[test]
+    fn anonymous_accepts_anything() {
+        let t = Tenants::anonymous();
+        assert_eq!(t.authenticate(None).expect("ok").id, kv::TenantId(0));
+        assert!(t.authenticate(Some(b"Bearer whatever")).is_ok());
+    }
+
+    #[test]
+    fn invalid_files_are_refused_with_a_reason() {
+        assert!(Tenants::from_toml("")
+            .unwrap_err()
+            .contains("no [[tenant]]"));
+        let bad_hex = "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"xyz\"\n";
+        assert!(Tenants::from_toml(bad_hex).unwrap_err().contains("64 hex"));
+        let h = key_sha256_hex("k");
+        let dup = format!(
+            "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{h}\"\n[[tenant]]\nname = \"b\"\napi_key_sha256 = \"{h}\"\n"
+        );
+        assert!(Tenants::from_toml(&dup)
+            .unwrap_err()
+            .contains("same api_key"));
+        let unknown = format!("[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{h}\"\nfoo = 1\n");
+        assert!(Tenants::from_toml(&unknown).unwrap_err().contains("foo"));
+        let zero =
+            format!("[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{h}\"\nmax_concurrent = 0\n");
+        assert!(Tenants::from_toml(&zero).unwrap_err().contains("positive"));
+    }
+
+    #[test]
+    fn concurrency_limit_and_release_on_drop() {
+        let t = two();
+        let a = t.authenticate(Some(b"Bearer key-a")).expect("a");
+        let now = Instant::now();
+        let p1 = t.admit(&a, 1, now).expect("1st");
+        let _p2 = t.admit(&a, 1, now).expect("2nd");
+        let e = t.admit(&a, 1, now).unwrap_err();
+        assert!(matches!(e, LimitError::Concurrency { limit: 2, .. }));
+        assert_eq!(e.retry_after(), 1);
+        drop(p1);
+        assert_eq!(a.running(), 1);
+        assert!(t.admit(&a, 1, now).is_ok());
+    }
+
+    #[test]
+    fn tokens_per_minute_slide_and_refund() {
+        let t = two();
+        let a = t.authenticate(Some(b"Bearer key-a")).expect("a");
+        let t0 = t.epoch;
+        drop(t.admit(&a, 60, t0).expect("60"));
+        let later = t0 + Duration::from_secs(10);
+        drop(t.admit(&a, 30, later).expect("90"));
+        let e = t.admit(&a, 20, later).unwrap_err();
+        match &e {
+            LimitError::TokensPerMinute {
+                used, retry_after, ..
+            } => {
+                assert_eq!(*used, 90);
+                // The 60 tokens of second 0 expire at second 60.
+                assert_eq!(*retry_after, 50);
+            }
+            other => panic!("{other:?}"),
+        }
+        // After the window slides past second 0, 60 tokens are free again.
+        let slid = t0 + Duration::from_secs(61);
+        let mut p = t.admit(&a, 60, slid).expect("after slide");
+        p.refund();
+        drop(p);
+        assert!(t.admit(&a, 70, slid).is_ok(), "refund gave the tokens back");
+        let big = t.admit(&a, 101, slid).unwrap_err();
+        assert!(matches!(big, LimitError::RequestTooLarge { .. }));
+        let api: ApiError = big.into();
+        assert_eq!(api.status.as_u16(), 429);
+        assert_eq!(api.retry_after, Some(60));
+    }
+}

@@ -1,0 +1,170 @@
+"""The official `openai` client against `isoserve serve`: content, usage,
+streaming, stop, seeds and logprobs."""
+
+import math
+
+import openai
+import pytest
+
+from conftest import tokenize, wait_pool_idle, assert_pool_clean
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+# "What is the capital of France?" alone is a near-tie for this 135M Q4_1
+# model (the numpy reference puts "The" 0.08 logits above "L"; with 8-bit
+# activations the engine, like llama.cpp, picks "L'Étoile..."). This wording
+# answers "Paris" with a wide margin.
+CAPITAL_Q = "What is the capital of France? Answer in one word."
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_greedy(client, content, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, **kw)
+
+
+def test_models_lists_the_served_model_with_its_window(client):
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == [MODEL]
+    extra = models.data[0].model_extra
+    assert extra["max_model_len"] == 8192 and extra["context_length"] == 8192
+    assert client.models.retrieve("default").id == MODEL
+
+
+def test_chat_non_stream_answers_paris_with_exact_usage(client):
+    r = chat_greedy(client, CAPITAL_Q, max_tokens=32, logprobs=True)
+    assert r.object == "chat.completion"
+    assert r.id.startswith("chatcmpl-")
+    assert r.model == MODEL
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.message.role == "assistant"
+    assert "Paris" in c.message.content
+    assert c.finish_reason == "stop"
+    # prompt_tokens: the template-rendered prompt, as `isoserve tokenize`.
+    assert r.usage.prompt_tokens == len(tokenize(CAPITAL_Q, chat=True))
+    # Every generated token but the final end-of-turn token is in logprobs;
+    # usage counts the end token too (as vLLM and llama.cpp do).
+    assert r.usage.completion_tokens == len(c.logprobs.content) + 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert "".join(t.token for t in c.logprobs.content) == c.message.content
+
+
+def test_chat_stream_equals_non_stream(client):
+    full = chat_greedy(client, CAPITAL_Q, max_tokens=32)
+    chunks = list(chat_greedy(client, CAPITAL_Q, max_tokens=32, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert len({ch.id for ch in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == "stop" and all(f is None for f in finishes[:-1])
+    # Without include_usage there is no usage anywhere.
+    assert all(ch.usage is None for ch in chunks)
+
+
+def test_chat_stream_include_usage_and_length(client):
+    chunks = list(chat_greedy(client, "Tell me a long story about a dragon.", max_tokens=7,
+                              stream=True, stream_options={"include_usage": True},
+                              logprobs=True))
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage.completion_tokens == 7
+    assert last.usage.prompt_tokens == len(tokenize("Tell me a long story about a dragon.", True))
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+    # One logprob entry per generated token: exactly max_tokens of them.
+    entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
+               for e in ch.choices[0].logprobs.content]
+    assert len(entries) == 7
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == "".join(e.token for e in entries)
+
+
+def test_completion_non_stream_and_stream(client):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    text = r.choices[0].text
+    assert text.startswith(" Paris"), text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tokenize(prompt, chat=False))
+    assert r.usage.completion_tokens == 6
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert streamed == text
+    assert chunks[-1].usage.completion_tokens == 6
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_completion_from_token_ids_matches_text(client):
+    prompt = "The capital of France is"
+    ids = tokenize(prompt, chat=False)
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    b = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert a.choices[0].text == b.choices[0].text
+    assert b.usage.prompt_tokens == len(ids)
+
+
+def test_stop_strings_cut_the_output(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                  max_tokens=20, temperature=0, stop=["."])
+    assert r.choices[0].text == " Paris"
+    assert r.choices[0].finish_reason == "stop"
+    # Streaming cuts at the same place.
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is",
+                                            max_tokens=20, temperature=0, stop=".",
+                                            stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == " Paris"
+    r = chat_greedy(client, CAPITAL_Q, max_tokens=32, stop=["Paris"])
+    assert r.choices[0].message.content == "The capital of France is "
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducibility_at_temperature_one(client):
+    def run(seed):
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24,
+                                      temperature=1.0, seed=seed,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 24
+        return r.choices[0].text
+
+    a, b = run(1234), run(1234)
+    assert a == b
+    others = {run(s) for s in (1, 2, 3)}
+    assert any(o != a for o in others), "different seeds gave the same text"
+
+
+def test_logprobs_are_consistent(client):
+    r = chat_greedy(client, CAPITAL_Q, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 1
+    for e in content:
+        assert e.logprob <= 0.0
+        assert len(e.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert e.top_logprobs[0].token == e.token
+        assert math.isclose(e.top_logprobs[0].logprob, e.logprob, abs_tol=1e-5)
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert sum(math.exp(x) for x in lps) <= 1.0 + 1e-4
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5,
+                                  temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset[0] == 0
+    for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and tok in top and math.isclose(top[tok], l, abs_tol=1e-5)
+
+
+def test_pool_is_free_after_the_client_tests(server):
+    assert_pool_clean(wait_pool_idle(server))
