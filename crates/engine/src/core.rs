@@ -166,16 +166,22 @@ impl Core {
         self.local.pool = self.pool.stats();
         self.local.running = self.running.len();
         self.local.waiting = self.waiting.len();
-        self.waiting_count
-            .store(self.waiting.len() as u64, Ordering::Relaxed);
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.local.clone();
     }
 
+    /// `n` requests left the waiting queue (admitted, refused or cancelled):
+    /// give their slots back to `Engine::submit`'s count.
+    fn left_queue(&self, n: usize) {
+        self.waiting_count.fetch_sub(n as u64, Ordering::AcqRel);
+    }
+
     fn cancel_all(&mut self, err: RequestError) {
+        let n = self.waiting.len();
         for sub in self.waiting.drain(..) {
             let _ = sub.events.send(Event::Error(err.clone()));
             self.local.requests_cancelled_total += 1;
         }
+        self.left_queue(n);
         let running = std::mem::take(&mut self.running);
         for a in running {
             let _ = a.events.send(Event::Error(err.clone()));
@@ -190,6 +196,7 @@ impl Core {
         self.waiting
             .retain(|s| !(s.cancel.load(Ordering::Relaxed) || s.events.is_closed()));
         self.local.requests_cancelled_total += (before - self.waiting.len()) as u64;
+        self.left_queue(before - self.waiting.len());
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].cancelled() {
@@ -227,6 +234,7 @@ impl Core {
             // Re-check on this node, before any allocation (K8).
             if let Err(e) = crate::validate(&sub.req, self.max_request, self.model.config.vocab) {
                 let sub = self.waiting.pop_front().expect("front exists");
+                self.left_queue(1);
                 let _ = sub.events.send(Event::Error(e));
                 self.local.requests_refused_total += 1;
                 continue;
@@ -236,6 +244,7 @@ impl Core {
                 break;
             }
             let sub = self.waiting.pop_front().expect("front exists");
+            self.left_queue(1);
             let owner = Owner::new(sub.id, sub.req.tenant);
             let mut pages = Vec::with_capacity(need_pages);
             if let Err(e) = self.pool.alloc(owner, need_pages, &mut pages) {

@@ -453,27 +453,33 @@ impl Engine {
             cancel: cancel.clone(),
             submitted_at: std::time::Instant::now(),
         };
-        let waiting = self.waiting.load(Ordering::Relaxed) as usize;
+        // Take a queue slot first (count on submit, give back when the
+        // request leaves the queue), so the limit holds exactly.
+        let waiting = self.waiting.fetch_add(1, Ordering::AcqRel) as usize;
         if waiting >= self.queue_max {
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(RequestError::QueueFull {
                 waiting,
                 limit: self.queue_max,
             });
         }
         match self.tx.try_send(Command::Submit(Box::new(sub))) {
-            Ok(()) => {
-                self.waiting.fetch_add(1, Ordering::Relaxed);
-                Ok(RequestHandle {
-                    id,
-                    events: erx,
-                    cancel,
+            Ok(()) => Ok(RequestHandle {
+                id,
+                events: erx,
+                cancel,
+            }),
+            Err(TrySendError::Full(_)) => {
+                self.waiting.fetch_sub(1, Ordering::AcqRel);
+                Err(RequestError::QueueFull {
+                    waiting: self.queue_max,
+                    limit: self.queue_max,
                 })
             }
-            Err(TrySendError::Full(_)) => Err(RequestError::QueueFull {
-                waiting: self.queue_max,
-                limit: self.queue_max,
-            }),
-            Err(TrySendError::Disconnected(_)) => Err(RequestError::ShuttingDown),
+            Err(TrySendError::Disconnected(_)) => {
+                self.waiting.fetch_sub(1, Ordering::AcqRel);
+                Err(RequestError::ShuttingDown)
+            }
         }
     }
 
