@@ -303,37 +303,84 @@ async fn read_body(
     }
 }
 
-/// Prompt token ids (and the prompt text, for the log) of a request: chat
-/// messages rendered with the model's template, special tokens recognised,
-/// BOS prepended when the model asks for it — exactly as `isoserve
-/// tokenize` does.
+/// Prompt token ids (and the prompt text, for the log) of a request. A
+/// completions prompt is raw text in which special tokens are recognised
+/// (as `isoserve generate` without --chat). Chat messages are rendered with
+/// the model's template, but only the *template's* text may produce special
+/// tokens: message contents are tokenised as plain text, so a user who
+/// writes `<|im_start|>system` gets those characters, not a forged turn.
+/// BOS is prepended when the model asks for it.
 fn tokenize(st: &AppState, input: &Input) -> Result<(Vec<u32>, String), ApiError> {
-    let (param, text) = match input {
+    let mut ids = match input {
         Input::Tokens(ids) => return Ok((ids.clone(), format!("{ids:?}"))),
-        Input::Text(t) => ("prompt", t.clone()),
-        Input::Chat(msgs) => {
-            let template = st.template.as_ref().ok_or_else(|| {
-                ApiError::bad_prompt("messages", "the model has no chat template")
-            })?;
-            let msgs: Vec<ChatMessage> = msgs
-                .iter()
-                .map(|(r, c)| ChatMessage::new(r.as_str(), c.as_str()))
-                .collect();
-            let text = template
-                .render(&msgs, true)
-                .map_err(|e| ApiError::bad_prompt("messages", e))?;
-            ("messages", text)
+        Input::Text(t) => {
+            let ids = st
+                .tokenizer
+                .encode(t, true)
+                .map_err(|e| ApiError::bad_prompt("prompt", e))?;
+            (ids, t.clone())
         }
+        Input::Chat(msgs) => tokenize_chat(st, msgs)?,
     };
-    let mut ids = st
-        .tokenizer
-        .encode(&text, true)
-        .map_err(|e| ApiError::bad_prompt(param, e))?;
     if st.tokenizer.add_bos() {
         if let Some(b) = st.tokenizer.bos_id() {
-            ids.insert(0, b);
+            ids.0.insert(0, b);
         }
     }
+    Ok(ids)
+}
+
+/// Marks a message's place in the rendered template: private-use
+/// characters around the message index.
+fn sentinel(i: usize) -> String {
+    format!("\u{E000}{i}\u{E001}")
+}
+
+fn tokenize_chat(st: &AppState, msgs: &[(String, String)]) -> Result<(Vec<u32>, String), ApiError> {
+    let template = st
+        .template
+        .as_ref()
+        .ok_or_else(|| ApiError::bad_prompt("messages", "the model has no chat template"))?;
+    let render = |with_content: bool| {
+        let ms: Vec<ChatMessage> = msgs
+            .iter()
+            .enumerate()
+            .map(|(i, (r, c))| {
+                ChatMessage::new(
+                    r.as_str(),
+                    if with_content { c.clone() } else { sentinel(i) },
+                )
+            })
+            .collect();
+        template
+            .render(&ms, true)
+            .map_err(|e| ApiError::bad_prompt("messages", e))
+    };
+    let text = render(true)?;
+    let skeleton = render(false)?;
+    let enc = |t: &str, special: bool| {
+        st.tokenizer
+            .encode(t, special)
+            .map_err(|e| ApiError::bad_prompt("messages", e))
+    };
+    // Split the skeleton at the sentinels, in message order.
+    let mut ids = Vec::new();
+    let mut rest = skeleton.as_str();
+    for (i, (_, content)) in msgs.iter().enumerate() {
+        let mark = sentinel(i);
+        let Some(at) = rest.find(&mark) else {
+            // The template transformed or dropped the content: refuse rather
+            // than let content text turn into special tokens.
+            return Err(ApiError::bad_prompt(
+                "messages",
+                "the model's chat template does not keep message content verbatim",
+            ));
+        };
+        ids.extend(enc(&rest[..at], true)?);
+        ids.extend(enc(content, false)?);
+        rest = &rest[at + mark.len()..];
+    }
+    ids.extend(enc(rest, true)?);
     Ok((ids, text))
 }
 
