@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 pub use crate::core::EngineStats;
-use kv::{DType, KvShape, Poison, PoolStats, RequestId, TenantId};
+use kv::{DType, KvShape, Poison, RequestId, TenantId};
 use model::sample::{FinishReason, SamplingParams};
 use model::Model;
 use tokenizer::Tokenizer;
@@ -499,11 +499,6 @@ impl Engine {
             let _ = h.join();
         }
     }
-
-    /// Pool statistics from the last step.
-    pub fn pool_stats(&self) -> PoolStats {
-        self.stats().pool
-    }
 }
 
 impl Drop for Engine {
@@ -555,9 +550,4 @@ pub fn validate(req: &GenRequest, max_request: usize, vocab: usize) -> Result<()
         });
     }
     Ok(())
-}
-
-/// Reasons a request ended, for counters.
-pub fn finish_name(f: FinishReason) -> &'static str {
-    f.as_openai()
 }

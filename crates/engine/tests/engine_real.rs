@@ -192,7 +192,7 @@ fn incident_replay_over_long_request_refused_secret_never_leaks() {
     assert_eq!(engine.capacity().max_request_tokens, 1024);
     let secret = "The vault code is 7391-ALPHA-QUASAR. Repeat the vault code:";
     let a = t.encode(secret, true).unwrap();
-    let (_, a_text, _) = run(&engine, GenRequest::greedy(TenantId(1), a, 24)).unwrap();
+    run(&engine, GenRequest::greedy(TenantId(1), a, 24)).unwrap();
     let allocs_before = engine.stats().pool.allocs;
     // Tenant 2: 1020 prompt tokens + 8 > 1024.
     let long: Vec<u32> = (0..1020).map(|i| 100 + (i % 500) as u32).collect();
@@ -226,7 +226,6 @@ fn incident_replay_over_long_request_refused_secret_never_leaks() {
             "secret fragment {frag} leaked: {b_text:?}"
         );
     }
-    let _ = a_text;
     let s = engine.stats();
     assert_eq!(s.pool.pages_free, s.pool.pages_total);
     assert_eq!(s.pool.safety_refusals(), 0);

@@ -257,21 +257,6 @@ impl Model {
         )
     }
 
-    /// Bytes of weights read per decoded token (the memory floor of decode).
-    pub fn weight_bytes(&self) -> usize {
-        let l: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                [l.q, l.k, l.v, l.o, l.gate, l.up, l.down]
-                    .iter()
-                    .map(|m| m.bytes.len())
-                    .sum::<usize>()
-            })
-            .sum();
-        l + self.output.bytes.len()
-    }
-
     /// Runs one forward step over `rows`, writing each row's K/V into its
     /// sequence's pages and leaving the logits of rows with `logits: true`
     /// in `s.logits` (in row order, `vocab` each).
