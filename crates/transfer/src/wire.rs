@@ -24,7 +24,7 @@ pub const STRING_BYTES_MAX: usize = 4096;
 pub const ITEMS_MAX: usize = 1 << 20;
 
 /// A page handle on the wire: the destination's `(index, epoch)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WirePage {
     pub index: u32,
     pub epoch: u64,
@@ -41,8 +41,95 @@ pub struct KvLayout {
     pub head_dim: u32,
 }
 
-/// Every message of the protocol.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Most stop strings of one request on the wire.
+pub const STOPS_MAX: usize = 16;
+/// Most alternatives in a token's `top_logprobs`.
+pub const TOP_LOGPROBS_MAX: usize = 32;
+
+/// How a request samples: everything decode needs to continue what prefill
+/// started, and prefill needs to pick the first token. Floats travel as
+/// their IEEE bits so that messages are `Eq + Hash` (the model checker
+/// hashes states); the accessors give the values back.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct GenSpec {
+    pub temperature_bits: u32,
+    pub top_k: u32,
+    pub top_p_bits: u32,
+    pub min_p_bits: u32,
+    pub repetition_penalty_bits: u32,
+    pub presence_penalty_bits: u32,
+    pub frequency_penalty_bits: u32,
+    pub seed: u64,
+    pub ignore_eos: bool,
+    /// `top_logprobs` asked for; `None`: no logprobs.
+    pub logprobs: Option<u8>,
+    pub stop: Vec<String>,
+}
+
+impl GenSpec {
+    pub fn temperature(&self) -> f32 {
+        f32::from_bits(self.temperature_bits)
+    }
+    pub fn top_p(&self) -> f32 {
+        f32::from_bits(self.top_p_bits)
+    }
+    pub fn min_p(&self) -> f32 {
+        f32::from_bits(self.min_p_bits)
+    }
+    pub fn repetition_penalty(&self) -> f32 {
+        f32::from_bits(self.repetition_penalty_bits)
+    }
+    pub fn presence_penalty(&self) -> f32 {
+        f32::from_bits(self.presence_penalty_bits)
+    }
+    pub fn frequency_penalty(&self) -> f32 {
+        f32::from_bits(self.frequency_penalty_bits)
+    }
+    /// Greedy with no penalties (the defaults of an OpenAI request at
+    /// temperature 0).
+    pub fn greedy() -> GenSpec {
+        GenSpec {
+            temperature_bits: 0f32.to_bits(),
+            top_k: 0,
+            top_p_bits: 1f32.to_bits(),
+            min_p_bits: 0f32.to_bits(),
+            repetition_penalty_bits: 1f32.to_bits(),
+            presence_penalty_bits: 0f32.to_bits(),
+            frequency_penalty_bits: 0f32.to_bits(),
+            seed: 0,
+            ignore_eos: false,
+            logprobs: None,
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// A log-probability (IEEE bits) and the most likely alternatives.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct WireLogprobs {
+    pub logprob_bits: u32,
+    /// `(token id, logprob bits)`.
+    pub top: Vec<(u32, u32)>,
+}
+
+/// A refusal or failure as the node that made it said it (K9): an HTTP-like
+/// status, OpenAI's error code and the message. It travels unchanged from
+/// that node to the client.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Refusal {
+    pub status: u16,
+    pub code: String,
+    pub message: String,
+}
+
+/// Roles in `Hello`.
+pub const ROLE_GATEWAY: u8 = 1;
+pub const ROLE_PREFILL: u8 = 2;
+pub const ROLE_DECODE: u8 = 3;
+
+/// Every message of the protocol. Links: gateway↔decode, gateway↔prefill,
+/// prefill→decode (prefill connects; pages flow on it, acks come back).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Message {
     /// First frame on every connection, both directions.
     Hello {
@@ -54,28 +141,35 @@ pub enum Message {
         /// The largest request (prompt + max_tokens) the node accepts (K8).
         max_request_tokens: u32,
     },
-    /// Gateway → decode: reserve pages for a request.
+    /// Answer to a `Hello` the node will not pair with (fingerprint or
+    /// layout mismatch, wrong role); the connection closes after it.
+    Refuse { message: String },
+    /// Gateway → decode: reserve pages for a whole request. Carries the
+    /// request so decode can check it (K8) and later continue sampling.
     Reserve {
         req: u64,
         tenant: u64,
-        prompt_tokens: u32,
+        /// Node name of the prefill node that will fill the pages.
+        prefill: String,
+        tokens: Vec<u32>,
         max_tokens: u32,
+        gen: GenSpec,
     },
     /// Decode → gateway: the reservation, page handles in sequence order.
     Reserved { req: u64, pages: Vec<WirePage> },
-    /// Any node → gateway: the request is refused or failed; the original
-    /// error travels unchanged to the client (K9).
-    Rejected {
-        req: u64,
-        code: u16,
-        message: String,
-    },
+    /// Any node → gateway, decode → gateway on prefill's behalf: the request
+    /// is refused or failed; the original error travels unchanged (K9).
+    Rejected { req: u64, error: Refusal },
     /// Gateway → prefill: compute the prompt's KV into the reserved pages.
     Prefill {
         req: u64,
         tenant: u64,
+        /// Address (`host:port`) of the decode node holding the pages.
+        decode: String,
         tokens: Vec<u32>,
         max_tokens: u32,
+        gen: GenSpec,
+        /// Decode's handles for the prompt's pages, in sequence order.
         pages: Vec<WirePage>,
     },
     /// Prefill → decode: one page of KV.
@@ -96,24 +190,43 @@ pub enum Message {
     Done {
         req: u64,
         first_token: u32,
+        /// The first token's logprobs, when the request asked for them.
+        first_logprobs: Option<WireLogprobs>,
+        /// The sampler's rng state after the first token, so decode
+        /// continues the same random stream.
+        sampler_state: u64,
         page_count: u32,
         token_count: u32,
         /// Digest over all page checksums in order.
         digest: u64,
     },
-    /// Decode → prefill: pages received up to `pages` (flow control and the
-    /// end of prefill's deferred release, K4).
+    /// Prefill → decode: no more pages will come for `req` (cancelled,
+    /// refused or failed); `error` is the original reason.
+    Abort { req: u64, error: Refusal },
+    /// Decode → prefill: pages received so far (flow control).
     Ack { req: u64, pages: u32 },
-    /// Gateway → any: cooperative cancel.
+    /// Decode → prefill: decode reads nothing more of this transfer (after
+    /// Done or Abort): prefill may free its pages (K4).
+    Closed { req: u64 },
+    /// Gateway → any, decode → prefill: cooperative cancel.
     Cancel { req: u64 },
     /// Decode → gateway: a generated token.
-    Token { req: u64, id: u32, text: String },
+    Token {
+        req: u64,
+        id: u32,
+        text: String,
+        logprobs: Option<WireLogprobs>,
+    },
     /// Decode → gateway: the end of generation.
     Finished {
         req: u64,
+        /// 0 = stop, 1 = length.
         finish: u8,
         prompt_tokens: u32,
         completion_tokens: u32,
+        /// Text held back at the end (a stop-string prefix that never
+        /// completed).
+        tail_text: String,
     },
     /// Liveness.
     Heartbeat { nonce: u64 },
@@ -140,6 +253,8 @@ pub enum WireError {
     },
     #[error("invalid UTF-8 in {what}")]
     Utf8 { what: &'static str },
+    #[error("invalid {what}")]
+    Invalid { what: &'static str },
     #[error("{extra} trailing bytes after a {kind} message")]
     Trailing { kind: &'static str, extra: usize },
 }
@@ -156,22 +271,47 @@ const K_CANCEL: u8 = 9;
 const K_TOKEN: u8 = 10;
 const K_FINISHED: u8 = 11;
 const K_HEARTBEAT: u8 = 12;
+const K_REFUSE: u8 = 13;
+const K_ABORT: u8 = 14;
+const K_CLOSED: u8 = 15;
 
 impl Message {
     pub fn kind_name(&self) -> &'static str {
         match self {
             Message::Hello { .. } => "Hello",
+            Message::Refuse { .. } => "Refuse",
             Message::Reserve { .. } => "Reserve",
             Message::Reserved { .. } => "Reserved",
             Message::Rejected { .. } => "Rejected",
             Message::Prefill { .. } => "Prefill",
             Message::Page { .. } => "Page",
             Message::Done { .. } => "Done",
+            Message::Abort { .. } => "Abort",
             Message::Ack { .. } => "Ack",
+            Message::Closed { .. } => "Closed",
             Message::Cancel { .. } => "Cancel",
             Message::Token { .. } => "Token",
             Message::Finished { .. } => "Finished",
             Message::Heartbeat { .. } => "Heartbeat",
+        }
+    }
+
+    /// The request a message is about, if any.
+    pub fn req(&self) -> Option<u64> {
+        match self {
+            Message::Hello { .. } | Message::Refuse { .. } | Message::Heartbeat { .. } => None,
+            Message::Reserve { req, .. }
+            | Message::Reserved { req, .. }
+            | Message::Rejected { req, .. }
+            | Message::Prefill { req, .. }
+            | Message::Page { req, .. }
+            | Message::Done { req, .. }
+            | Message::Abort { req, .. }
+            | Message::Ack { req, .. }
+            | Message::Closed { req }
+            | Message::Cancel { req }
+            | Message::Token { req, .. }
+            | Message::Finished { req, .. } => Some(*req),
         }
     }
 
@@ -200,44 +340,52 @@ impl Message {
                 w.u32(layout.head_dim);
                 w.u32(*max_request_tokens);
             }
+            Message::Refuse { message } => {
+                w.u8(K_REFUSE);
+                w.str(message);
+            }
             Message::Reserve {
                 req,
                 tenant,
-                prompt_tokens,
+                prefill,
+                tokens,
                 max_tokens,
+                gen,
             } => {
                 w.u8(K_RESERVE);
                 w.u64(*req);
                 w.u64(*tenant);
-                w.u32(*prompt_tokens);
+                w.str(prefill);
+                w.tokens(tokens);
                 w.u32(*max_tokens);
+                w.gen(gen);
             }
             Message::Reserved { req, pages } => {
                 w.u8(K_RESERVED);
                 w.u64(*req);
                 w.pages(pages);
             }
-            Message::Rejected { req, code, message } => {
+            Message::Rejected { req, error } => {
                 w.u8(K_REJECTED);
                 w.u64(*req);
-                w.u16(*code);
-                w.str(message);
+                w.error(error);
             }
             Message::Prefill {
                 req,
                 tenant,
+                decode,
                 tokens,
                 max_tokens,
+                gen,
                 pages,
             } => {
                 w.u8(K_PREFILL);
                 w.u64(*req);
                 w.u64(*tenant);
-                w.u32(tokens.len() as u32);
-                for t in tokens {
-                    w.u32(*t);
-                }
+                w.str(decode);
+                w.tokens(tokens);
                 w.u32(*max_tokens);
+                w.gen(gen);
                 w.pages(pages);
             }
             Message::Page {
@@ -263,6 +411,8 @@ impl Message {
             Message::Done {
                 req,
                 first_token,
+                first_logprobs,
+                sampler_state,
                 page_count,
                 token_count,
                 digest,
@@ -270,36 +420,55 @@ impl Message {
                 w.u8(K_DONE);
                 w.u64(*req);
                 w.u32(*first_token);
+                w.logprobs(first_logprobs.as_ref());
+                w.u64(*sampler_state);
                 w.u32(*page_count);
                 w.u32(*token_count);
                 w.u64(*digest);
+            }
+            Message::Abort { req, error } => {
+                w.u8(K_ABORT);
+                w.u64(*req);
+                w.error(error);
             }
             Message::Ack { req, pages } => {
                 w.u8(K_ACK);
                 w.u64(*req);
                 w.u32(*pages);
             }
+            Message::Closed { req } => {
+                w.u8(K_CLOSED);
+                w.u64(*req);
+            }
             Message::Cancel { req } => {
                 w.u8(K_CANCEL);
                 w.u64(*req);
             }
-            Message::Token { req, id, text } => {
+            Message::Token {
+                req,
+                id,
+                text,
+                logprobs,
+            } => {
                 w.u8(K_TOKEN);
                 w.u64(*req);
                 w.u32(*id);
                 w.str(text);
+                w.logprobs(logprobs.as_ref());
             }
             Message::Finished {
                 req,
                 finish,
                 prompt_tokens,
                 completion_tokens,
+                tail_text,
             } => {
                 w.u8(K_FINISHED);
                 w.u64(*req);
                 w.u8(*finish);
                 w.u32(*prompt_tokens);
                 w.u32(*completion_tokens);
+                w.str(tail_text);
             }
             Message::Heartbeat { nonce } => {
                 w.u8(K_HEARTBEAT);
@@ -349,11 +518,16 @@ impl Message {
                 },
                 max_request_tokens: r.u32("max_request_tokens")?,
             },
+            K_REFUSE => Message::Refuse {
+                message: r.str("message")?,
+            },
             K_RESERVE => Message::Reserve {
                 req: r.u64("req")?,
                 tenant: r.u64("tenant")?,
-                prompt_tokens: r.u32("prompt_tokens")?,
+                prefill: r.str("prefill")?,
+                tokens: r.tokens()?,
                 max_tokens: r.u32("max_tokens")?,
+                gen: r.gen()?,
             },
             K_RESERVED => Message::Reserved {
                 req: r.u64("req")?,
@@ -361,25 +535,17 @@ impl Message {
             },
             K_REJECTED => Message::Rejected {
                 req: r.u64("req")?,
-                code: r.u16("code")?,
-                message: r.str("message")?,
+                error: r.error()?,
             },
-            K_PREFILL => {
-                let req = r.u64("req")?;
-                let tenant = r.u64("tenant")?;
-                let n = r.count("tokens", 4)?;
-                let mut tokens = Vec::with_capacity(n);
-                for _ in 0..n {
-                    tokens.push(r.u32("token")?);
-                }
-                Message::Prefill {
-                    req,
-                    tenant,
-                    tokens,
-                    max_tokens: r.u32("max_tokens")?,
-                    pages: r.pages()?,
-                }
-            }
+            K_PREFILL => Message::Prefill {
+                req: r.u64("req")?,
+                tenant: r.u64("tenant")?,
+                decode: r.str("decode")?,
+                tokens: r.tokens()?,
+                max_tokens: r.u32("max_tokens")?,
+                gen: r.gen()?,
+                pages: r.pages()?,
+            },
             K_PAGE => Message::Page {
                 req: r.u64("req")?,
                 position: r.u32("position")?,
@@ -398,25 +564,34 @@ impl Message {
             K_DONE => Message::Done {
                 req: r.u64("req")?,
                 first_token: r.u32("first_token")?,
+                first_logprobs: r.logprobs()?,
+                sampler_state: r.u64("sampler_state")?,
                 page_count: r.u32("page_count")?,
                 token_count: r.u32("token_count")?,
                 digest: r.u64("digest")?,
+            },
+            K_ABORT => Message::Abort {
+                req: r.u64("req")?,
+                error: r.error()?,
             },
             K_ACK => Message::Ack {
                 req: r.u64("req")?,
                 pages: r.u32("pages")?,
             },
+            K_CLOSED => Message::Closed { req: r.u64("req")? },
             K_CANCEL => Message::Cancel { req: r.u64("req")? },
             K_TOKEN => Message::Token {
                 req: r.u64("req")?,
                 id: r.u32("id")?,
                 text: r.str("text")?,
+                logprobs: r.logprobs()?,
             },
             K_FINISHED => Message::Finished {
                 req: r.u64("req")?,
                 finish: r.u8("finish")?,
                 prompt_tokens: r.u32("prompt_tokens")?,
                 completion_tokens: r.u32("completion_tokens")?,
+                tail_text: r.str("tail_text")?,
             },
             K_HEARTBEAT => Message::Heartbeat {
                 nonce: r.u64("nonce")?,
@@ -460,6 +635,57 @@ impl Writer<'_> {
         }
         self.u32(end as u32);
         self.raw(&s.as_bytes()[..end]);
+    }
+    fn tokens(&mut self, tokens: &[u32]) {
+        self.u32(tokens.len() as u32);
+        for t in tokens {
+            self.u32(*t);
+        }
+    }
+    fn error(&mut self, e: &Refusal) {
+        self.u16(e.status);
+        self.str(&e.code);
+        self.str(&e.message);
+    }
+    fn gen(&mut self, g: &GenSpec) {
+        self.u32(g.temperature_bits);
+        self.u32(g.top_k);
+        self.u32(g.top_p_bits);
+        self.u32(g.min_p_bits);
+        self.u32(g.repetition_penalty_bits);
+        self.u32(g.presence_penalty_bits);
+        self.u32(g.frequency_penalty_bits);
+        self.u64(g.seed);
+        self.u8(g.ignore_eos as u8);
+        match g.logprobs {
+            None => self.u8(0),
+            Some(n) => {
+                self.u8(1);
+                self.u8(n);
+            }
+        }
+        // More stop strings than the limit would be refused whole by the
+        // receiver; senders validate first, this only keeps frames decodable.
+        let n = g.stop.len().min(STOPS_MAX);
+        self.u32(n as u32);
+        for s in &g.stop[..n] {
+            self.str(s);
+        }
+    }
+    fn logprobs(&mut self, l: Option<&WireLogprobs>) {
+        match l {
+            None => self.u8(0),
+            Some(l) => {
+                self.u8(1);
+                self.u32(l.logprob_bits);
+                let n = l.top.len().min(TOP_LOGPROBS_MAX);
+                self.u32(n as u32);
+                for &(id, bits) in &l.top[..n] {
+                    self.u32(id);
+                    self.u32(bits);
+                }
+            }
+        }
     }
     fn pages(&mut self, pages: &[WirePage]) {
         self.u32(pages.len() as u32);
@@ -532,6 +758,78 @@ impl<'a> Reader<'a> {
         }
         let b = self.take(n, what)?;
         String::from_utf8(b.to_vec()).map_err(|_| WireError::Utf8 { what })
+    }
+    fn bool(&mut self, what: &'static str) -> Result<bool, WireError> {
+        match self.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(WireError::Invalid { what }),
+        }
+    }
+    fn tokens(&mut self) -> Result<Vec<u32>, WireError> {
+        let n = self.count("tokens", 4)?;
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            v.push(self.u32("token")?);
+        }
+        Ok(v)
+    }
+    fn error(&mut self) -> Result<Refusal, WireError> {
+        Ok(Refusal {
+            status: self.u16("status")?,
+            code: self.str("error code")?,
+            message: self.str("error message")?,
+        })
+    }
+    fn gen(&mut self) -> Result<GenSpec, WireError> {
+        let mut g = GenSpec {
+            temperature_bits: self.u32("temperature")?,
+            top_k: self.u32("top_k")?,
+            top_p_bits: self.u32("top_p")?,
+            min_p_bits: self.u32("min_p")?,
+            repetition_penalty_bits: self.u32("repetition_penalty")?,
+            presence_penalty_bits: self.u32("presence_penalty")?,
+            frequency_penalty_bits: self.u32("frequency_penalty")?,
+            seed: self.u64("seed")?,
+            ignore_eos: self.bool("ignore_eos")?,
+            logprobs: if self.bool("logprobs")? {
+                Some(self.u8("top_logprobs")?)
+            } else {
+                None
+            },
+            stop: Vec::new(),
+        };
+        let n = self.u32("stop")? as usize;
+        if n > STOPS_MAX {
+            return Err(WireError::TooLong {
+                what: "stop",
+                len: n,
+                max: STOPS_MAX,
+            });
+        }
+        for _ in 0..n {
+            g.stop.push(self.str("stop string")?);
+        }
+        Ok(g)
+    }
+    fn logprobs(&mut self) -> Result<Option<WireLogprobs>, WireError> {
+        if !self.bool("logprobs")? {
+            return Ok(None);
+        }
+        let logprob_bits = self.u32("logprob")?;
+        let n = self.u32("top_logprobs")? as usize;
+        if n > TOP_LOGPROBS_MAX {
+            return Err(WireError::TooLong {
+                what: "top_logprobs",
+                len: n,
+                max: TOP_LOGPROBS_MAX,
+            });
+        }
+        let mut top = Vec::with_capacity(n);
+        for _ in 0..n {
+            top.push((self.u32("top id")?, self.u32("top logprob")?));
+        }
+        Ok(Some(WireLogprobs { logprob_bits, top }))
     }
     fn pages(&mut self) -> Result<Vec<WirePage>, WireError> {
         let n = self.count("pages", 12)?;

@@ -2,10 +2,55 @@
 //! panic, loop or allocate beyond the limits.
 
 use proptest::prelude::*;
-use transfer::wire::{KvLayout, Message, WireError, WirePage, FRAME_BYTES_MAX, WIRE_VERSION};
+use transfer::wire::{
+    GenSpec, KvLayout, Message, Refusal, WireError, WireLogprobs, WirePage, FRAME_BYTES_MAX,
+    WIRE_VERSION,
+};
 
 fn page() -> impl Strategy<Value = WirePage> {
     (any::<u32>(), any::<u64>()).prop_map(|(index, epoch)| WirePage { index, epoch })
+}
+
+fn gen() -> impl Strategy<Value = GenSpec> {
+    (
+        any::<(u32, u32, u32, u32, u32, u32, u32, u64)>(),
+        any::<bool>(),
+        proptest::option::of(any::<u8>()),
+        proptest::collection::vec("[a-z\n✓]{0,8}", 0..4),
+    )
+        .prop_map(|((t, k, p, m, r, pr, f, seed), ignore_eos, logprobs, stop)| GenSpec {
+            temperature_bits: t,
+            top_k: k,
+            top_p_bits: p,
+            min_p_bits: m,
+            repetition_penalty_bits: r,
+            presence_penalty_bits: pr,
+            frequency_penalty_bits: f,
+            seed,
+            ignore_eos,
+            logprobs,
+            stop,
+        })
+}
+
+fn logprobs() -> impl Strategy<Value = Option<WireLogprobs>> {
+    proptest::option::of(
+        (
+            any::<u32>(),
+            proptest::collection::vec(any::<(u32, u32)>(), 0..5),
+        )
+            .prop_map(|(logprob_bits, top)| WireLogprobs { logprob_bits, top }),
+    )
+}
+
+fn refusal() -> impl Strategy<Value = Refusal> {
+    (any::<u16>(), "[a-z_]{0,20}", "[a-zA-Z0-9 éü✓]{0,40}").prop_map(|(status, code, message)| {
+        Refusal {
+            status,
+            code,
+            message,
+        }
+    })
 }
 
 fn message() -> impl Strategy<Value = Message> {
@@ -35,32 +80,41 @@ fn message() -> impl Strategy<Value = Message> {
                     }
                 }
             ),
-        any::<(u64, u64, u32, u32)>().prop_map(|(req, tenant, prompt_tokens, max_tokens)| {
-            Message::Reserve {
-                req,
-                tenant,
-                prompt_tokens,
-                max_tokens,
-            }
-        }),
-        (any::<u64>(), proptest::collection::vec(page(), 0..20))
-            .prop_map(|(req, pages)| Message::Reserved { req, pages }),
-        (any::<u64>(), any::<u16>(), s).prop_map(|(req, code, message)| Message::Rejected {
-            req,
-            code,
-            message
-        }),
+        s.prop_map(|message| Message::Refuse { message }),
         (
             any::<(u64, u64, u32)>(),
+            s,
             proptest::collection::vec(any::<u32>(), 0..50),
+            gen()
+        )
+            .prop_map(|((req, tenant, max_tokens), prefill, tokens, gen)| {
+                Message::Reserve {
+                    req,
+                    tenant,
+                    prefill,
+                    tokens,
+                    max_tokens,
+                    gen,
+                }
+            }),
+        (any::<u64>(), proptest::collection::vec(page(), 0..20))
+            .prop_map(|(req, pages)| Message::Reserved { req, pages }),
+        (any::<u64>(), refusal()).prop_map(|(req, error)| Message::Rejected { req, error }),
+        (
+            any::<(u64, u64, u32)>(),
+            s,
+            proptest::collection::vec(any::<u32>(), 0..50),
+            gen(),
             proptest::collection::vec(page(), 0..8)
         )
             .prop_map(
-                |((req, tenant, max_tokens), tokens, pages)| Message::Prefill {
+                |((req, tenant, max_tokens), decode, tokens, gen, pages)| Message::Prefill {
                     req,
                     tenant,
+                    decode,
                     tokens,
                     max_tokens,
+                    gen,
                     pages
                 }
             ),
@@ -80,32 +134,42 @@ fn message() -> impl Strategy<Value = Message> {
                     bytes,
                 }
             }),
-        any::<(u64, u32, u32, u32, u64)>().prop_map(
-            |(req, first_token, page_count, token_count, digest)| {
+        (any::<(u64, u32, u64, u32, u32, u64)>(), logprobs()).prop_map(
+            |((req, first_token, sampler_state, page_count, token_count, digest), lp)| {
                 Message::Done {
                     req,
                     first_token,
+                    first_logprobs: lp,
+                    sampler_state,
                     page_count,
                     token_count,
                     digest,
                 }
             }
         ),
+        (any::<u64>(), refusal()).prop_map(|(req, error)| Message::Abort { req, error }),
         any::<(u64, u32)>().prop_map(|(req, pages)| Message::Ack { req, pages }),
+        any::<u64>().prop_map(|req| Message::Closed { req }),
         any::<u64>().prop_map(|req| Message::Cancel { req }),
-        (any::<u64>(), any::<u32>(), s).prop_map(|(req, id, text)| Message::Token {
-            req,
-            id,
-            text
-        }),
-        any::<(u64, u8, u32, u32)>().prop_map(|(req, finish, prompt_tokens, completion_tokens)| {
-            Message::Finished {
+        (any::<u64>(), any::<u32>(), s, logprobs()).prop_map(|(req, id, text, logprobs)| {
+            Message::Token {
                 req,
-                finish,
-                prompt_tokens,
-                completion_tokens,
+                id,
+                text,
+                logprobs,
             }
         }),
+        (any::<(u64, u8, u32, u32)>(), s).prop_map(
+            |((req, finish, prompt_tokens, completion_tokens), tail_text)| {
+                Message::Finished {
+                    req,
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                    tail_text,
+                }
+            }
+        ),
         any::<u64>().prop_map(|nonce| Message::Heartbeat { nonce }),
     ]
 }
