@@ -1,12 +1,25 @@
 //! `transfer` — the prefill→decode KV handoff.
 //!
-//! This crate holds the wire format ([`wire`]): versioned, length-prefixed
-//! binary frames with a limit on every length, decoded without panics or
-//! unbounded allocation whatever the bytes. The sans-IO state machines of
-//! the prefill, decode and gateway sides (pure `step(state, event) ->
-//! actions`, driven by a TCP transport in production and by a simulator and
-//! a model checker in tests) build on it (see `../shared/DESIGN.md`, PD
-//! request lifecycle).
+//! * [`wire`] — versioned, length-prefixed binary frames with a limit on
+//!   every length, decoded without panics or unbounded allocation whatever
+//!   the bytes.
+//! * [`decode`], [`prefill`], [`gateway`] — the three sides of the protocol
+//!   as sans-IO state machines: each method takes an event (a message on a
+//!   connection, a connection's end, the engine's report) and the node's
+//!   KV pool, changes state, and appends actions (messages to send,
+//!   connections to close, work for the engine). No sockets, threads or
+//!   clocks inside: a TCP transport drives them in production, a simulator
+//!   and a model checker drive the very same code in tests.
+//!
+//! The lifecycle (`../shared/DESIGN.md`): the gateway reserves pages on
+//! decode (decode checks its own limit), then asks prefill to compute into
+//! them (prefill checks its own limit); a refusal anywhere ends the request
+//! everywhere with that node's original error (K9). Prefill sends pages in
+//! bounded batches, each with a checksum bound to (request, destination
+//! epoch, position) (K6) and a canary bound to the destination (K7), then
+//! `Done`; decode starts only when every prompt page arrived exactly once
+//! and every check passed (K10). Pages a transfer may still touch stay
+//! leased on both sides until the transfer's end (K4).
 //!
 //! ```
 //! use transfer::wire::{Message, WirePage};
@@ -21,4 +34,14 @@
 //! # Ok::<(), transfer::wire::WireError>(())
 //! ```
 
+mod common;
+pub mod decode;
+pub mod gateway;
+pub mod prefill;
+pub mod sim;
 pub mod wire;
+
+pub use common::{
+    check_peer, check_request, pages_for, refusal, role_name, slots_at, transfer_digest, ConnId,
+    Identity, PeerHello,
+};

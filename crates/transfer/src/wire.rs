@@ -1,16 +1,22 @@
 //! The wire format: versioned, length-prefixed binary frames.
 //!
 //! ```text
-//! frame   = len:u32le  version:u8  kind:u8  payload[len - 2]
+//! frame   = len:u32le  version:u8  kind:u8  payload  check:u64le
 //! ```
 //!
-//! `len` counts the bytes after itself. Integers are little endian; strings
+//! `len` counts the bytes after itself. `check` is xxh3-64 over version,
+//! kind and payload, except a `Page`'s raw KV bytes: those are covered by
+//! the page checksum bound to (request, epoch, position) (K6), checked by
+//! decode against its reservation, so a flipped KV byte fails that request
+//! with a checksum error while a flip anywhere else (a token id, a handle,
+//! a length) fails the frame and the connection — never a different message. Integers are little endian; strings
 //! are `u32 length + UTF-8`; byte blobs `u32 length + bytes`; vectors
 //! `u32 count + items`. Every length is checked against a limit *before* any
 //! allocation, so a corrupt or hostile peer gets an error, never a panic or
 //! a huge allocation. Page bytes travel as raw bytes (no JSON, no base64).
 
 use thiserror::Error;
+use xxhash_rust::xxh3::xxh3_64;
 
 /// Version of this format. A peer speaking another version is refused at
 /// the handshake.
@@ -257,7 +263,12 @@ pub enum WireError {
     Invalid { what: &'static str },
     #[error("{extra} trailing bytes after a {kind} message")]
     Trailing { kind: &'static str, extra: usize },
+    #[error("frame check failed: the {kind} frame was corrupted in transit")]
+    FrameCheck { kind: &'static str },
 }
+
+/// Bytes of the frame check after the payload.
+pub const FRAME_CHECK_BYTES: usize = 8;
 
 const K_HELLO: u8 = 1;
 const K_RESERVE: u8 = 2;
@@ -475,6 +486,12 @@ impl Message {
                 w.u64(*nonce);
             }
         }
+        let covered_end = match self {
+            Message::Page { bytes, .. } => out.len() - bytes.len(),
+            _ => out.len(),
+        };
+        let check = xxh3_64(&out[start + 4..covered_end]);
+        out.extend_from_slice(&check.to_le_bytes());
         let len = (out.len() - start - 4) as u32;
         out[start..start + 4].copy_from_slice(&len.to_le_bytes());
     }
@@ -493,13 +510,14 @@ impl Message {
                 max: FRAME_BYTES_MAX,
             });
         }
-        if len < 2 {
+        if len < 2 + FRAME_CHECK_BYTES {
             return Err(WireError::FrameTooShort { len });
         }
         if buf.len() < 4 + len {
             return Ok(None);
         }
-        let body = &buf[4..4 + len];
+        let frame = &buf[4..4 + len];
+        let (body, check) = frame.split_at(len - FRAME_CHECK_BYTES);
         if body[0] != WIRE_VERSION {
             return Err(WireError::Version { got: body[0] });
         }
@@ -602,6 +620,16 @@ impl Message {
             return Err(WireError::Trailing {
                 kind: msg.kind_name(),
                 extra: r.0.len(),
+            });
+        }
+        let covered_end = match &msg {
+            Message::Page { bytes, .. } => body.len() - bytes.len(),
+            _ => body.len(),
+        };
+        let want = u64::from_le_bytes(check.try_into().expect("8 check bytes"));
+        if xxh3_64(&body[..covered_end]) != want {
+            return Err(WireError::FrameCheck {
+                kind: msg.kind_name(),
             });
         }
         Ok(Some((msg, 4 + len)))

@@ -18,19 +18,21 @@ fn gen() -> impl Strategy<Value = GenSpec> {
         proptest::option::of(any::<u8>()),
         proptest::collection::vec("[a-z\n✓]{0,8}", 0..4),
     )
-        .prop_map(|((t, k, p, m, r, pr, f, seed), ignore_eos, logprobs, stop)| GenSpec {
-            temperature_bits: t,
-            top_k: k,
-            top_p_bits: p,
-            min_p_bits: m,
-            repetition_penalty_bits: r,
-            presence_penalty_bits: pr,
-            frequency_penalty_bits: f,
-            seed,
-            ignore_eos,
-            logprobs,
-            stop,
-        })
+        .prop_map(
+            |((t, k, p, m, r, pr, f, seed), ignore_eos, logprobs, stop)| GenSpec {
+                temperature_bits: t,
+                top_k: k,
+                top_p_bits: p,
+                min_p_bits: m,
+                repetition_penalty_bits: r,
+                presence_penalty_bits: pr,
+                frequency_penalty_bits: f,
+                seed,
+                ignore_eos,
+                logprobs,
+                stop,
+            },
+        )
 }
 
 fn logprobs() -> impl Strategy<Value = Option<WireLogprobs>> {
@@ -107,17 +109,17 @@ fn message() -> impl Strategy<Value = Message> {
             gen(),
             proptest::collection::vec(page(), 0..8)
         )
-            .prop_map(
-                |((req, tenant, max_tokens), decode, tokens, gen, pages)| Message::Prefill {
+            .prop_map(|((req, tenant, max_tokens), decode, tokens, gen, pages)| {
+                Message::Prefill {
                     req,
                     tenant,
                     decode,
                     tokens,
                     max_tokens,
                     gen,
-                    pages
+                    pages,
                 }
-            ),
+            }),
         (
             any::<(u64, u32, u32, u64, u64)>(),
             page(),
@@ -234,6 +236,7 @@ fn hostile_counts_are_refused_before_allocation() {
     let mut body = vec![WIRE_VERSION, 3];
     body.extend_from_slice(&7u64.to_le_bytes());
     body.extend_from_slice(&(1u32 << 31).to_le_bytes());
+    body.extend_from_slice(&[0; 8]); // the frame check
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
     frame.extend_from_slice(&body);
     assert!(matches!(
@@ -253,7 +256,7 @@ fn hostile_counts_are_refused_before_allocation() {
     }
     .encode(&mut buf);
     let n = buf.len();
-    buf[n - 12..n - 8].copy_from_slice(&1000u32.to_le_bytes());
+    buf[n - 20..n - 16].copy_from_slice(&1000u32.to_le_bytes());
     assert!(matches!(
         Message::decode(&buf),
         Err(WireError::Truncated { .. })
@@ -277,11 +280,41 @@ fn other_versions_and_kinds_are_refused() {
         Err(WireError::UnknownKind(200))
     ));
     let mut trailing = buf.clone();
-    trailing.push(0);
+    let at = trailing.len() - 8;
+    trailing.insert(at, 0);
     let n = (trailing.len() - 4) as u32;
     trailing[..4].copy_from_slice(&n.to_le_bytes());
     assert!(matches!(
         Message::decode(&trailing),
         Err(WireError::Trailing { .. })
     ));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
+
+    /// A flipped bit anywhere after the length prefix is an error — never a
+    /// different message — except inside a Page's KV bytes, which the page
+    /// checksum (K6) covers instead (decode checks it against its
+    /// reservation).
+    #[test]
+    fn a_flipped_bit_is_never_a_different_message(m in message(), at in any::<prop::sample::Index>(), bit in 0u8..8) {
+        let mut buf = Vec::new();
+        m.encode(&mut buf);
+        let i = 4 + at.index(buf.len() - 4);
+        buf[i] ^= 1 << bit;
+        match Message::decode(&buf) {
+            Err(_) => {}
+            Ok(None) => prop_assert!(false, "a whole frame became a partial one"),
+            Ok(Some((got, _))) => {
+                let (Message::Page { bytes: a, .. }, Message::Page { bytes: b, .. }) = (&m, &got) else {
+                    return Err(TestCaseError::fail(format!("{} decoded as {:?}", m.kind_name(), got)));
+                };
+                let mut same = got.clone();
+                if let Message::Page { bytes, .. } = &mut same { bytes.clone_from(a); }
+                prop_assert_eq!(&same, &m, "only the KV bytes may differ");
+                prop_assert_ne!(a, b);
+            }
+        }
+    }
 }

@@ -1,0 +1,548 @@
+//! The gateway's coordination of a request across a (prefill, decode)
+//! pair: reserve on decode first, then prefill; the first refusal anywhere
+//! ends the request everywhere and is the client's answer (K9).
+//!
+//! ```text
+//! submit ─(limit ok, pair up)─▶ Reserving ─(Reserved)─▶ Prefilling ─(first Token)─▶ Streaming ─(Finished)─▶ gone
+//!           │ 400/503 at once        │ Rejected / node lost / client cancel: Cancel to the other side ─▶ gone
+//! ```
+//!
+//! A client that goes away makes the gateway send `Cancel` to both nodes;
+//! it never closes a node connection for it, so no transfer is torn down
+//! midway. The advertised limit is the minimum over the model's window and
+//! every node's last `Hello` (re-read whenever a node reconnects).
+
+use std::collections::BTreeMap;
+
+use crate::common::{check_peer, pages_for, refusal, ConnId, Identity, PeerHello};
+use crate::wire::{
+    GenSpec, Message, Refusal, WireLogprobs, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
+};
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct GatewayConfig {
+    /// The gateway's node name and its model's fingerprint (layout and
+    /// limit fields are not used: the gateway holds no KV).
+    pub identity: Identity,
+    /// The model's context window (metadata).
+    pub model_window_tokens: u32,
+    /// Requests in flight at once.
+    pub requests_max: usize,
+    /// Addresses of the prefill nodes, then of the decode nodes.
+    pub prefill: Vec<String>,
+    pub decode: Vec<String>,
+}
+
+/// What reaches the client of a request.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ClientEvent {
+    Token {
+        id: u32,
+        text: String,
+        logprobs: Option<WireLogprobs>,
+    },
+    Finished {
+        finish: u8,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        tail_text: String,
+    },
+    /// The original error of the node that refused or failed it.
+    Error(Refusal),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum GatewayAction {
+    Send { conn: ConnId, msg: Message },
+    Close { conn: ConnId },
+    Deliver { req: u64, event: ClientEvent },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GatewayPhase {
+    Reserving,
+    Prefilling,
+    Streaming,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct GatewayStats {
+    pub requests_total: u64,
+    pub refused_limit_total: u64,
+    pub refused_unavailable_total: u64,
+    pub rejected_by_decode_total: u64,
+    pub rejected_by_prefill_total: u64,
+    pub finished_total: u64,
+    pub cancels_reserving_total: u64,
+    pub cancels_prefilling_total: u64,
+    pub cancels_streaming_total: u64,
+    pub failed_node_lost_total: u64,
+    pub nodes_lost_total: u64,
+    pub handshakes_refused_total: u64,
+    pub protocol_errors_total: u64,
+}
+
+/// One configured node as the gateway sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct NodeView {
+    pub role: u8,
+    pub addr: String,
+    pub conn: Option<ConnId>,
+    /// The node's Hello, while connected and paired.
+    pub hello: Option<PeerHello>,
+    /// The last limit the node advertised (kept across reconnects until
+    /// the node says otherwise).
+    pub last_limit: Option<u32>,
+    /// Why the last pairing was refused.
+    pub refused: Option<String>,
+    pub inflight: usize,
+}
+
+impl NodeView {
+    pub fn up(&self) -> bool {
+        self.conn.is_some() && self.hello.is_some()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Req {
+    tenant: u64,
+    prefill: usize,
+    decode: usize,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+    gen: GenSpec,
+    phase: GatewayPhase,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Gateway {
+    cfg: GatewayConfig,
+    nodes: Vec<NodeView>,
+    conns: BTreeMap<ConnId, usize>,
+    reqs: BTreeMap<u64, Req>,
+    rotate: usize,
+    stats: GatewayStats,
+}
+
+impl Gateway {
+    pub fn new(cfg: GatewayConfig) -> Gateway {
+        let nodes = cfg
+            .prefill
+            .iter()
+            .map(|a| (ROLE_PREFILL, a))
+            .chain(cfg.decode.iter().map(|a| (ROLE_DECODE, a)))
+            .map(|(role, addr)| NodeView {
+                role,
+                addr: addr.clone(),
+                conn: None,
+                hello: None,
+                last_limit: None,
+                refused: None,
+                inflight: 0,
+            })
+            .collect();
+        Gateway {
+            cfg,
+            nodes,
+            conns: BTreeMap::new(),
+            reqs: BTreeMap::new(),
+            rotate: 0,
+            stats: GatewayStats::default(),
+        }
+    }
+
+    pub fn nodes(&self) -> &[NodeView] {
+        &self.nodes
+    }
+
+    pub fn stats(&self) -> GatewayStats {
+        self.stats
+    }
+
+    pub fn requests(&self) -> usize {
+        self.reqs.len()
+    }
+
+    pub fn phase_of(&self, req: u64) -> Option<GatewayPhase> {
+        self.reqs.get(&req).map(|r| r.phase)
+    }
+
+    /// The advertised limit (K8): the model's window and every node's last
+    /// advertised limit, whichever is smallest.
+    pub fn max_request_tokens(&self) -> u32 {
+        self.nodes
+            .iter()
+            .filter_map(|n| n.last_limit)
+            .fold(self.cfg.model_window_tokens, u32::min)
+    }
+
+    /// Whether at least one (prefill, decode) pair is up.
+    pub fn ready(&self) -> bool {
+        self.pick_pair().is_some()
+    }
+
+    // ------------------------------------------------------------ links
+
+    /// The driver connected to node `node` (an index into [`Self::nodes`]).
+    pub fn connected(&mut self, node: usize, conn: ConnId, out: &mut Vec<GatewayAction>) {
+        let n = &mut self.nodes[node];
+        n.conn = Some(conn);
+        n.hello = None;
+        self.conns.insert(conn, node);
+        out.push(GatewayAction::Send {
+            conn,
+            msg: self.cfg.identity.hello(ROLE_GATEWAY),
+        });
+    }
+
+    pub fn closed(&mut self, conn: ConnId, out: &mut Vec<GatewayAction>) {
+        let Some(node) = self.conns.remove(&conn) else {
+            return;
+        };
+        let was_up = self.nodes[node].up();
+        let n = &mut self.nodes[node];
+        n.conn = None;
+        n.hello = None;
+        if was_up {
+            self.stats.nodes_lost_total += 1;
+        }
+        let role = n.role;
+        let addr = n.addr.clone();
+        let reqs: Vec<u64> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| r.decode == node || r.prefill == node)
+            .map(|(&k, _)| k)
+            .collect();
+        for req in reqs {
+            let r = &self.reqs[&req];
+            if role == ROLE_PREFILL && r.phase == GatewayPhase::Streaming {
+                // The KV is on decode already: prefill is not needed any more.
+                continue;
+            }
+            self.stats.failed_node_lost_total += 1;
+            let what = if role == ROLE_DECODE {
+                "decode"
+            } else {
+                "prefill"
+            };
+            let e = refusal::upstream(
+                &format!("{what}_lost"),
+                format!("the {what} node at {addr} was lost while serving the request"),
+            );
+            self.end(req, Some(e), out);
+        }
+    }
+
+    pub fn message(&mut self, conn: ConnId, msg: Message, out: &mut Vec<GatewayAction>) {
+        let Some(&node) = self.conns.get(&conn) else {
+            return;
+        };
+        let up = self.nodes[node].up();
+        match msg {
+            Message::Heartbeat { .. } => {}
+            msg @ Message::Hello { .. } if !up => {
+                let peer = PeerHello::from_message(&msg).expect("a Hello");
+                let role = self.nodes[node].role;
+                match check_peer(&self.cfg.identity, &peer, &[role], false) {
+                    Ok(()) => {
+                        let n = &mut self.nodes[node];
+                        n.last_limit = Some(peer.max_request_tokens);
+                        n.hello = Some(peer);
+                        n.refused = None;
+                    }
+                    Err(why) => {
+                        self.stats.handshakes_refused_total += 1;
+                        self.nodes[node].refused = Some(why.clone());
+                        out.push(GatewayAction::Send {
+                            conn,
+                            msg: Message::Refuse { message: why },
+                        });
+                        out.push(GatewayAction::Close { conn });
+                    }
+                }
+            }
+            Message::Refuse { message } => {
+                self.stats.handshakes_refused_total += 1;
+                self.nodes[node].refused = Some(message);
+                out.push(GatewayAction::Close { conn });
+            }
+            Message::Reserved { req, pages } if up => {
+                let Some(r) = self.reqs.get(&req) else {
+                    // We gave up on it (client cancel): undo the reservation.
+                    out.push(GatewayAction::Send {
+                        conn,
+                        msg: Message::Cancel { req },
+                    });
+                    return;
+                };
+                if r.decode != node || r.phase != GatewayPhase::Reserving {
+                    self.stats.protocol_errors_total += 1;
+                    return;
+                }
+                let ps = self.nodes[node]
+                    .hello
+                    .as_ref()
+                    .map(|h| h.layout.page_size)
+                    .unwrap_or(1);
+                let prompt_pages = pages_for(r.tokens.len(), ps);
+                if pages.len() < prompt_pages {
+                    self.stats.protocol_errors_total += 1;
+                    let e = refusal::upstream(
+                        "transfer_protocol",
+                        format!(
+                            "decode reserved {} pages for a prompt that needs {prompt_pages}",
+                            pages.len()
+                        ),
+                    );
+                    return self.end(req, Some(e), out);
+                }
+                let p = r.prefill;
+                let Some(pconn) = self.nodes[p].conn.filter(|_| self.nodes[p].up()) else {
+                    let e = refusal::upstream(
+                        "prefill_lost",
+                        format!(
+                            "the prefill node at {} is not connected",
+                            self.nodes[p].addr
+                        ),
+                    );
+                    return self.end(req, Some(e), out);
+                };
+                let msg = Message::Prefill {
+                    req,
+                    tenant: r.tenant,
+                    decode: self.nodes[node].addr.clone(),
+                    tokens: r.tokens.clone(),
+                    max_tokens: r.max_tokens,
+                    gen: r.gen.clone(),
+                    pages: pages[..prompt_pages].to_vec(),
+                };
+                self.reqs.get_mut(&req).expect("known").phase = GatewayPhase::Prefilling;
+                out.push(GatewayAction::Send { conn: pconn, msg });
+            }
+            Message::Rejected { req, error } if up => {
+                let Some(r) = self.reqs.get(&req) else {
+                    return;
+                };
+                if r.decode != node && r.prefill != node {
+                    self.stats.protocol_errors_total += 1;
+                    return;
+                }
+                if self.nodes[node].role == ROLE_DECODE {
+                    self.stats.rejected_by_decode_total += 1;
+                } else {
+                    self.stats.rejected_by_prefill_total += 1;
+                }
+                self.end(req, Some(error), out);
+            }
+            Message::Token {
+                req,
+                id,
+                text,
+                logprobs,
+            } if up => {
+                let Some(r) = self.reqs.get_mut(&req) else {
+                    return;
+                };
+                if r.decode != node || r.phase == GatewayPhase::Reserving {
+                    self.stats.protocol_errors_total += 1;
+                    return;
+                }
+                r.phase = GatewayPhase::Streaming;
+                out.push(GatewayAction::Deliver {
+                    req,
+                    event: ClientEvent::Token { id, text, logprobs },
+                });
+            }
+            Message::Finished {
+                req,
+                finish,
+                prompt_tokens,
+                completion_tokens,
+                tail_text,
+            } if up => {
+                let Some(r) = self.reqs.get(&req) else {
+                    return;
+                };
+                if r.decode != node || r.phase == GatewayPhase::Reserving {
+                    self.stats.protocol_errors_total += 1;
+                    return;
+                }
+                self.stats.finished_total += 1;
+                out.push(GatewayAction::Deliver {
+                    req,
+                    event: ClientEvent::Finished {
+                        finish,
+                        prompt_tokens,
+                        completion_tokens,
+                        tail_text,
+                    },
+                });
+                self.remove(req);
+            }
+            _ => {
+                self.stats.protocol_errors_total += 1;
+                out.push(GatewayAction::Close { conn });
+            }
+        }
+    }
+
+    // --------------------------------------------------------- requests
+
+    /// The least-loaded (prefill, decode) pair that is up, with equal KV
+    /// layouts; ties rotate.
+    fn pick_pair(&self) -> Option<(usize, usize)> {
+        let mut best: Option<(usize, usize, usize)> = None;
+        let n = self.nodes.len().max(1);
+        for i in 0..self.nodes.len() {
+            let d = (i + self.rotate) % n;
+            let dn = &self.nodes[d];
+            if dn.role != ROLE_DECODE || !dn.up() {
+                continue;
+            }
+            for j in 0..self.nodes.len() {
+                let p = (j + self.rotate) % n;
+                let pn = &self.nodes[p];
+                if pn.role != ROLE_PREFILL || !pn.up() {
+                    continue;
+                }
+                let same_layout =
+                    pn.hello.as_ref().map(|h| h.layout) == dn.hello.as_ref().map(|h| h.layout);
+                if !same_layout {
+                    continue;
+                }
+                let load = pn.inflight + dn.inflight;
+                if best.is_none_or(|(_, _, l)| load < l) {
+                    best = Some((p, d, load));
+                }
+            }
+        }
+        best.map(|(p, d, _)| (p, d))
+    }
+
+    /// A new request. Refused at once (K8: over the advertised limit; no
+    /// pair up; too many in flight) or started: later events arrive as
+    /// [`GatewayAction::Deliver`].
+    pub fn submit(
+        &mut self,
+        req: u64,
+        tenant: u64,
+        tokens: Vec<u32>,
+        max_tokens: u32,
+        gen: GenSpec,
+        out: &mut Vec<GatewayAction>,
+    ) -> Result<(), Refusal> {
+        self.stats.requests_total += 1;
+        let limit = self.max_request_tokens();
+        let total = tokens.len().saturating_add(max_tokens as usize);
+        if total > limit as usize {
+            self.stats.refused_limit_total += 1;
+            return Err(refusal::context_length_exceeded(
+                tokens.len(),
+                max_tokens as usize,
+                limit as usize,
+            ));
+        }
+        if self.reqs.contains_key(&req) {
+            return Err(refusal::internal(format!("request id {req} reused")));
+        }
+        if self.reqs.len() >= self.cfg.requests_max {
+            self.stats.refused_unavailable_total += 1;
+            return Err(refusal::busy(format!(
+                "{} requests are in flight (the gateway's limit); retry later",
+                self.reqs.len()
+            )));
+        }
+        let Some((p, d)) = self.pick_pair() else {
+            self.stats.refused_unavailable_total += 1;
+            return Err(refusal::unavailable(
+                "no prefill/decode pair is available (nodes down or refused pairing)",
+            ));
+        };
+        self.rotate = self.rotate.wrapping_add(1);
+        let prefill = self.nodes[p]
+            .hello
+            .as_ref()
+            .map(|h| h.node.clone())
+            .unwrap_or_default();
+        let dconn = self.nodes[d].conn.expect("up implies connected");
+        out.push(GatewayAction::Send {
+            conn: dconn,
+            msg: Message::Reserve {
+                req,
+                tenant,
+                prefill,
+                tokens: tokens.clone(),
+                max_tokens,
+                gen: gen.clone(),
+            },
+        });
+        self.nodes[p].inflight += 1;
+        self.nodes[d].inflight += 1;
+        self.reqs.insert(
+            req,
+            Req {
+                tenant,
+                prefill: p,
+                decode: d,
+                tokens,
+                max_tokens,
+                gen,
+                phase: GatewayPhase::Reserving,
+            },
+        );
+        Ok(())
+    }
+
+    /// The client went away (or asked to stop): cooperative cancel on both
+    /// nodes. Nothing more is delivered for the request.
+    pub fn cancel(&mut self, req: u64, out: &mut Vec<GatewayAction>) {
+        let Some(r) = self.reqs.get(&req) else {
+            return;
+        };
+        match r.phase {
+            GatewayPhase::Reserving => self.stats.cancels_reserving_total += 1,
+            GatewayPhase::Prefilling => self.stats.cancels_prefilling_total += 1,
+            GatewayPhase::Streaming => self.stats.cancels_streaming_total += 1,
+        }
+        self.end(req, None, out);
+    }
+
+    /// Ends a request: `Cancel` to every node that may hold state for it,
+    /// the error (if any) to the client.
+    fn end(&mut self, req: u64, error: Option<Refusal>, out: &mut Vec<GatewayAction>) {
+        let Some(r) = self.reqs.get(&req) else {
+            return;
+        };
+        let (p, d, phase) = (r.prefill, r.decode, r.phase);
+        if let Some(conn) = self.nodes[d].conn {
+            out.push(GatewayAction::Send {
+                conn,
+                msg: Message::Cancel { req },
+            });
+        }
+        if phase != GatewayPhase::Reserving {
+            if let Some(conn) = self.nodes[p].conn {
+                out.push(GatewayAction::Send {
+                    conn,
+                    msg: Message::Cancel { req },
+                });
+            }
+        }
+        if let Some(e) = error {
+            out.push(GatewayAction::Deliver {
+                req,
+                event: ClientEvent::Error(e),
+            });
+        }
+        self.remove(req);
+    }
+
+    fn remove(&mut self, req: u64) {
+        if let Some(r) = self.reqs.remove(&req) {
+            self.nodes[r.prefill].inflight -= 1;
+            self.nodes[r.decode].inflight -= 1;
+        }
+    }
+}
