@@ -49,8 +49,9 @@ pub struct DecodeConfig {
 #[cfg(any(test, feature = "mutations"))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct DecodeMutations {
-    /// Release the transfer's leases on cancel instead of waiting for
-    /// prefill's last word (K4 broken).
+    /// On cancel, release the transfer's leases at once (the pages go
+    /// back to the free list) instead of when prefill's last word arrives
+    /// (K4 broken); the request still waits for that word.
     pub free_without_drain: bool,
     /// Accept a page whatever destination handle it names (K2 fence off):
     /// import it into the page of that index in its current epoch.
@@ -171,6 +172,10 @@ struct Req {
     received_count: u32,
     /// Prompt pages still leased to the transfer.
     leased: bool,
+    /// Draining with no known link, while some connection's handshake is
+    /// in progress: that connection may be this request's prefill, which
+    /// may already be sending. Wait for the handshakes to settle.
+    awaiting_handshake: bool,
     phase: DecodePhase,
 }
 
@@ -241,6 +246,11 @@ impl DecodeNode {
         self.reqs.get(&req).map(|r| r.pages.as_slice())
     }
 
+    /// The prefill link a request's transfer is bound to, once known.
+    pub fn link_of(&self, req: u64) -> Option<ConnId> {
+        self.reqs.get(&req).and_then(|r| r.link)
+    }
+
     /// Owner of a request's pages.
     pub fn owner_of(&self, req: u64) -> Option<Owner> {
         self.reqs.get(&req).map(|r| r.owner)
@@ -265,7 +275,7 @@ impl DecodeNode {
             return;
         };
         match link {
-            Link::Handshaking => {}
+            Link::Handshaking => self.settle_handshakes(pool),
             Link::Gateway => {
                 let reqs: Vec<u64> = self
                     .reqs
@@ -350,6 +360,18 @@ impl DecodeNode {
                         self.links.insert(conn, Link::Gateway);
                     }
                     Ok(()) => {
+                        // Draining requests of this node that waited for the
+                        // handshake: ask for prefill's last word on it.
+                        for (&req, r) in self.reqs.iter_mut() {
+                            if r.awaiting_handshake && r.prefill == peer.node {
+                                r.awaiting_handshake = false;
+                                r.link = Some(conn);
+                                out.push(DecodeAction::Send {
+                                    conn,
+                                    msg: Message::Cancel { req },
+                                });
+                            }
+                        }
                         self.prefill_links.insert(peer.node.clone(), conn);
                         self.links.insert(conn, Link::Prefill { node: peer.node });
                     }
@@ -363,6 +385,7 @@ impl DecodeNode {
                         out.push(DecodeAction::Close { conn });
                     }
                 }
+                self.settle_handshakes(pool);
             }
             (
                 Link::Gateway,
@@ -421,6 +444,24 @@ impl DecodeNode {
             }
         }
         self.admit(pool, out);
+    }
+
+    /// When no handshake is in progress any more, requests that waited for
+    /// one end their transfer: no connection can carry their pages.
+    fn settle_handshakes(&mut self, pool: &mut Pool) {
+        if self.links.values().any(|l| *l == Link::Handshaking) {
+            return;
+        }
+        let waiting: Vec<u64> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| r.awaiting_handshake)
+            .map(|(&k, _)| k)
+            .collect();
+        for req in waiting {
+            self.reqs.get_mut(&req).expect("known").awaiting_handshake = false;
+            self.end_transfer(pool, req);
+        }
     }
 
     // ------------------------------------------------------ reservations
@@ -520,6 +561,7 @@ impl DecodeNode {
                 received: vec![None; prompt_pages],
                 received_count: 0,
                 leased: false,
+                awaiting_handshake: false,
                 phase: DecodePhase::Waiting,
             },
         );
@@ -683,7 +725,10 @@ impl DecodeNode {
             }
         }
         let owner = r.owner;
-        let expected_slots = slots_at(r.tokens.len(), ps, pos);
+        let mut expected_slots = slots_at(r.tokens.len(), ps, pos);
+        if mutated!(self, skip_completeness_check) {
+            expected_slots = slots as usize;
+        }
         if slots as usize != expected_slots {
             self.stats.incomplete_transfers_total += 1;
             let e = refusal::upstream(
@@ -998,14 +1043,25 @@ impl DecodeNode {
                 let link = r
                     .link
                     .or_else(|| self.prefill_links.get(&r.prefill).copied());
+                let handshaking = self.links.values().any(|l| *l == Link::Handshaking);
                 match link {
                     Some(_) if !ask_prefill => {}
-                    Some(conn) if !mutated!(self, free_without_drain) => {
+                    Some(conn) => {
                         self.reqs.get_mut(&req).expect("known").link = Some(conn);
                         out.push(DecodeAction::Send {
                             conn,
                             msg: Message::Cancel { req },
                         });
+                        if mutated!(self, free_without_drain) {
+                            let r = self.reqs.get_mut(&req).expect("known");
+                            r.leased = false;
+                            for &h in &r.pages[..r.prompt_pages()] {
+                                let _ = pool.release_lease(h, r.owner);
+                            }
+                        }
+                    }
+                    None if ask_prefill && handshaking => {
+                        self.reqs.get_mut(&req).expect("known").awaiting_handshake = true;
                     }
                     _ => {
                         // No link to that prefill node: nothing can be in

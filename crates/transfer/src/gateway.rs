@@ -115,8 +115,19 @@ struct Req {
     phase: GatewayPhase,
 }
 
+/// Test-only mutations (see [`crate::decode::DecodeMutations`]).
+#[cfg(any(test, feature = "mutations"))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct GatewayMutations {
+    /// Route over-long requests to the nodes instead of refusing them (to
+    /// show the nodes' own checks, K8 "again on every node").
+    pub skip_limit_check: bool,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Gateway {
+    #[cfg(any(test, feature = "mutations"))]
+    mutations: GatewayMutations,
     cfg: GatewayConfig,
     nodes: Vec<NodeView>,
     conns: BTreeMap<ConnId, usize>,
@@ -143,6 +154,8 @@ impl Gateway {
             })
             .collect();
         Gateway {
+            #[cfg(any(test, feature = "mutations"))]
+            mutations: GatewayMutations::default(),
             cfg,
             nodes,
             conns: BTreeMap::new(),
@@ -150,6 +163,11 @@ impl Gateway {
             rotate: 0,
             stats: GatewayStats::default(),
         }
+    }
+
+    #[cfg(any(test, feature = "mutations"))]
+    pub fn set_mutations(&mut self, m: GatewayMutations) {
+        self.mutations = m;
     }
 
     pub fn nodes(&self) -> &[NodeView] {
@@ -436,7 +454,11 @@ impl Gateway {
         self.stats.requests_total += 1;
         let limit = self.max_request_tokens();
         let total = tokens.len().saturating_add(max_tokens as usize);
-        if total > limit as usize {
+        #[cfg(any(test, feature = "mutations"))]
+        let skip = self.mutations.skip_limit_check;
+        #[cfg(not(any(test, feature = "mutations")))]
+        let skip = false;
+        if total > limit as usize && !skip {
             self.stats.refused_limit_total += 1;
             return Err(refusal::context_length_exceeded(
                 tokens.len(),

@@ -219,6 +219,21 @@ impl PrefillNode {
         self.reqs.iter().map(|(&k, r)| (k, r.phase))
     }
 
+    /// Transfers that may still write decode's pages: `(request, link,
+    /// destination pages)` of every request sending (for invariant checks).
+    pub fn sending(&self) -> impl Iterator<Item = (u64, Option<ConnId>, &[WirePage])> + '_ {
+        self.reqs
+            .iter()
+            .filter(|(_, r)| r.phase == PrefillPhase::Sending)
+            .map(|(&k, r)| {
+                (
+                    k,
+                    self.decode_links.get(&r.decode).copied().flatten(),
+                    r.dst.as_slice(),
+                )
+            })
+    }
+
     // ------------------------------------------------------------ links
 
     /// A gateway dialled us.

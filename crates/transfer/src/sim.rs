@@ -112,6 +112,23 @@ impl Default for SimConfig {
     }
 }
 
+/// One client request at the end of a run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    pub req: u64,
+    pub tenant: u64,
+    pub prompt: Vec<u32>,
+    /// Tokens the client received.
+    pub tokens: Vec<u32>,
+    /// The reference generation.
+    pub expected: Vec<u32>,
+    /// `Ok(completion_tokens)` or `Err(error code)`; `None` if cancelled.
+    pub end: Option<Result<u32, String>>,
+    /// Status of the error, if any.
+    pub status: Option<u16>,
+    pub cancelled: bool,
+}
+
 /// What a run saw.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SimReport {
@@ -132,6 +149,12 @@ pub struct SimReport {
     pub cancels_decoding: u64,
     /// Error codes clients got, in order.
     pub error_codes: Vec<String>,
+    pub outcomes: Vec<Outcome>,
+    /// Pool counters at the end (of the current node instances).
+    pub prefill_pool: kv::PoolStats,
+    pub decode_pool: kv::PoolStats,
+    pub decode_stats: crate::decode::DecodeStats,
+    pub prefill_stats: crate::prefill::PrefillStats,
 }
 
 // ------------------------------------------------------------- the model
@@ -281,8 +304,13 @@ struct Client {
     expected: Vec<u32>,
     tokens: Vec<u32>,
     end: Option<Result<u32, String>>,
+    status: Option<u16>,
     cancelled: bool,
 }
+
+/// Rewrites a message in flight (tests of faulty senders and of corruption
+/// the frame check does not cover); returns whether it changed it.
+pub type Tamper = Box<dyn FnMut(&mut Message) -> bool>;
 
 /// One simulation run.
 pub struct Sim {
@@ -311,6 +339,9 @@ pub struct Sim {
     retired_fenced: u64,
     retired_late: u64,
     retired_cancels: (u64, u64),
+    tamper: Option<Tamper>,
+    /// Check the cross-node K4 invariant after every step.
+    check_k4: bool,
 }
 
 fn identity(node: &str, ps: u32, limit: u32) -> Identity {
@@ -330,9 +361,6 @@ fn identity(node: &str, ps: u32, limit: u32) -> Identity {
 
 impl Sim {
     pub fn new(seed: u64, cfg: SimConfig) -> Sim {
-        let shape = KvShape::new(LAYERS, 1, WIDTH, cfg.page_size as usize, DType::F32)
-            .expect("simulation shape is valid");
-        let pool = |pages| Pool::new(shape, pages, PoolOptions::default()).expect("small pool");
         let mut rng = SimRng::new(seed);
         let mut clients = BTreeMap::new();
         for i in 0..cfg.requests as u64 {
@@ -350,10 +378,45 @@ impl Sim {
                     expected,
                     tokens: Vec::new(),
                     end: None,
+                    status: None,
                     cancelled: false,
                 },
             );
         }
+        Self::build(rng, cfg, clients)
+    }
+
+    /// A run over the given requests `(tenant, prompt, max_tokens)`, in
+    /// order, instead of random ones.
+    pub fn scripted(seed: u64, cfg: SimConfig, requests: &[(u64, Vec<u32>, u32)]) -> Sim {
+        let rng = SimRng::new(seed);
+        let mut clients = BTreeMap::new();
+        for (i, (tenant, prompt, max_tokens)) in requests.iter().enumerate() {
+            clients.insert(
+                100 + i as u64,
+                Client {
+                    tenant: *tenant,
+                    prompt: prompt.clone(),
+                    max_tokens: *max_tokens,
+                    expected: reference_tokens(prompt, *max_tokens),
+                    tokens: Vec::new(),
+                    end: None,
+                    status: None,
+                    cancelled: false,
+                },
+            );
+        }
+        let cfg = SimConfig {
+            requests: requests.len(),
+            ..cfg
+        };
+        Self::build(rng, cfg, clients)
+    }
+
+    fn build(rng: SimRng, cfg: SimConfig, clients: BTreeMap<u64, Client>) -> Sim {
+        let shape = KvShape::new(LAYERS, 1, WIDTH, cfg.page_size as usize, DType::F32)
+            .expect("simulation shape is valid");
+        let pool = |pages| Pool::new(shape, pages, PoolOptions::default()).expect("small pool");
         let mut sim = Sim {
             gateway: Gateway::new(GatewayConfig {
                 identity: identity("gateway", cfg.page_size, 0),
@@ -381,6 +444,8 @@ impl Sim {
             retired_fenced: 0,
             retired_late: 0,
             retired_cancels: (0, 0),
+            tamper: None,
+            check_k4: true,
             rng,
             cfg,
         };
@@ -413,6 +478,23 @@ impl Sim {
     /// Mutable access for tests that set mutations or inspect state.
     pub fn decode_mut(&mut self) -> &mut DecodeNode {
         &mut self.decode
+    }
+    pub fn gateway_mut(&mut self) -> &mut Gateway {
+        &mut self.gateway
+    }
+    pub fn decode_pool_mut(&mut self) -> &mut Pool {
+        &mut self.decode_pool
+    }
+    pub fn prefill_pool_mut(&mut self) -> &mut Pool {
+        &mut self.prefill_pool
+    }
+    pub fn set_tamper(&mut self, t: Tamper) {
+        self.tamper = Some(t);
+    }
+    /// Switch the cross-node K4 check off (to let a mutation run on and
+    /// show its consequences further down).
+    pub fn set_check_k4(&mut self, on: bool) {
+        self.check_k4 = on;
     }
     pub fn prefill_mut(&mut self) -> &mut PrefillNode {
         &mut self.prefill
@@ -602,7 +684,14 @@ impl Sim {
             self.trace(|| format!("CORRUPT byte {i} of a frame on conn {conn}"));
         }
         match Message::decode(&frame) {
-            Ok(Some((msg, _))) => self.receive(to, conn, msg),
+            Ok(Some((mut msg, _))) => {
+                if let Some(t) = self.tamper.as_mut() {
+                    if t(&mut msg) {
+                        self.trace(|| format!("TAMPERED a {} on conn {conn}", msg.kind_name()));
+                    }
+                }
+                self.receive(to, conn, msg)
+            }
             // A frame that no longer parses: the receiver's transport
             // closes the connection (what the TCP driver does).
             _ => self.close_by(to, conn),
@@ -703,6 +792,7 @@ impl Sim {
             } => c.end = Some(Ok(completion_tokens)),
             ClientEvent::Error(e) => {
                 self.report.error_codes.push(e.code.clone());
+                c.status = Some(e.status);
                 c.end = Some(Err(e.code));
             }
         }
@@ -1032,7 +1122,14 @@ impl Sim {
         true
     }
 
-    /// Pool invariants on both nodes (after every step).
+    /// Pool invariants on both nodes, and K4 across them (after every
+    /// step): while prefill may still write a transfer's pages over a live
+    /// link that decode has bound the request to, decode's pages for it are
+    /// still that reservation (same epoch: never freed, never reallocated).
+    /// A transfer on a link decode has not bound (it forgot the request:
+    /// cancelled before it knew the link) can only reach pages through
+    /// handles decode no longer honours: those pages are fenced (K2), which
+    /// the content check covers.
     fn check_pools(&self) -> Result<(), String> {
         self.prefill_pool
             .check_invariants()
@@ -1040,6 +1137,27 @@ impl Sim {
         self.decode_pool
             .check_invariants()
             .map_err(|e| format!("decode pool: {e}"))?;
+        if !self.check_k4 || !self.decode_up || !self.prefill_up {
+            return Ok(());
+        }
+        for (req, conn, dst) in self.prefill.sending() {
+            let alive = conn
+                .and_then(|c| self.conns.get(&c))
+                .is_some_and(|c| c.closed == [false, false]);
+            if !alive || self.decode.link_of(req) != conn {
+                continue;
+            }
+            for p in dst {
+                let epoch = self.decode_pool.epoch_of(p.index);
+                if epoch != Some(p.epoch) {
+                    return Err(format!(
+                        "K4: prefill may still write page {} epoch {} of request {req}, but decode's \
+                         page is at epoch {epoch:?} (freed or reallocated)",
+                        p.index, p.epoch
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -1153,6 +1271,22 @@ impl Sim {
                 None => return Err(format!("request {req} never ended")),
             }
         }
+        for (&req, c) in &self.clients {
+            self.report.outcomes.push(Outcome {
+                req,
+                tenant: c.tenant,
+                prompt: c.prompt.clone(),
+                tokens: c.tokens.clone(),
+                expected: c.expected.clone(),
+                end: c.end.clone(),
+                status: c.status,
+                cancelled: c.cancelled,
+            });
+        }
+        self.report.prefill_pool = self.prefill_pool.stats();
+        self.report.decode_pool = self.decode_pool.stats();
+        self.report.decode_stats = self.decode.stats();
+        self.report.prefill_stats = self.prefill.stats();
         let s = self.decode.stats();
         self.report.checksum_failures = self.retired_checksum + s.checksum_failures_total;
         self.report.pages_fenced = self.retired_fenced + s.pages_fenced_total;

@@ -1,0 +1,276 @@
+//! Targeted PD scenarios over the production state machines (in the
+//! simulator, with real pools): the incident, corruption, stale handles,
+//! and for each safety check a mutation that removes it and a test that
+//! then fails. Which mutation each test catches:
+//!
+//! | mutation | caught by |
+//! |---|---|
+//! | prefill placeholder (incident) | `incident_placeholder_is_caught_by_decode_completeness` |
+//! | decode completeness check off + placeholder | `without_completeness_the_placeholder_answers_wrongly` |
+//! | pool checksum check off (K6) | `without_the_checksum_corrupted_kv_reaches_the_client` |
+//! | decode handle check off (K2 fence) | `a_page_for_a_stale_handle_is_fenced` (the canary still refuses it) |
+//! | decode frees without draining (K4) | `freeing_without_draining_breaks_k4` |
+
+use transfer::decode::DecodeMutations;
+use transfer::gateway::GatewayMutations;
+use transfer::prefill::PrefillMutations;
+use transfer::sim::{Outcome, Sim, SimConfig, SimReport};
+use transfer::wire::Message;
+
+fn quiet() -> SimConfig {
+    SimConfig {
+        cancel_permille: 0,
+        corrupt_permille: 0,
+        kill_conn_permille: 0,
+        crash_permille: 0,
+        ..SimConfig::default()
+    }
+}
+
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (seed * 131 + i * 17) % 1000)
+        .collect()
+}
+
+fn outcome(r: &SimReport, req: u64) -> &Outcome {
+    r.outcomes
+        .iter()
+        .find(|o| o.req == req)
+        .expect("request ran")
+}
+
+fn assert_pools_free(r: &SimReport) {
+    for (name, p) in [("prefill", r.prefill_pool), ("decode", r.decode_pool)] {
+        assert_eq!(p.pages_free, p.pages_total, "{name} pool leaked: {p:?}");
+        assert_eq!(p.pages_leased, 0, "{name} pool: {p:?}");
+        assert_eq!(p.refused_double_free, 0, "{name} pool: {p:?}");
+    }
+}
+
+/// Prefill's pool is smaller than decode's and than the window; tenant 1's
+/// secret-bearing request runs first; tenant 2 sends a request that fits
+/// decode but not prefill, and the gateway is made to pass it on.
+fn incident() -> (SimConfig, Vec<(u64, Vec<u32>, u32)>) {
+    let cfg = SimConfig {
+        prefill_limit: 16,
+        decode_limit: 32,
+        ..quiet()
+    };
+    let reqs = vec![(1, prompt(1, 12), 4), (2, prompt(2, 22), 4)];
+    (cfg, reqs)
+}
+
+#[test]
+fn incident_placeholder_request_never_decodes() {
+    let (cfg, reqs) = incident();
+    let mut sim = Sim::scripted(1, cfg, &reqs);
+    sim.gateway_mut().set_mutations(GatewayMutations {
+        skip_limit_check: true,
+    });
+    let r = sim.run().expect("invariants hold");
+    let secret = outcome(&r, 100);
+    assert_eq!(secret.end, Some(Ok(4)));
+    assert_eq!(secret.tokens, secret.expected);
+    let over = outcome(&r, 101);
+    // The client gets prefill's original error, with its numbers.
+    assert_eq!(over.end, Some(Err("context_length_exceeded".into())));
+    assert_eq!(over.status, Some(400));
+    assert!(over.tokens.is_empty(), "decode generated {:?}", over.tokens);
+    assert_eq!(r.decode_stats.reservations_total, 2);
+    assert_eq!(r.decode_stats.transfers_completed_total, 1);
+    assert_eq!(r.decode_stats.decodes_finished_total, 1);
+    assert_eq!(r.prefill_stats.prefills_refused_total, 1);
+    assert_pools_free(&r);
+    assert_eq!(r.decode_pool.safety_refusals(), 0);
+}
+
+#[test]
+fn the_gateway_refuses_over_long_requests_before_any_node() {
+    let (cfg, reqs) = incident();
+    let r = Sim::scripted(1, cfg, &reqs).run().expect("invariants hold");
+    let over = outcome(&r, 101);
+    assert_eq!(over.end, Some(Err("context_length_exceeded".into())));
+    // Only the first request reached decode.
+    assert_eq!(r.decode_stats.reservations_total, 1);
+    assert_eq!(r.prefill_stats.prefills_total, 1);
+    assert_pools_free(&r);
+}
+
+#[test]
+fn incident_placeholder_is_caught_by_decode_completeness() {
+    let (cfg, reqs) = incident();
+    let mut sim = Sim::scripted(1, cfg, &reqs);
+    sim.gateway_mut().set_mutations(GatewayMutations {
+        skip_limit_check: true,
+    });
+    sim.prefill_mut()
+        .set_mutations(PrefillMutations { placeholder: true });
+    let r = sim.run().expect("invariants hold");
+    let over = outcome(&r, 101);
+    assert_eq!(over.end, Some(Err("transfer_incomplete".into())));
+    assert!(over.tokens.is_empty());
+    assert_eq!(r.decode_stats.incomplete_transfers_total, 1);
+    assert_pools_free(&r);
+}
+
+#[test]
+fn without_completeness_the_placeholder_answers_wrongly() {
+    let (cfg, reqs) = incident();
+    let mut sim = Sim::scripted(1, cfg, &reqs);
+    sim.gateway_mut().set_mutations(GatewayMutations {
+        skip_limit_check: true,
+    });
+    sim.prefill_mut()
+        .set_mutations(PrefillMutations { placeholder: true });
+    sim.decode_mut().set_mutations(DecodeMutations {
+        skip_completeness_check: true,
+        ..DecodeMutations::default()
+    });
+    // The incident's answer: a token computed from a one-token placeholder
+    // reaches the client (then decode's read of unwritten slots is refused
+    // by the pool, K3). The run's content check reports it.
+    let err = sim.run().expect_err("a wrong token must be delivered");
+    assert!(err.contains("request 101"), "{err}");
+}
+
+fn tamper_first_page(req: u64) -> transfer::sim::Tamper {
+    let mut done = false;
+    Box::new(move |m: &mut Message| {
+        if let Message::Page { req: r, bytes, .. } = m {
+            if *r == req && !done {
+                done = true;
+                bytes[0] ^= 0x40;
+                return true;
+            }
+        }
+        false
+    })
+}
+
+#[test]
+fn corrupted_page_bytes_fail_the_checksum_with_zero_tokens() {
+    let reqs = vec![(1, prompt(3, 10), 3), (2, prompt(4, 9), 3)];
+    let mut sim = Sim::scripted(2, quiet(), &reqs);
+    sim.set_tamper(tamper_first_page(100));
+    let r = sim.run().expect("invariants hold");
+    let bad = outcome(&r, 100);
+    assert_eq!(bad.end, Some(Err("checksum_mismatch".into())));
+    assert!(bad.tokens.is_empty());
+    assert_eq!(r.decode_stats.checksum_failures_total, 1);
+    assert_eq!(r.decode_pool.checksum_mismatch, 1);
+    // The other request is unaffected.
+    let good = outcome(&r, 101);
+    assert_eq!(good.end, Some(Ok(3)));
+    assert_eq!(good.tokens, good.expected);
+    assert_pools_free(&r);
+}
+
+#[test]
+fn without_the_checksum_corrupted_kv_reaches_the_client() {
+    let reqs = vec![(1, prompt(3, 10), 3)];
+    let mut sim = Sim::scripted(2, quiet(), &reqs);
+    sim.set_tamper(tamper_first_page(100));
+    sim.decode_pool_mut().set_faults(kv::Faults {
+        skip_checksum_check: true,
+        ..kv::Faults::default()
+    });
+    let err = sim.run().expect_err("corrupted KV must change the answer");
+    assert!(err.contains("not a prefix of the reference"), "{err}");
+}
+
+/// A faulty gateway (or a stale reservation) hands prefill an old epoch of
+/// a reserved page: prefill binds its checksum and canary to it.
+fn stale_reservation(req: u64) -> transfer::sim::Tamper {
+    Box::new(move |m: &mut Message| {
+        if let Message::Prefill { req: r, pages, .. } = m {
+            if *r == req {
+                pages[0].epoch = pages[0].epoch.wrapping_sub(2);
+                return true;
+            }
+        }
+        false
+    })
+}
+
+#[test]
+fn a_page_for_a_stale_handle_is_fenced() {
+    let reqs = vec![(1, prompt(5, 8), 2), (2, prompt(6, 8), 2)];
+    let mut sim = Sim::scripted(3, quiet(), &reqs);
+    sim.set_tamper(stale_reservation(101));
+    let r = sim.run().expect("invariants hold");
+    let bad = outcome(&r, 101);
+    assert_eq!(bad.end, Some(Err("transfer_fenced".into())));
+    assert!(bad.tokens.is_empty());
+    assert!(r.decode_stats.pages_fenced_total >= 1);
+    assert_pools_free(&r);
+
+    // Without the handle check, the canary (bound to the epoch) refuses it.
+    let mut sim = Sim::scripted(3, quiet(), &reqs);
+    sim.set_tamper(stale_reservation(101));
+    sim.decode_mut().set_mutations(DecodeMutations {
+        skip_handle_check: true,
+        ..DecodeMutations::default()
+    });
+    let r = sim.run().expect("invariants hold");
+    assert_eq!(outcome(&r, 101).end, Some(Err("canary_mismatch".into())));
+    assert_eq!(r.decode_stats.pages_fenced_total, 0);
+}
+
+#[test]
+fn freeing_without_draining_breaks_k4() {
+    let cfg = SimConfig {
+        cancel_permille: 60,
+        cancels_max: 4,
+        ..quiet()
+    };
+    for seed in 0..600 {
+        let mut sim = Sim::new(seed, cfg.clone());
+        sim.decode_mut().set_mutations(DecodeMutations {
+            free_without_drain: true,
+            ..DecodeMutations::default()
+        });
+        if let Err(e) = sim.run() {
+            assert!(e.contains("K4"), "seed {seed}: {e}");
+            return;
+        }
+    }
+    panic!("600 seeds never caught decode freeing pages a transfer may still write");
+}
+
+#[test]
+fn cancels_land_in_every_decode_phase() {
+    let cfg = SimConfig {
+        cancel_permille: 60,
+        cancels_max: 4,
+        ..quiet()
+    };
+    let (mut receiving, mut decoding, mut waiting) = (0, 0, 0);
+    for seed in 0..300 {
+        let r = Sim::new(seed, cfg.clone())
+            .run()
+            .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        receiving += r.decode_stats.cancels_receiving_total;
+        decoding += r.decode_stats.cancels_decoding_total;
+        waiting += r.decode_stats.cancels_waiting_total;
+        assert_pools_free(&r);
+    }
+    assert!(
+        receiving > 0 && decoding > 0,
+        "receiving {receiving}, decoding {decoding}, waiting {waiting}"
+    );
+}
+
+#[test]
+fn replay_scenario_seed() {
+    let Ok(seed) = std::env::var("SIM_SEED") else {
+        return;
+    };
+    let cfg = SimConfig {
+        cancel_permille: 60,
+        cancels_max: 4,
+        trace: true,
+        ..quiet()
+    };
+    Sim::new(seed.parse().unwrap(), cfg).run().unwrap();
+}
