@@ -41,7 +41,48 @@ impl EngineStats {
     }
 }
 
-struct Active {
+/// What a running request is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Unified: prefill, then decode; the engine owns the pages.
+    Full,
+    /// Prefill role: compute the prompt's KV and the first token, then hand
+    /// the request back (pages stay allocated: the transfer machine frees
+    /// them).
+    PrefillOnly,
+    /// Decode role: the prompt's KV arrived by transfer; decode from the
+    /// first token (the transfer machine frees the pages).
+    DecodeOnly,
+}
+
+/// Where a request's events go.
+pub(crate) enum Sink {
+    /// A caller in this process (unified role).
+    Local {
+        events: tmpsc::UnboundedSender<Event>,
+        cancel: Arc<AtomicBool>,
+    },
+    /// A remote gateway, through the node's outbox (PD roles).
+    Remote { conn: u64 },
+}
+
+/// What a PD role's engine produced for the node loop to act on.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Outcome {
+    /// A token, the end or a failure of a remote request.
+    Event { req: u64, conn: u64, event: Event },
+    /// Prefill computed the prompt and sampled the first token.
+    Computed {
+        req: u64,
+        first: u32,
+        /// (logprob, top alternatives) when asked for.
+        logprobs: Option<(f32, Vec<(u32, f32)>)>,
+        sampler_state: u64,
+    },
+}
+
+pub(crate) struct Active {
+    mode: Mode,
     id: RequestId,
     owner: Owner,
     prompt: Vec<u32>,
@@ -58,8 +99,7 @@ struct Active {
     generated: Vec<u32>,
     /// Prompt followed by generated tokens (for penalties).
     history: Vec<u32>,
-    events: tmpsc::UnboundedSender<Event>,
-    cancel: Arc<AtomicBool>,
+    sink: Sink,
     submitted_at: Instant,
     admitted_at: Instant,
     first_token_at: Option<Instant>,
@@ -70,23 +110,70 @@ impl Active {
         self.prefilled == self.prompt.len()
     }
     fn cancelled(&self) -> bool {
-        self.cancel.load(Ordering::Relaxed) || self.events.is_closed()
+        match &self.sink {
+            Sink::Local { events, cancel } => cancel.load(Ordering::Relaxed) || events.is_closed(),
+            // Remote requests are stopped by their transfer machine.
+            Sink::Remote { .. } => false,
+        }
     }
+}
+
+/// Sends an event to a request's sink.
+fn emit(outbox: &mut Vec<Outcome>, a: &Active, event: Event) {
+    match &a.sink {
+        Sink::Local { events, .. } => {
+            let _ = events.send(event);
+        }
+        Sink::Remote { conn } => outbox.push(Outcome::Event {
+            req: a.id.0,
+            conn: *conn,
+            event,
+        }),
+    }
+}
+
+/// A request the decode role starts from transferred KV.
+pub(crate) struct DecodeJob {
+    pub req: u64,
+    pub owner: Owner,
+    pub conn: u64,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub params: model::sample::SamplingParams,
+    pub sampler_state: u64,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub logprobs: Option<usize>,
+    pub pages: Vec<PageRef>,
+    pub first_token: u32,
+    pub first_logprobs: Option<(f32, Vec<(u32, f32)>)>,
+}
+
+/// A prompt the prefill role computes into its own pages.
+pub(crate) struct PrefillJob {
+    pub req: u64,
+    pub owner: Owner,
+    pub prompt: Vec<u32>,
+    pub params: model::sample::SamplingParams,
+    pub logprobs: Option<usize>,
+    pub pages: Vec<PageRef>,
 }
 
 pub(crate) struct Core {
     model: Model,
     tokenizer: Tokenizer,
-    pool: Pool,
-    cfg: EngineConfig,
+    pub(crate) pool: Pool,
+    pub(crate) cfg: EngineConfig,
+    /// Events of remote requests and prefill results (PD roles).
+    pub(crate) outbox: Vec<Outcome>,
     max_request: usize,
     waiting: VecDeque<Submitted>,
-    running: Vec<Active>,
+    pub(crate) running: Vec<Active>,
     scratch: Scratch,
     rows: Vec<Row>,
     stats: Arc<Mutex<EngineStats>>,
     waiting_count: Arc<AtomicU64>,
-    local: EngineStats,
+    pub(crate) local: EngineStats,
     shutdown: Option<bool>,
 }
 
@@ -104,6 +191,7 @@ impl Core {
         Core {
             model,
             tokenizer,
+            outbox: Vec::new(),
             rows: Vec::with_capacity(cfg.step_tokens_max),
             waiting: VecDeque::with_capacity(cfg.queue_max),
             running: Vec::with_capacity(cfg.running_max),
@@ -162,7 +250,7 @@ impl Core {
         }
     }
 
-    fn publish(&mut self) {
+    pub(crate) fn publish(&mut self) {
         self.local.pool = self.pool.stats();
         self.local.running = self.running.len();
         self.local.waiting = self.waiting.len();
@@ -184,7 +272,7 @@ impl Core {
         self.left_queue(n);
         let running = std::mem::take(&mut self.running);
         for a in running {
-            let _ = a.events.send(Event::Error(err.clone()));
+            emit(&mut self.outbox, &a, Event::Error(err.clone()));
             self.release(&a);
             self.local.requests_cancelled_total += 1;
         }
@@ -210,6 +298,10 @@ impl Core {
     }
 
     fn release(&mut self, a: &Active) {
+        if a.mode != Mode::Full {
+            // PD roles: the transfer machine owns the pages' lifecycle.
+            return;
+        }
         for &h in &a.pages {
             match self.pool.free(h, a.owner) {
                 Ok(FreeOutcome::Freed) => {}
@@ -271,6 +363,7 @@ impl Core {
             self.local.prompt_tokens_total += sub.req.prompt.len() as u64;
             let history = sub.req.prompt.clone();
             self.running.push(Active {
+                mode: Mode::Full,
                 id: sub.id,
                 owner,
                 prompt: sub.req.prompt,
@@ -284,8 +377,10 @@ impl Core {
                 prefilled: 0,
                 generated: Vec::with_capacity(sub.req.max_tokens.min(4096)),
                 history,
-                events: sub.events,
-                cancel: sub.cancel,
+                sink: Sink::Local {
+                    events: sub.events,
+                    cancel: sub.cancel,
+                },
                 submitted_at: sub.submitted_at,
                 admitted_at: Instant::now(),
                 first_token_at: None,
@@ -356,9 +451,11 @@ impl Core {
             }
             self.publish();
             for a in failed {
-                let _ = a
-                    .events
-                    .send(Event::Error(RequestError::Internal(e.to_string())));
+                emit(
+                    &mut self.outbox,
+                    &a,
+                    Event::Error(RequestError::Internal(e.to_string())),
+                );
             }
             return;
         }
@@ -372,7 +469,9 @@ impl Core {
         // Sample for every row that produced logits, in row order.
         let vocab = self.model.config.vocab;
         let mut k = 0;
-        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        // (index in `running`, how it ended; `None`: handed back to the
+        // prefill role's transfer).
+        let mut finished: Vec<(usize, Option<FinishReason>)> = Vec::new();
         for ri in 0..self.rows.len() {
             let r = self.rows[ri];
             if !r.logits {
@@ -386,69 +485,211 @@ impl Core {
                 None => (Vec::new(), Vec::new()),
             };
             let next = a.sampler.sample(logits, &a.history);
-            a.generated.push(next);
-            a.history.push(next);
-            self.local.generated_tokens_total += 1;
-            if a.first_token_at.is_none() {
-                a.first_token_at = Some(Instant::now());
-            }
-            if !a.ignore_eos && self.tokenizer.is_eos(next) {
-                finished.push((r.seq, FinishReason::Stop));
-                continue;
-            }
-            let piece = a.decoder.push(next).unwrap_or_default();
-            let (text, stopped) = a.stops.push(&piece);
             let logprob = a
                 .logprobs
                 .map(|_| lp.get(next as usize).copied().unwrap_or(f32::NEG_INFINITY));
-            let _ = a.events.send(Event::Token(TokenEvent {
-                id: next,
-                text,
+            if a.mode == Mode::PrefillOnly {
+                self.outbox.push(Outcome::Computed {
+                    req: a.id.0,
+                    first: next,
+                    logprobs: logprob.map(|l| (l, top)),
+                    sampler_state: a.sampler.rng_state(),
+                });
+                self.local.generated_tokens_total += 1;
+                finished.push((r.seq, None));
+                continue;
+            }
+            if let Some(f) = accept_token(
+                &self.tokenizer,
+                a,
+                next,
                 logprob,
-                top_logprobs: top,
-            }));
-            if stopped {
-                finished.push((r.seq, FinishReason::Stop));
-            } else if a.generated.len() >= a.max_tokens {
-                finished.push((r.seq, FinishReason::Length));
+                top,
+                &mut self.outbox,
+                &mut self.local,
+            ) {
+                finished.push((r.seq, Some(f)));
             }
         }
         // Remove finished requests (highest index first keeps indices valid).
         finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         let mut dones = Vec::with_capacity(finished.len());
         for (i, finish) in finished {
-            let mut a = self.running.swap_remove(i);
-            let tail_text = if finish == FinishReason::Length {
-                a.stops.flush()
-            } else {
-                String::new()
+            let a = self.running.swap_remove(i);
+            let Some(finish) = finish else {
+                continue;
             };
-            let now = Instant::now();
-            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-            let done = DoneEvent {
-                finish,
-                usage: Usage {
-                    prompt_tokens: a.prompt.len(),
-                    completion_tokens: a.generated.len(),
-                },
-                tail_text,
-                queue_ms: ms(a.admitted_at - a.submitted_at),
-                ttft_ms: ms(a.first_token_at.unwrap_or(now) - a.submitted_at),
-                total_ms: ms(now - a.submitted_at),
-                pages: a.pages.len(),
-            };
-            self.release(&a);
-            self.local.requests_finished_total += 1;
-            dones.push((a.events, done));
+            let done = self.done_event(a, finish);
+            dones.push(done);
         }
         // Publish before telling the clients, so a client that reads the
         // stats after its Done sees its pages free.
         if !dones.is_empty() {
             self.publish();
         }
-        for (events, done) in dones {
-            let _ = events.send(Event::Done(done));
+        for (a, done) in dones {
+            emit(&mut self.outbox, &a, Event::Done(done));
         }
+    }
+
+    /// Ends a request that finished: its Done event; frees its pages (Full
+    /// mode) and counts it.
+    fn done_event(&mut self, mut a: Active, finish: FinishReason) -> (Active, DoneEvent) {
+        let tail_text = if finish == FinishReason::Length {
+            a.stops.flush()
+        } else {
+            String::new()
+        };
+        let now = Instant::now();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let done = DoneEvent {
+            finish,
+            usage: Usage {
+                prompt_tokens: a.prompt.len(),
+                completion_tokens: a.generated.len(),
+            },
+            tail_text,
+            queue_ms: ms(a.admitted_at - a.submitted_at),
+            ttft_ms: ms(a.first_token_at.unwrap_or(now) - a.submitted_at),
+            total_ms: ms(now - a.submitted_at),
+            pages: a.pages.len(),
+        };
+        self.release(&a);
+        self.local.requests_finished_total += 1;
+        (a, done)
+    }
+
+    /// Prefill role: compute a prompt into its (already allocated) pages;
+    /// the first token comes back as [`Outcome::Computed`].
+    pub(crate) fn start_prefill(&mut self, job: PrefillJob) {
+        let now = Instant::now();
+        self.local.prompt_tokens_total += job.prompt.len() as u64;
+        self.running.push(Active {
+            mode: Mode::PrefillOnly,
+            id: RequestId(job.req),
+            owner: job.owner,
+            history: job.prompt.clone(),
+            prompt: job.prompt,
+            max_tokens: 1,
+            ignore_eos: true,
+            logprobs: job.logprobs,
+            sampler: Sampler::new(job.params),
+            stops: StopStrings::new(Vec::new()).expect("no stop strings are valid"),
+            decoder: self.tokenizer.stream_decoder().skip_special(true),
+            pages: job.pages,
+            prefilled: 0,
+            generated: Vec::new(),
+            sink: Sink::Remote { conn: 0 },
+            submitted_at: now,
+            admitted_at: now,
+            first_token_at: None,
+        });
+    }
+
+    /// Decode role: continue a request whose prompt KV was transferred, from
+    /// the first token prefill sampled.
+    pub(crate) fn start_decode(&mut self, job: DecodeJob) -> Result<(), RequestError> {
+        let stops = StopStrings::new(job.stop).map_err(|e| RequestError::InvalidParam {
+            field: e.field,
+            why: e.why,
+        })?;
+        let now = Instant::now();
+        let mut a = Active {
+            mode: Mode::DecodeOnly,
+            id: RequestId(job.req),
+            owner: job.owner,
+            history: job.prompt.clone(),
+            prefilled: job.prompt.len(),
+            prompt: job.prompt,
+            max_tokens: job.max_tokens,
+            ignore_eos: job.ignore_eos,
+            logprobs: job.logprobs,
+            sampler: Sampler::with_rng_state(job.params, job.sampler_state),
+            stops,
+            decoder: self.tokenizer.stream_decoder().skip_special(true),
+            pages: job.pages,
+            generated: Vec::with_capacity(job.max_tokens.min(4096)),
+            sink: Sink::Remote { conn: job.conn },
+            submitted_at: now,
+            admitted_at: now,
+            first_token_at: None,
+        };
+        let (logprob, top) = match job.first_logprobs {
+            Some((l, top)) if a.logprobs.is_some() => (Some(l), top),
+            _ => (None, Vec::new()),
+        };
+        match accept_token(
+            &self.tokenizer,
+            &mut a,
+            job.first_token,
+            logprob,
+            top,
+            &mut self.outbox,
+            &mut self.local,
+        ) {
+            None => self.running.push(a),
+            Some(finish) => {
+                let (a, done) = self.done_event(a, finish);
+                emit(&mut self.outbox, &a, Event::Done(done));
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes a PD request out of the batch without touching its pages (its
+    /// transfer machine stopped it and frees them).
+    pub(crate) fn stop_remote(&mut self, req: u64) -> bool {
+        let before = self.running.len();
+        self.running
+            .retain(|a| a.mode == Mode::Full || a.id.0 != req);
+        before != self.running.len()
+    }
+
+    pub(crate) fn step_if_running(&mut self) {
+        if !self.running.is_empty() {
+            self.step();
+        }
+    }
+}
+
+/// Takes a sampled token into a request: history, stop conditions, the
+/// Token event. Returns how the request ends, if this token ends it.
+fn accept_token(
+    tokenizer: &Tokenizer,
+    a: &mut Active,
+    next: u32,
+    logprob: Option<f32>,
+    top: Vec<(u32, f32)>,
+    outbox: &mut Vec<Outcome>,
+    local: &mut EngineStats,
+) -> Option<FinishReason> {
+    a.generated.push(next);
+    a.history.push(next);
+    local.generated_tokens_total += 1;
+    if a.first_token_at.is_none() {
+        a.first_token_at = Some(Instant::now());
+    }
+    if !a.ignore_eos && tokenizer.is_eos(next) {
+        return Some(FinishReason::Stop);
+    }
+    let piece = a.decoder.push(next).unwrap_or_default();
+    let (text, stopped) = a.stops.push(&piece);
+    emit(
+        outbox,
+        a,
+        Event::Token(TokenEvent {
+            id: next,
+            text,
+            logprob,
+            top_logprobs: top,
+        }),
+    );
+    if stopped {
+        Some(FinishReason::Stop)
+    } else if a.generated.len() >= a.max_tokens {
+        Some(FinishReason::Length)
+    } else {
+        None
     }
 }
 

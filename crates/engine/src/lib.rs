@@ -40,6 +40,7 @@
 //! ```
 
 mod core;
+pub mod pd;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
@@ -176,6 +177,14 @@ pub enum RequestError {
     ShuttingDown,
     #[error("internal error: {0}")]
     Internal(String),
+    /// Refused or failed on a remote node (PD): that node's original error,
+    /// unchanged (K9).
+    #[error("{message}")]
+    Remote {
+        status: u16,
+        code: String,
+        message: String,
+    },
 }
 
 impl RequestError {
@@ -187,6 +196,7 @@ impl RequestError {
             RequestError::QueueFull { .. } => "queue_full",
             RequestError::ShuttingDown => "shutting_down",
             RequestError::Internal(_) => "internal_error",
+            RequestError::Remote { .. } => "remote_error",
         }
     }
 }
@@ -264,6 +274,46 @@ pub struct RequestHandle {
     pub id: RequestId,
     events: tmpsc::UnboundedReceiver<Event>,
     cancel: Arc<AtomicBool>,
+    /// Called once on the first cancel (a backend that must be told, e.g.
+    /// the PD gateway, rather than poll the flag).
+    on_cancel: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+/// Something that runs requests: the unified [`Engine`], or a PD gateway.
+/// The HTTP layer serves any backend.
+pub trait Backend: Send + Sync {
+    /// Queues a request (validated against the backend's limit).
+    fn submit(&self, req: GenRequest) -> Result<RequestHandle, RequestError>;
+    /// The largest `prompt + max_tokens` accepted now (K8; a PD gateway's
+    /// changes when a node restarts with another pool).
+    fn max_request_tokens(&self) -> usize;
+    /// Occupancy and counters.
+    fn stats(&self) -> EngineStats;
+    /// Stops admitting; `drain`: let running requests finish.
+    fn shutdown(&self, drain: bool);
+    /// Whether requests can be served now (a PD gateway: a pair is up).
+    fn ready(&self) -> bool {
+        true
+    }
+    /// More Prometheus text for `/metrics` (a PD gateway's counters).
+    fn metrics_text(&self) -> String {
+        String::new()
+    }
+}
+
+impl Backend for Engine {
+    fn submit(&self, req: GenRequest) -> Result<RequestHandle, RequestError> {
+        Engine::submit(self, req)
+    }
+    fn max_request_tokens(&self) -> usize {
+        self.capacity.max_request_tokens
+    }
+    fn stats(&self) -> EngineStats {
+        Engine::stats(self)
+    }
+    fn shutdown(&self, drain: bool) {
+        Engine::shutdown(self, drain)
+    }
 }
 
 impl RequestHandle {
@@ -280,13 +330,38 @@ impl RequestHandle {
     /// Cooperative cancel: the engine frees the request's pages at its next
     /// step. Dropping the handle does the same.
     pub fn cancel(&self) {
-        self.cancel.store(true, Ordering::Relaxed);
+        if !self.cancel.swap(true, Ordering::AcqRel) {
+            if let Some(f) = &self.on_cancel {
+                f();
+            }
+        }
+    }
+
+    /// A handle over events produced elsewhere (a backend other than the
+    /// engine); `on_cancel` runs once when the caller cancels or drops it.
+    pub fn new(
+        id: RequestId,
+        events: tmpsc::UnboundedReceiver<Event>,
+        on_cancel: Box<dyn Fn() + Send + Sync>,
+    ) -> RequestHandle {
+        RequestHandle {
+            id,
+            events,
+            cancel: Arc::new(AtomicBool::new(false)),
+            on_cancel: Some(on_cancel),
+        }
+    }
+
+    /// Whether the request's events ended without the caller cancelling
+    /// (used to skip the cancel hook for finished requests).
+    pub fn finish_quietly(&mut self) {
+        self.on_cancel = None;
     }
 }
 
 impl Drop for RequestHandle {
     fn drop(&mut self) {
-        self.cancel.store(true, Ordering::Relaxed);
+        self.cancel();
     }
 }
 
@@ -325,73 +400,8 @@ impl Engine {
         tokenizer: Tokenizer,
         cfg: EngineConfig,
     ) -> Result<Engine, StartError> {
-        if cfg.step_tokens_max == 0 || cfg.step_tokens_max > model::BATCH_ROWS_MAX {
-            return Err(StartError::Config(format!(
-                "step token budget must be 1..={}",
-                model::BATCH_ROWS_MAX
-            )));
-        }
-        if cfg.running_max == 0 || cfg.running_max > cfg.step_tokens_max {
-            return Err(StartError::Config(
-                "running requests must be 1..=step token budget (each decodes one row per step)"
-                    .into(),
-            ));
-        }
-        if cfg.queue_max == 0 {
-            return Err(StartError::Config(
-                "queue must hold at least one request".into(),
-            ));
-        }
-        let shape: KvShape = model.kv_shape(cfg.page_size_tokens, cfg.kv_dtype)?;
-        let pages = match cfg.kv_pages {
-            Some(p) => p,
-            None => kv::pages_for_budget(&shape, cfg.kv_memory_bytes),
-        };
-        let pool_tokens = kv::capacity_tokens(&shape, pages);
-        let window = model.config.context_length;
-        let max_request = match cfg.max_context {
-            Some(mc) => {
-                if mc == 0 {
-                    return Err(StartError::Config("--max-context must be positive".into()));
-                }
-                if mc > window {
-                    return Err(StartError::MaxContextTooLarge {
-                        max_context: mc,
-                        what: "the model's context window",
-                        limit: window as u64,
-                    });
-                }
-                if mc as u64 > pool_tokens {
-                    return Err(StartError::MaxContextTooLarge {
-                        max_context: mc,
-                        what: "the KV pool",
-                        limit: pool_tokens,
-                    });
-                }
-                if mc < window {
-                    tracing::warn!(
-                        "advertising a context window of {mc} tokens, below the model's {window} (--max-context)"
-                    );
-                }
-                mc
-            }
-            None => {
-                if pool_tokens < window as u64 {
-                    return Err(StartError::PoolSmallerThanWindow {
-                        pool_tokens,
-                        window_tokens: window,
-                    });
-                }
-                window
-            }
-        };
-        let capacity = CapacityInfo {
-            model_window_tokens: window,
-            pool_tokens,
-            pool_pages: pages,
-            page_size_tokens: cfg.page_size_tokens,
-            max_request_tokens: max_request,
-        };
+        let (shape, pages, capacity) = measure(&model, &cfg)?;
+        let max_request = capacity.max_request_tokens;
         let pool = kv::Pool::new(shape, pages, kv::PoolOptions { poison: cfg.poison })?;
         if cfg.poison == Poison::Off {
             tracing::warn!("freed KV pages will not be poisoned (--kv-poison off)");
@@ -468,6 +478,7 @@ impl Engine {
                 id,
                 events: erx,
                 cancel,
+                on_cancel: None,
             }),
             Err(TrySendError::Full(_)) => {
                 self.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -505,6 +516,83 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.shutdown(false);
     }
+}
+
+/// Checks a configuration and measures the KV pool it gives against the
+/// model's window (K8): the pool's shape, its page count and the capacity
+/// table, or the reason the node must not start.
+pub fn measure(
+    model: &Model,
+    cfg: &EngineConfig,
+) -> Result<(KvShape, u64, CapacityInfo), StartError> {
+        if cfg.step_tokens_max == 0 || cfg.step_tokens_max > model::BATCH_ROWS_MAX {
+            return Err(StartError::Config(format!(
+                "step token budget must be 1..={}",
+                model::BATCH_ROWS_MAX
+            )));
+        }
+        if cfg.running_max == 0 || cfg.running_max > cfg.step_tokens_max {
+            return Err(StartError::Config(
+                "running requests must be 1..=step token budget (each decodes one row per step)"
+                    .into(),
+            ));
+        }
+        if cfg.queue_max == 0 {
+            return Err(StartError::Config(
+                "queue must hold at least one request".into(),
+            ));
+        }
+        let shape: KvShape = model.kv_shape(cfg.page_size_tokens, cfg.kv_dtype)?;
+        let pages = match cfg.kv_pages {
+            Some(p) => p,
+            None => kv::pages_for_budget(&shape, cfg.kv_memory_bytes),
+        };
+        let pool_tokens = kv::capacity_tokens(&shape, pages);
+        let window = model.config.context_length;
+        let max_request = match cfg.max_context {
+            Some(mc) => {
+                if mc == 0 {
+                    return Err(StartError::Config("--max-context must be positive".into()));
+                }
+                if mc > window {
+                    return Err(StartError::MaxContextTooLarge {
+                        max_context: mc,
+                        what: "the model's context window",
+                        limit: window as u64,
+                    });
+                }
+                if mc as u64 > pool_tokens {
+                    return Err(StartError::MaxContextTooLarge {
+                        max_context: mc,
+                        what: "the KV pool",
+                        limit: pool_tokens,
+                    });
+                }
+                if mc < window {
+                    tracing::warn!(
+                        "advertising a context window of {mc} tokens, below the model's {window} (--max-context)"
+                    );
+                }
+                mc
+            }
+            None => {
+                if pool_tokens < window as u64 {
+                    return Err(StartError::PoolSmallerThanWindow {
+                        pool_tokens,
+                        window_tokens: window,
+                    });
+                }
+                window
+            }
+        };
+        let capacity = CapacityInfo {
+            model_window_tokens: window,
+            pool_tokens,
+            pool_pages: pages,
+            page_size_tokens: cfg.page_size_tokens,
+            max_request_tokens: max_request,
+        };
+        Ok((shape, pages, capacity))
 }
 
 /// The checks every node makes before anything is allocated.

@@ -143,6 +143,20 @@ impl Sampler {
         }
     }
 
+    /// A sampler that continues a random stream where another left off
+    /// (prefill samples the first token, decode the rest: greedy never
+    /// touches the rng, seeded sampling stays one stream across nodes).
+    pub fn with_rng_state(params: SamplingParams, state: u64) -> Sampler {
+        let mut s = Sampler::new(params);
+        s.rng = Rng(state);
+        s
+    }
+
+    /// The rng's state (see [`Sampler::with_rng_state`]).
+    pub fn rng_state(&self) -> u64 {
+        self.rng.0
+    }
+
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }

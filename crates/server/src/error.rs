@@ -23,11 +23,13 @@ pub enum Reason {
     MethodNotAllowed,
     Timeout,
     Internal,
+    /// A prefill or decode node failed under the request (PD).
+    Upstream,
 }
 
 impl Reason {
     /// Every reason, for pre-registering metric series at 0.
-    pub const ALL: [Reason; 12] = [
+    pub const ALL: [Reason; 13] = [
         Reason::ContextLengthExceeded,
         Reason::QueueFull,
         Reason::TenantLimit,
@@ -40,6 +42,7 @@ impl Reason {
         Reason::MethodNotAllowed,
         Reason::Timeout,
         Reason::Internal,
+        Reason::Upstream,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -56,6 +59,7 @@ impl Reason {
             Reason::MethodNotAllowed => "method_not_allowed",
             Reason::Timeout => "timeout",
             Reason::Internal => "internal_error",
+            Reason::Upstream => "upstream_error",
         }
     }
 }
@@ -342,6 +346,94 @@ impl ApiError {
             }
             RequestError::ShuttingDown => ApiError::shutting_down(),
             RequestError::Internal(why) => ApiError::internal(why),
+            RequestError::Remote {
+                status,
+                code,
+                message,
+            } => ApiError::from_remote(*status, code, message, prompt_param),
+        }
+    }
+
+    /// A node's original error (PD, K9): its status and OpenAI code, its
+    /// message unchanged.
+    fn from_remote(status: u16, code: &str, message: &str, prompt_param: &str) -> ApiError {
+        const CODES: &[&str] = &[
+            "context_length_exceeded",
+            "empty_prompt",
+            "invalid_value",
+            "queue_full",
+            "prefill_lost",
+            "decode_lost",
+            "checksum_mismatch",
+            "canary_mismatch",
+            "transfer_incomplete",
+            "transfer_fenced",
+            "transfer_refused",
+            "transfer_protocol",
+            "pairing_refused",
+            "decode_unreachable",
+            "duplicate_request",
+            "unavailable",
+            "internal_error",
+        ];
+        let known = CODES.iter().copied().find(|&c| c == code);
+        let message = message.to_string();
+        match status {
+            400 if code == "context_length_exceeded" => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Reason::ContextLengthExceeded,
+                message,
+            )
+            .code("context_length_exceeded")
+            .param(prompt_param),
+            400..=499 if code == "queue_full" || status == 429 => {
+                let mut e = ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    Reason::QueueFull,
+                    message,
+                )
+                .code("queue_full");
+                e.retry_after = Some(1);
+                e
+            }
+            400..=499 => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Reason::InvalidRequest,
+                message,
+            )
+            .code(if code == "invalid_parameter" {
+                "invalid_value"
+            } else {
+                known.unwrap_or("invalid_request")
+            }),
+            502 => ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "server_error",
+                Reason::Upstream,
+                message,
+            )
+            .code(known.unwrap_or("upstream_error")),
+            503 => {
+                let mut e = ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    Reason::ShuttingDown,
+                    message,
+                )
+                .code(known.unwrap_or("unavailable"));
+                e.retry_after = Some(1);
+                e
+            }
+            _ => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                Reason::Internal,
+                message,
+            )
+            .code(known.unwrap_or("internal_error")),
         }
     }
 

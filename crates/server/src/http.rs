@@ -68,6 +68,12 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
             Json(serde_json::json!({"status": "shutting_down"})),
         )
             .into_response()
+    } else if !st.engine.ready() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "unavailable"})),
+        )
+            .into_response()
     } else {
         Json(serde_json::json!({"status": "ok"})).into_response()
     }
@@ -75,7 +81,19 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     st.metrics.set_inflight(st.inflight());
-    let text = st.metrics.render(st.engine.stats());
+    let mut text = st.metrics.render(st.engine.stats());
+    let extra = st.engine.metrics_text();
+    if !extra.is_empty() {
+        // The backend's families go before the end marker, if any.
+        let eof = text.ends_with("# EOF\n");
+        if eof {
+            text.truncate(text.len() - "# EOF\n".len());
+        }
+        text.push_str(&extra);
+        if eof {
+            text.push_str("# EOF\n");
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -92,8 +110,8 @@ fn model_card(st: &AppState) -> ModelCard {
         object: "model".into(),
         created: st.started,
         owned_by: "isoserve".into(),
-        max_model_len: st.max_request,
-        context_length: st.max_request,
+        max_model_len: st.max_request(),
+        context_length: st.max_request(),
     }
 }
 
@@ -425,7 +443,7 @@ async fn admit(
         tr.rec.prompt = Some(text);
     }
     let max_tokens = params.max_tokens.unwrap_or_else(|| {
-        st.max_request
+        st.max_request()
             .saturating_sub(ids.len())
             .clamp(1, st.cfg.default_max_tokens)
     });
@@ -450,7 +468,7 @@ async fn admit(
     let engine_err =
         |e: &engine::RequestError| ApiError::from_engine(e, ep.prompt_param(), ep.logprobs_param());
     // The window check (K8) before any tenant budget or queue slot is used.
-    engine::validate(&req, st.max_request, st.vocab).map_err(|e| engine_err(&e))?;
+    engine::validate(&req, st.max_request(), st.vocab).map_err(|e| engine_err(&e))?;
     let need = (req.prompt.len() + req.max_tokens) as u64;
     let mut permit = st.tenants.admit(&tenant, need, Instant::now())?;
     let handle = match st.engine.submit(req) {

@@ -58,7 +58,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use engine::Engine;
+use engine::{Backend, Engine};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokenizer::{ChatTemplate, Tokenizer};
@@ -136,14 +136,13 @@ impl ServerConfig {
 
 /// Shared state of every handler.
 pub(crate) struct AppState {
-    pub engine: Arc<Engine>,
+    pub engine: Arc<dyn Backend>,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
     pub tenants: Tenants,
     pub metrics: Metrics,
     pub reqlog: Option<RequestLog>,
     pub cfg: ServerConfig,
-    pub max_request: usize,
     pub vocab: usize,
     pub started: u64,
     shutting_down: AtomicBool,
@@ -158,6 +157,11 @@ impl AppState {
 
     pub fn inflight(&self) -> usize {
         self.inflight.load(Ordering::SeqCst)
+    }
+
+    /// The advertised limit now (K8).
+    pub fn max_request(&self) -> usize {
+        self.engine.max_request_tokens()
     }
 }
 
@@ -203,18 +207,28 @@ impl Server {
         reqlog: Option<RequestLog>,
         cfg: ServerConfig,
     ) -> Server {
-        let max_request = engine.capacity().max_request_tokens;
+        Server::with_backend(Arc::new(engine), tokenizer, template, tenants, reqlog, cfg)
+    }
+
+    /// A server over any backend (the PD gateway).
+    pub fn with_backend(
+        engine: Arc<dyn Backend>,
+        tokenizer: Tokenizer,
+        template: Option<ChatTemplate>,
+        tenants: Tenants,
+        reqlog: Option<RequestLog>,
+        cfg: ServerConfig,
+    ) -> Server {
         let vocab = tokenizer.vocab_size();
         Server {
             state: Arc::new(AppState {
-                engine: Arc::new(engine),
+                engine,
                 tokenizer,
                 template,
                 tenants,
                 metrics: Metrics::new(),
                 reqlog,
                 cfg,
-                max_request,
                 vocab,
                 started: unix_now(),
                 shutting_down: AtomicBool::new(false),
