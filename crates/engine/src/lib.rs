@@ -525,74 +525,73 @@ pub fn measure(
     model: &Model,
     cfg: &EngineConfig,
 ) -> Result<(KvShape, u64, CapacityInfo), StartError> {
-        if cfg.step_tokens_max == 0 || cfg.step_tokens_max > model::BATCH_ROWS_MAX {
-            return Err(StartError::Config(format!(
-                "step token budget must be 1..={}",
-                model::BATCH_ROWS_MAX
-            )));
-        }
-        if cfg.running_max == 0 || cfg.running_max > cfg.step_tokens_max {
-            return Err(StartError::Config(
-                "running requests must be 1..=step token budget (each decodes one row per step)"
-                    .into(),
-            ));
-        }
-        if cfg.queue_max == 0 {
-            return Err(StartError::Config(
-                "queue must hold at least one request".into(),
-            ));
-        }
-        let shape: KvShape = model.kv_shape(cfg.page_size_tokens, cfg.kv_dtype)?;
-        let pages = match cfg.kv_pages {
-            Some(p) => p,
-            None => kv::pages_for_budget(&shape, cfg.kv_memory_bytes),
-        };
-        let pool_tokens = kv::capacity_tokens(&shape, pages);
-        let window = model.config.context_length;
-        let max_request = match cfg.max_context {
-            Some(mc) => {
-                if mc == 0 {
-                    return Err(StartError::Config("--max-context must be positive".into()));
-                }
-                if mc > window {
-                    return Err(StartError::MaxContextTooLarge {
-                        max_context: mc,
-                        what: "the model's context window",
-                        limit: window as u64,
-                    });
-                }
-                if mc as u64 > pool_tokens {
-                    return Err(StartError::MaxContextTooLarge {
-                        max_context: mc,
-                        what: "the KV pool",
-                        limit: pool_tokens,
-                    });
-                }
-                if mc < window {
-                    tracing::warn!(
+    if cfg.step_tokens_max == 0 || cfg.step_tokens_max > model::BATCH_ROWS_MAX {
+        return Err(StartError::Config(format!(
+            "step token budget must be 1..={}",
+            model::BATCH_ROWS_MAX
+        )));
+    }
+    if cfg.running_max == 0 || cfg.running_max > cfg.step_tokens_max {
+        return Err(StartError::Config(
+            "running requests must be 1..=step token budget (each decodes one row per step)".into(),
+        ));
+    }
+    if cfg.queue_max == 0 {
+        return Err(StartError::Config(
+            "queue must hold at least one request".into(),
+        ));
+    }
+    let shape: KvShape = model.kv_shape(cfg.page_size_tokens, cfg.kv_dtype)?;
+    let pages = match cfg.kv_pages {
+        Some(p) => p,
+        None => kv::pages_for_budget(&shape, cfg.kv_memory_bytes),
+    };
+    let pool_tokens = kv::capacity_tokens(&shape, pages);
+    let window = model.config.context_length;
+    let max_request = match cfg.max_context {
+        Some(mc) => {
+            if mc == 0 {
+                return Err(StartError::Config("--max-context must be positive".into()));
+            }
+            if mc > window {
+                return Err(StartError::MaxContextTooLarge {
+                    max_context: mc,
+                    what: "the model's context window",
+                    limit: window as u64,
+                });
+            }
+            if mc as u64 > pool_tokens {
+                return Err(StartError::MaxContextTooLarge {
+                    max_context: mc,
+                    what: "the KV pool",
+                    limit: pool_tokens,
+                });
+            }
+            if mc < window {
+                tracing::warn!(
                         "advertising a context window of {mc} tokens, below the model's {window} (--max-context)"
                     );
-                }
-                mc
             }
-            None => {
-                if pool_tokens < window as u64 {
-                    return Err(StartError::PoolSmallerThanWindow {
-                        pool_tokens,
-                        window_tokens: window,
-                    });
-                }
-                window
+            mc
+        }
+        None => {
+            if pool_tokens < window as u64 {
+                return Err(StartError::PoolSmallerThanWindow {
+                    pool_tokens,
+                    window_tokens: window,
+                });
             }
-        };
-        let capacity = CapacityInfo {
-            model_window_tokens: window,
-            pool_tokens,
-            pool_pages: pages,
-            page_size_tokens: cfg.page_size_tokens,
-            max_request_tokens: max_request,
-        };
-        Ok((shape, pages, capacity))
+            window
+        }
+    };
+    let capacity = CapacityInfo {
+        model_window_tokens: window,
+        pool_tokens,
+        pool_pages: pages,
+        page_size_tokens: cfg.page_size_tokens,
+        max_request_tokens: max_request,
+    };
+    Ok((shape, pages, capacity))
 }
 
 /// The checks every node makes before anything is allocated.

@@ -32,9 +32,7 @@ use transfer::wire::{GenSpec, KvLayout, Message, Refusal, WireLogprobs};
 use transfer::Identity;
 
 use crate::core::{Core, DecodeJob, Outcome, PrefillJob};
-use crate::{
-    CapacityInfo, EngineConfig, EngineStats, Event, GenRequest, RequestError, StartError,
-};
+use crate::{CapacityInfo, EngineConfig, EngineStats, Event, GenRequest, RequestError, StartError};
 
 /// Which PD role a node plays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,14 +45,27 @@ pub enum PdRole {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NetEvent {
     /// A peer dialled us (a gateway; on decode also a prefill node).
-    Accepted { conn: u64 },
+    Accepted {
+        conn: u64,
+    },
     /// Our dial to `addr` succeeded (prefill → decode).
-    Dialled { conn: u64, addr: String },
-    DialFailed { addr: String, why: String },
-    Message { conn: u64, msg: Message },
+    Dialled {
+        conn: u64,
+        addr: String,
+    },
+    DialFailed {
+        addr: String,
+        why: String,
+    },
+    Message {
+        conn: u64,
+        msg: Message,
+    },
     /// The connection ended (peer closed, reset, heartbeat timeout, a frame
     /// that did not parse).
-    Closed { conn: u64 },
+    Closed {
+        conn: u64,
+    },
 }
 
 /// What the node asks of the transport.
@@ -197,7 +208,6 @@ impl PdNode {
             machine,
             commands,
             stats: stats.clone(),
-            max_request,
             vocab: vocab as usize,
         };
         let thread = std::thread::Builder::new()
@@ -270,7 +280,6 @@ struct NodeLoop {
     machine: Machine,
     commands: Box<dyn FnMut(NetCommand) + Send>,
     stats: Arc<Mutex<PdStats>>,
-    max_request: usize,
     vocab: usize,
 }
 
@@ -416,8 +425,10 @@ impl NodeLoop {
         (self.commands)(cmd);
     }
 
-    /// The engine's own checks of an incoming request (the same rules as
-    /// the unified engine), before the machine allocates anything.
+    /// The engine's checks of an incoming request's parameters (the same
+    /// rules as the unified engine), before the machine allocates anything.
+    /// The window (K8) is the machine's own check, which counts it and (on
+    /// prefill) tells decode at once.
     fn prevalidate(&mut self, conn: u64, msg: &Message) -> bool {
         let (req, checked) = match msg {
             Message::Reserve {
@@ -431,7 +442,7 @@ impl NodeLoop {
                 *req,
                 crate::validate(
                     &gen_request(*tenant, tokens, *max_tokens, gen),
-                    self.max_request,
+                    usize::MAX,
                     self.vocab,
                 ),
             ),
@@ -446,7 +457,7 @@ impl NodeLoop {
                 *req,
                 crate::validate(
                     &gen_request(*tenant, tokens, *max_tokens, gen),
-                    self.max_request,
+                    usize::MAX,
                     self.vocab,
                 ),
             ),
@@ -596,7 +607,14 @@ impl NodeLoop {
                 },
             ) => {
                 let mut out = Vec::new();
-                m.computed(pool, req, first, wire_logprobs(logprobs), sampler_state, &mut out);
+                m.computed(
+                    pool,
+                    req,
+                    first,
+                    wire_logprobs(logprobs),
+                    sampler_state,
+                    &mut out,
+                );
                 self.prefill_actions(out);
             }
             (Machine::Prefill(m), Outcome::Event { req, event, .. }) => {
@@ -645,7 +663,9 @@ impl NodeLoop {
                 }
                 for a in out {
                     match a {
-                        DecodeAction::Send { conn, msg } => self.send(NetCommand::Send { conn, msg }),
+                        DecodeAction::Send { conn, msg } => {
+                            self.send(NetCommand::Send { conn, msg })
+                        }
                         DecodeAction::Close { conn } => self.send(NetCommand::Close { conn }),
                         other => self.decode_actions(vec![other]),
                     }

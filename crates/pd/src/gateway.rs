@@ -1,0 +1,783 @@
+//! The gateway as an [`engine::Backend`]: the HTTP layer submits requests,
+//! the [`transfer::gateway::Gateway`] state machine coordinates them over
+//! (prefill, decode) pairs, and a connection manager keeps every configured
+//! node connected (reconnecting with backoff; a reconnect re-reads the
+//! node's limit, K8).
+//!
+//! A client that goes away drops its [`RequestHandle`]; the handle's cancel
+//! hook tells the machine, which sends a cooperative `Cancel` to both nodes.
+//! Node connections are never closed for a client's sake.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use engine::pd::{gen_spec, PdStats};
+use engine::{
+    Backend, DoneEvent, EngineStats, Event, GenRequest, RequestError, RequestHandle, TokenEvent,
+    Usage,
+};
+use kv::RequestId;
+use model::sample::FinishReason;
+use tokio::sync::{mpsc, Notify};
+use transfer::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
+use transfer::wire::{Refusal, ROLE_DECODE};
+use transfer::Identity;
+
+use crate::transport::{Transport, TransportConfig, TransportEvent};
+
+/// Settings of a gateway.
+#[derive(Clone, Debug)]
+pub struct GatewayOptions {
+    pub node: String,
+    pub fingerprint: [u8; 32],
+    /// The model's context window (metadata).
+    pub model_window_tokens: u32,
+    /// Lower the advertised window below the model's.
+    pub max_context: Option<u32>,
+    pub requests_max: usize,
+    pub prefill: Vec<String>,
+    pub decode: Vec<String>,
+    pub transport: TransportConfig,
+    /// Longest wait between reconnect attempts.
+    pub reconnect_max: Duration,
+    /// Test-only: route over-long requests to the nodes (to show their own
+    /// checks). Needs the `mutations` feature.
+    pub skip_limit_check: bool,
+}
+
+impl GatewayOptions {
+    pub fn new(
+        prefill: Vec<String>,
+        decode: Vec<String>,
+        fingerprint: [u8; 32],
+        window: u32,
+    ) -> Self {
+        GatewayOptions {
+            node: "gateway".into(),
+            fingerprint,
+            model_window_tokens: window,
+            max_context: None,
+            requests_max: 4096,
+            prefill,
+            decode,
+            transport: TransportConfig::default(),
+            reconnect_max: Duration::from_secs(2),
+            skip_limit_check: false,
+        }
+    }
+}
+
+struct Client {
+    events: tokio::sync::mpsc::UnboundedSender<Event>,
+    submitted_at: Instant,
+    first_token_at: Option<Instant>,
+    prompt_tokens: usize,
+}
+
+struct State {
+    gw: Gateway,
+    clients: HashMap<u64, Client>,
+    /// Connection → node index.
+    conn_node: HashMap<u64, usize>,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    transport: Arc<Transport>,
+    next_req: AtomicU64,
+    nonce: u64,
+    shutting_down: AtomicBool,
+    /// One per node: fired when that node's connection closes.
+    node_closed: Vec<Notify>,
+    addrs: Vec<String>,
+}
+
+/// The PD gateway backend.
+pub struct GatewayBackend {
+    inner: Arc<Inner>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+fn refusal_error(r: Refusal) -> RequestError {
+    RequestError::Remote {
+        status: r.status,
+        code: r.code,
+        message: r.message,
+    }
+}
+
+impl Inner {
+    fn execute(&self, st: &mut State, actions: Vec<GatewayAction>) {
+        for a in actions {
+            match a {
+                GatewayAction::Send { conn, msg } => self.transport.send(conn, &msg),
+                GatewayAction::Close { conn } => self.transport.close(conn),
+                GatewayAction::Deliver { req, event } => {
+                    let Some(c) = st.clients.get_mut(&req) else {
+                        continue;
+                    };
+                    match event {
+                        ClientEvent::Token { id, text, logprobs } => {
+                            c.first_token_at.get_or_insert_with(Instant::now);
+                            let (logprob, top) = match logprobs {
+                                Some(l) => (
+                                    Some(f32::from_bits(l.logprob_bits)),
+                                    l.top
+                                        .into_iter()
+                                        .map(|(id, b)| (id, f32::from_bits(b)))
+                                        .collect(),
+                                ),
+                                None => (None, Vec::new()),
+                            };
+                            let _ = c.events.send(Event::Token(TokenEvent {
+                                id,
+                                text,
+                                logprob,
+                                top_logprobs: top,
+                            }));
+                        }
+                        ClientEvent::Finished {
+                            finish,
+                            prompt_tokens,
+                            completion_tokens,
+                            tail_text,
+                        } => {
+                            let c = st.clients.remove(&req).expect("known");
+                            let now = Instant::now();
+                            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+                            let _ = c.events.send(Event::Done(DoneEvent {
+                                finish: if finish == 0 {
+                                    FinishReason::Stop
+                                } else {
+                                    FinishReason::Length
+                                },
+                                usage: Usage {
+                                    prompt_tokens: prompt_tokens as usize,
+                                    completion_tokens: completion_tokens as usize,
+                                },
+                                tail_text,
+                                queue_ms: 0.0,
+                                ttft_ms: ms(c.first_token_at.unwrap_or(now) - c.submitted_at),
+                                total_ms: ms(now - c.submitted_at),
+                                pages: 0,
+                            }));
+                            debug_assert_eq!(c.prompt_tokens, prompt_tokens as usize);
+                        }
+                        ClientEvent::Error(r) => {
+                            let c = st.clients.remove(&req).expect("known");
+                            let _ = c.events.send(Event::Error(refusal_error(r)));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_event(&self, ev: TransportEvent) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let st = &mut *st;
+        let mut out = Vec::new();
+        match ev {
+            TransportEvent::Dialled { conn, addr } => {
+                if let Some(node) = self.addrs.iter().position(|a| *a == addr) {
+                    st.conn_node.insert(conn, node);
+                    st.gw.connected(node, conn, &mut out);
+                } else {
+                    self.transport.close(conn);
+                }
+            }
+            TransportEvent::Message { conn, msg } => st.gw.message(conn, msg, &mut out),
+            TransportEvent::Closed { conn } => {
+                st.gw.closed(conn, &mut out);
+                if let Some(node) = st.conn_node.remove(&conn) {
+                    self.node_closed[node].notify_one();
+                }
+            }
+            TransportEvent::Accepted { conn } => {
+                // Nobody dials a gateway over the PD protocol.
+                self.transport.close(conn);
+            }
+            TransportEvent::DialFailed { .. } => {}
+        }
+        self.execute(st, out);
+    }
+
+    fn cancel(&self, req: u64) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let st = &mut *st;
+        if st.clients.remove(&req).is_none() {
+            return;
+        }
+        let mut out = Vec::new();
+        st.gw.cancel(req, &mut out);
+        self.execute(st, out);
+    }
+}
+
+impl GatewayBackend {
+    /// Starts the gateway (inside a tokio runtime): connects to every node
+    /// and keeps reconnecting.
+    pub fn start(opts: GatewayOptions) -> GatewayBackend {
+        let (tx, mut rx) = mpsc::channel(4096);
+        let transport = Transport::new(
+            opts.transport.clone(),
+            tokio::runtime::Handle::current(),
+            tx,
+        );
+        let window = opts.max_context.map_or(opts.model_window_tokens, |m| {
+            m.min(opts.model_window_tokens)
+        });
+        #[allow(unused_mut)]
+        let mut gw = Gateway::new(GatewayConfig {
+            identity: Identity {
+                node: opts.node.clone(),
+                fingerprint: opts.fingerprint,
+                layout: transfer::wire::KvLayout {
+                    page_size: 0,
+                    dtype: 0,
+                    layers: 0,
+                    kv_heads: 0,
+                    head_dim: 0,
+                },
+                max_request_tokens: window,
+            },
+            model_window_tokens: window,
+            requests_max: opts.requests_max,
+            prefill: opts.prefill.clone(),
+            decode: opts.decode.clone(),
+        });
+        #[cfg(feature = "mutations")]
+        gw.set_mutations(transfer::gateway::GatewayMutations {
+            skip_limit_check: opts.skip_limit_check,
+        });
+        #[cfg(not(feature = "mutations"))]
+        if opts.skip_limit_check {
+            tracing::error!("skip_limit_check needs the `mutations` build; ignored");
+        }
+        let addrs: Vec<String> = opts.prefill.iter().chain(&opts.decode).cloned().collect();
+        let mut seed = [0u8; 8];
+        // A per-process nonce in the request ids, so that a restarted
+        // gateway never reuses a live id on a node.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        seed.copy_from_slice(&(t ^ (std::process::id() as u64).rotate_left(32)).to_le_bytes());
+        let nonce = u64::from_le_bytes(seed) & 0xff_ffff;
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State {
+                gw,
+                clients: HashMap::new(),
+                conn_node: HashMap::new(),
+            }),
+            transport,
+            next_req: AtomicU64::new(1),
+            nonce,
+            shutting_down: AtomicBool::new(false),
+            node_closed: addrs.iter().map(|_| Notify::new()).collect(),
+            addrs: addrs.clone(),
+        });
+        let mut tasks = Vec::new();
+        let i = inner.clone();
+        tasks.push(tokio::spawn(async move {
+            while let Some(ev) = rx.recv().await {
+                i.on_event(ev);
+            }
+        }));
+        for (node, addr) in addrs.into_iter().enumerate() {
+            let i = Arc::downgrade(&inner);
+            let max = opts.reconnect_max;
+            tasks.push(tokio::spawn(async move {
+                connection_manager(i, node, addr, max).await
+            }));
+        }
+        GatewayBackend { inner, tasks }
+    }
+
+    /// A snapshot of the gateway machine's view of its nodes.
+    pub fn nodes(&self) -> Vec<transfer::gateway::NodeView> {
+        let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.gw.nodes().to_vec()
+    }
+
+    pub fn gateway_stats(&self) -> transfer::gateway::GatewayStats {
+        let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.gw.stats()
+    }
+}
+
+async fn connection_manager(inner: Weak<Inner>, node: usize, addr: String, max: Duration) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let Some(i) = inner.upgrade() else {
+            return;
+        };
+        if i.shutting_down.load(Ordering::Acquire) {
+            return;
+        }
+        let a = addr.clone();
+        let dialled = i
+            .transport
+            .dial_wait(&addr, move |conn| TransportEvent::Dialled { conn, addr: a })
+            .await;
+        match dialled {
+            Ok(_conn) => {
+                backoff = Duration::from_millis(50);
+                // (The task is aborted when the backend drops, releasing
+                // this reference.)
+                i.node_closed[node].notified().await;
+                tracing::warn!(node = %addr, "connection to node lost; reconnecting");
+            }
+            Err(why) => {
+                tracing::debug!(node = %addr, "cannot connect: {why}");
+                drop(i);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(max);
+            }
+        }
+    }
+}
+
+impl Drop for GatewayBackend {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.inner.transport.close_all();
+    }
+}
+
+impl Backend for GatewayBackend {
+    fn submit(&self, req: GenRequest) -> Result<RequestHandle, RequestError> {
+        if self.inner.shutting_down.load(Ordering::Acquire) {
+            return Err(RequestError::ShuttingDown);
+        }
+        let n = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let id = (self.inner.nonce << 40) | n;
+        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
+        {
+            let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+            let st = &mut *st;
+            let mut out = Vec::new();
+            st.clients.insert(
+                id,
+                Client {
+                    events: etx,
+                    submitted_at: Instant::now(),
+                    first_token_at: None,
+                    prompt_tokens: req.prompt.len(),
+                },
+            );
+            let spec = gen_spec(&req);
+            if let Err(r) = st.gw.submit(
+                id,
+                req.tenant.0,
+                req.prompt,
+                req.max_tokens.min(u32::MAX as usize) as u32,
+                spec,
+                &mut out,
+            ) {
+                st.clients.remove(&id);
+                return Err(refusal_error(r));
+            }
+            self.inner.execute(st, out);
+        }
+        let weak = Arc::downgrade(&self.inner);
+        Ok(RequestHandle::new(
+            RequestId(id),
+            erx,
+            Box::new(move || {
+                if let Some(i) = weak.upgrade() {
+                    i.cancel(id);
+                }
+            }),
+        ))
+    }
+
+    fn max_request_tokens(&self) -> usize {
+        let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.gw.max_request_tokens() as usize
+    }
+
+    fn stats(&self) -> EngineStats {
+        let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        EngineStats {
+            running: st.gw.requests(),
+            ..EngineStats::default()
+        }
+    }
+
+    fn shutdown(&self, drain: bool) {
+        self.inner.shutting_down.store(true, Ordering::Release);
+        if drain {
+            return;
+        }
+        let ids: Vec<u64> = {
+            let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.clients.keys().copied().collect()
+        };
+        for id in ids {
+            let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+            let st = &mut *st;
+            if let Some(c) = st.clients.remove(&id) {
+                let _ = c.events.send(Event::Error(RequestError::ShuttingDown));
+            }
+            let mut out = Vec::new();
+            st.gw.cancel(id, &mut out);
+            self.inner.execute(st, out);
+        }
+    }
+
+    fn ready(&self) -> bool {
+        let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.gw.ready()
+    }
+
+    fn metrics_text(&self) -> String {
+        let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        gateway_metrics(&st.gw, &self.inner.transport)
+    }
+}
+
+/// Prometheus text of the gateway's counters and its view of the nodes.
+pub fn gateway_metrics(gw: &Gateway, t: &Transport) -> String {
+    let s = gw.stats();
+    let mut o = String::new();
+    let mut counter = |name: &str, help: &str, v: u64| {
+        let _ = writeln!(o, "# HELP isoserve_gateway_{name} {help}");
+        let _ = writeln!(o, "# TYPE isoserve_gateway_{name} counter");
+        let _ = writeln!(o, "isoserve_gateway_{name} {v}");
+    };
+    counter(
+        "requests_total",
+        "Requests submitted to the gateway",
+        s.requests_total,
+    );
+    counter(
+        "refused_limit_total",
+        "Requests over the advertised window, refused before any node",
+        s.refused_limit_total,
+    );
+    counter(
+        "refused_unavailable_total",
+        "Requests refused: no pair up or too many in flight",
+        s.refused_unavailable_total,
+    );
+    counter(
+        "rejected_by_decode_total",
+        "Requests a decode node refused or failed",
+        s.rejected_by_decode_total,
+    );
+    counter(
+        "rejected_by_prefill_total",
+        "Requests a prefill node refused or failed",
+        s.rejected_by_prefill_total,
+    );
+    counter("finished_total", "Requests that finished", s.finished_total);
+    counter(
+        "cancels_reserving_total",
+        "Client cancels while reserving on decode",
+        s.cancels_reserving_total,
+    );
+    counter(
+        "cancels_prefilling_total",
+        "Client cancels while prefill computed or transferred",
+        s.cancels_prefilling_total,
+    );
+    counter(
+        "cancels_streaming_total",
+        "Client cancels while tokens streamed",
+        s.cancels_streaming_total,
+    );
+    counter(
+        "failed_node_lost_total",
+        "Requests failed because a node was lost",
+        s.failed_node_lost_total,
+    );
+    counter(
+        "nodes_lost_total",
+        "Node connections lost",
+        s.nodes_lost_total,
+    );
+    counter(
+        "handshakes_refused_total",
+        "Pairings refused (fingerprint, layout or role mismatch)",
+        s.handshakes_refused_total,
+    );
+    counter(
+        "protocol_errors_total",
+        "Messages a node may not send",
+        s.protocol_errors_total,
+    );
+    counter(
+        "transport_bytes_received_total",
+        "Bytes received from nodes",
+        t.stats.bytes_received_total.load(Ordering::Relaxed),
+    );
+    counter(
+        "transport_bytes_sent_total",
+        "Bytes sent to nodes",
+        t.stats.bytes_sent_total.load(Ordering::Relaxed),
+    );
+    let _ = writeln!(
+        o,
+        "# HELP isoserve_gateway_node_up Whether the gateway is paired with the node"
+    );
+    let _ = writeln!(o, "# TYPE isoserve_gateway_node_up gauge");
+    for n in gw.nodes() {
+        let role = if n.role == ROLE_DECODE {
+            "decode"
+        } else {
+            "prefill"
+        };
+        let _ = writeln!(
+            o,
+            "isoserve_gateway_node_up{{node=\"{}\",role=\"{role}\"}} {}",
+            n.addr,
+            u8::from(n.up())
+        );
+    }
+    let _ = writeln!(
+        o,
+        "# HELP isoserve_gateway_node_max_request_tokens The limit the node last advertised (K8)"
+    );
+    let _ = writeln!(o, "# TYPE isoserve_gateway_node_max_request_tokens gauge");
+    for n in gw.nodes() {
+        if let Some(l) = n.last_limit {
+            let _ = writeln!(
+                o,
+                "isoserve_gateway_node_max_request_tokens{{node=\"{}\"}} {l}",
+                n.addr
+            );
+        }
+    }
+    let _ = writeln!(o, "# HELP isoserve_gateway_max_request_tokens The advertised limit: min over the model and every node");
+    let _ = writeln!(o, "# TYPE isoserve_gateway_max_request_tokens gauge");
+    let _ = writeln!(
+        o,
+        "isoserve_gateway_max_request_tokens {}",
+        gw.max_request_tokens()
+    );
+    o
+}
+
+/// Prometheus text of a PD node's counters (served on the node's metrics
+/// port).
+pub fn node_metrics(s: &PdStats, t: &Transport) -> String {
+    let mut o = String::new();
+    let mut metric = |kind: &str, name: &str, help: &str, v: u64| {
+        let _ = writeln!(o, "# HELP isoserve_node_{name} {help}");
+        let _ = writeln!(o, "# TYPE isoserve_node_{name} {kind}");
+        let _ = writeln!(o, "isoserve_node_{name} {v}");
+    };
+    let p = s.engine.pool;
+    metric(
+        "gauge",
+        "kv_pages_total",
+        "KV pages in the pool",
+        p.pages_total,
+    );
+    metric("gauge", "kv_pages_free", "KV pages free", p.pages_free);
+    metric(
+        "gauge",
+        "kv_pages_leased",
+        "KV pages leased to a transfer (K4)",
+        p.pages_leased,
+    );
+    metric(
+        "gauge",
+        "kv_pages_release_pending",
+        "KV pages freed while leased, waiting for the transfer's end",
+        p.pages_release_pending,
+    );
+    metric(
+        "counter",
+        "kv_safety_refusals_total",
+        "Every refused KV access (K1-K7)",
+        p.safety_refusals(),
+    );
+    metric(
+        "gauge",
+        "requests",
+        "Requests the node knows",
+        s.requests as u64,
+    );
+    metric(
+        "counter",
+        "generated_tokens_total",
+        "Tokens sampled",
+        s.engine.generated_tokens_total,
+    );
+    if let Some(d) = &s.decode {
+        for (name, help, v) in [
+            (
+                "reservations_total",
+                "Reservations asked for",
+                d.reservations_total,
+            ),
+            (
+                "reservations_refused_total",
+                "Reservations refused",
+                d.reservations_refused_total,
+            ),
+            (
+                "pages_received_total",
+                "KV pages received",
+                d.pages_received_total,
+            ),
+            (
+                "page_bytes_received_total",
+                "KV page bytes received",
+                d.page_bytes_received_total,
+            ),
+            (
+                "transfers_completed_total",
+                "Transfers that passed every check",
+                d.transfers_completed_total,
+            ),
+            (
+                "checksum_failures_total",
+                "Pages that failed their checksum (K6)",
+                d.checksum_failures_total,
+            ),
+            (
+                "canary_failures_total",
+                "Pages that failed their canary (K7)",
+                d.canary_failures_total,
+            ),
+            (
+                "pages_fenced_total",
+                "Pages refused for a stale, foreign or unknown handle (K2)",
+                d.pages_fenced_total,
+            ),
+            (
+                "pages_late_total",
+                "Pages that arrived for a draining request",
+                d.pages_late_total,
+            ),
+            (
+                "incomplete_transfers_total",
+                "Transfers refused as incomplete (K10)",
+                d.incomplete_transfers_total,
+            ),
+            (
+                "cancels_waiting_total",
+                "Cancels of waiting reservations",
+                d.cancels_waiting_total,
+            ),
+            (
+                "cancels_receiving_total",
+                "Cancels mid-transfer",
+                d.cancels_receiving_total,
+            ),
+            (
+                "cancels_decoding_total",
+                "Cancels while decoding",
+                d.cancels_decoding_total,
+            ),
+            (
+                "prefill_links_lost_total",
+                "Prefill links lost with transfers on them",
+                d.prefill_links_lost_total,
+            ),
+            (
+                "protocol_errors_total",
+                "Messages a peer may not send",
+                d.protocol_errors_total,
+            ),
+            (
+                "handshakes_refused_total",
+                "Pairings refused",
+                d.handshakes_refused_total,
+            ),
+        ] {
+            metric("counter", &format!("decode_{name}"), help, v);
+        }
+    }
+    if let Some(pf) = &s.prefill {
+        for (name, help, v) in [
+            ("prefills_total", "Prefills asked for", pf.prefills_total),
+            (
+                "prefills_refused_total",
+                "Prefills refused (the original error went to the client)",
+                pf.prefills_refused_total,
+            ),
+            ("pages_sent_total", "KV pages sent", pf.pages_sent_total),
+            (
+                "page_bytes_sent_total",
+                "KV page bytes sent",
+                pf.page_bytes_sent_total,
+            ),
+            (
+                "transfers_done_total",
+                "Transfers sent whole",
+                pf.transfers_done_total,
+            ),
+            (
+                "transfers_aborted_total",
+                "Transfers aborted",
+                pf.transfers_aborted_total,
+            ),
+            (
+                "cancels_queued_total",
+                "Cancels before computing",
+                pf.cancels_queued_total,
+            ),
+            (
+                "cancels_computing_total",
+                "Cancels while computing",
+                pf.cancels_computing_total,
+            ),
+            (
+                "cancels_sending_total",
+                "Cancels mid-transfer",
+                pf.cancels_sending_total,
+            ),
+            (
+                "decode_links_lost_total",
+                "Decode links lost",
+                pf.decode_links_lost_total,
+            ),
+            (
+                "connect_failures_total",
+                "Dials to decode that failed",
+                pf.connect_failures_total,
+            ),
+            (
+                "handshakes_refused_total",
+                "Pairings refused",
+                pf.handshakes_refused_total,
+            ),
+        ] {
+            metric("counter", &format!("prefill_{name}"), help, v);
+        }
+    }
+    metric(
+        "counter",
+        "transport_bytes_sent_total",
+        "Bytes sent",
+        t.stats.bytes_sent_total.load(Ordering::Relaxed),
+    );
+    metric(
+        "counter",
+        "transport_bytes_received_total",
+        "Bytes received",
+        t.stats.bytes_received_total.load(Ordering::Relaxed),
+    );
+    metric(
+        "counter",
+        "transport_bad_frames_total",
+        "Frames that failed to parse or their frame check",
+        t.stats.bad_frames_total.load(Ordering::Relaxed),
+    );
+    metric(
+        "counter",
+        "transport_heartbeat_timeouts_total",
+        "Connections ended by heartbeat timeout",
+        t.stats.heartbeat_timeouts_total.load(Ordering::Relaxed),
+    );
+    o
+}

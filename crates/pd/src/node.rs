@@ -1,0 +1,100 @@
+//! A prefill or decode node serving the PD protocol on a TCP listener: the
+//! engine's [`PdNode`] (model, pool, batch, transfer state machine on one
+//! thread) behind a [`Transport`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use engine::pd::{NetCommand, NetEvent, PdConfig, PdNode, PdRole};
+use engine::{EngineConfig, StartError};
+use model::Model;
+use tokenizer::Tokenizer;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::transport::{Transport, TransportConfig, TransportEvent};
+
+/// A node that serves until [`RunningNode::shutdown`].
+pub struct RunningNode {
+    pub node: Arc<PdNode>,
+    pub transport: Arc<Transport>,
+    pub addr: SocketAddr,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+fn net_event(ev: TransportEvent) -> NetEvent {
+    match ev {
+        TransportEvent::Accepted { conn } => NetEvent::Accepted { conn },
+        TransportEvent::Dialled { conn, addr } => NetEvent::Dialled { conn, addr },
+        TransportEvent::DialFailed { addr, why } => NetEvent::DialFailed { addr, why },
+        TransportEvent::Message { conn, msg } => NetEvent::Message { conn, msg },
+        TransportEvent::Closed { conn } => NetEvent::Closed { conn },
+    }
+}
+
+/// Starts a node on `listener` (call inside a tokio runtime).
+pub fn start_node(
+    role: PdRole,
+    model: Model,
+    tokenizer: Tokenizer,
+    cfg: EngineConfig,
+    pd: PdConfig,
+    listener: TcpListener,
+    tcfg: TransportConfig,
+) -> Result<RunningNode, StartError> {
+    let addr = listener
+        .local_addr()
+        .map_err(|e| StartError::Config(format!("listener address: {e}")))?;
+    let (tx, mut rx) = mpsc::channel(pd.events_max);
+    let transport = Transport::new(tcfg, tokio::runtime::Handle::current(), tx);
+    let t = transport.clone();
+    let commands = Box::new(move |cmd: NetCommand| match cmd {
+        NetCommand::Send { conn, msg } => t.send(conn, &msg),
+        NetCommand::Close { conn } => t.close(conn),
+        NetCommand::Dial { addr } => t.dial(addr),
+    });
+    let node = Arc::new(PdNode::start(role, model, tokenizer, cfg, pd, commands)?);
+    // Transport events into the node thread; a blocking send there pushes
+    // back on the readers (bounded channel), and through TCP on the peers.
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name("isoserve-pd-events".into())
+        .spawn(move || {
+            while let Some(ev) = rx.blocking_recv() {
+                if !n.event(net_event(ev)) {
+                    break;
+                }
+            }
+        })
+        .map_err(|e| StartError::Config(format!("cannot start the event thread: {e}")))?;
+    let t = transport.clone();
+    let accept = tokio::spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok((stream, _peer)) => {
+                    t.accepted(stream).await;
+                }
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    });
+    Ok(RunningNode {
+        node,
+        transport,
+        addr,
+        accept,
+    })
+}
+
+impl RunningNode {
+    /// Stops accepting, closes every connection (peers release their side)
+    /// and stops the node thread.
+    pub fn shutdown(&self) {
+        self.accept.abort();
+        self.transport.close_all();
+        self.node.shutdown();
+    }
+}
