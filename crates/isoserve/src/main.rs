@@ -1,5 +1,6 @@
 //! `isoserve` — the command-line entry point. See README.md.
 
+mod disagg;
 mod fetch;
 mod generate;
 mod serve;
@@ -104,6 +105,18 @@ enum Cmd {
     /// models, health, metrics) with tenant-isolated KV, until SIGTERM or
     /// Ctrl-C.
     Serve(serve::ServeArgs),
+    /// Run a prefill node: computes prompts' KV and hands it to decode
+    /// nodes over TCP (checksums, canaries, bounded batches, deferred
+    /// release). Refuses to start when its pool cannot hold the window
+    /// unless --max-context lowers it (K8).
+    Prefill(disagg::NodeArgs),
+    /// Run a decode node: reserves pages for requests, receives and checks
+    /// their KV, decodes and streams tokens to the gateway.
+    Decode(disagg::NodeArgs),
+    /// Run the gateway: the OpenAI-compatible HTTP API over prefill and
+    /// decode nodes (reserve on decode, then prefill; the first refusal is
+    /// the client's answer).
+    Gateway(disagg::GatewayArgs),
     /// Print where the model cache lives.
     ModelPath {
         #[arg(long)]
@@ -183,6 +196,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{ids:?}");
         }
         Cmd::Serve(args) => serve::run(args)?,
+        Cmd::Prefill(args) => disagg::run_node(engine::pd::PdRole::Prefill, args)?,
+        Cmd::Decode(args) => disagg::run_node(engine::pd::PdRole::Decode, args)?,
+        Cmd::Gateway(args) => disagg::run_gateway(args)?,
         Cmd::ModelPath { model } => {
             let p = match model {
                 Some(m) => m,

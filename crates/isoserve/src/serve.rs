@@ -15,6 +15,22 @@ use crate::{fetch, generate};
 
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
+    #[command(flatten)]
+    pub http: HttpArgs,
+    #[command(flatten)]
+    pub engine: NodeEngineArgs,
+    /// Run disaggregated: this process is the gateway and supervises one
+    /// prefill and one decode node as child processes on loopback, which
+    /// hand KV pages over TCP (checksums, canaries, deferred release). A
+    /// child that dies is restarted (at most 5 times a minute, then the
+    /// set comes down). Engine flags apply to both nodes.
+    #[arg(long)]
+    pub disaggregated: bool,
+}
+
+/// The HTTP side of `serve` and `gateway`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct HttpArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -22,16 +38,45 @@ pub struct ServeArgs {
     /// prints `isoserve: listening on http://HOST:PORT` to stdout.
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// A LLaMA-family GGUF file (default: the cached default model, fetched
-    /// if missing). Its file stem is the model id clients must name (or
-    /// `default`).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
     /// Tenants file (TOML: `[[tenant]] name, api_key_sha256,
     /// max_concurrent, max_tokens_per_minute`). Without it, every request
     /// runs as one anonymous tenant and no API key is checked.
     #[arg(long)]
     pub tenants: Option<PathBuf>,
+    /// Append one JSON line per request (id, tenant, token counts, timings,
+    /// pages, outcome) to this file. Default: no request log.
+    #[arg(long)]
+    pub request_log: Option<PathBuf>,
+    /// Also write prompt text to the request log (off: prompts are
+    /// customer data).
+    #[arg(long)]
+    pub log_prompts: bool,
+    /// Largest request body (bytes or with a suffix, e.g. 4MiB); larger
+    /// bodies get 413.
+    #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
+    pub max_body: u64,
+    /// max_tokens of a request that sets none: the rest of the context
+    /// window, capped at this (pages for prompt + max_tokens are reserved
+    /// up front).
+    #[arg(long, default_value_t = 1024)]
+    pub default_max_tokens: usize,
+    /// Most open client connections (more wait in the listen backlog).
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
+    /// After SIGTERM or Ctrl-C: seconds running requests get to finish
+    /// before they are cancelled (new requests get 503 meanwhile).
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_secs: u64,
+}
+
+/// The engine side of `serve`, `prefill` and `decode`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct NodeEngineArgs {
+    /// A LLaMA-family GGUF file (default: the cached default model, fetched
+    /// if missing). Its file stem is the model id clients must name (or
+    /// `default`).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
     /// Advertise a context window smaller than the model's (needed when
     /// the KV pool holds less than the model's window).
     #[arg(long)]
@@ -46,18 +91,6 @@ pub struct ServeArgs {
     /// Token slots per KV page.
     #[arg(long, default_value_t = 16)]
     pub page_size: usize,
-    /// Append one JSON line per request (id, tenant, token counts, timings,
-    /// pages, outcome) to this file. Default: no request log.
-    #[arg(long)]
-    pub request_log: Option<PathBuf>,
-    /// Also write prompt text to the request log (off: prompts are
-    /// customer data).
-    #[arg(long)]
-    pub log_prompts: bool,
-    /// Largest request body (bytes or with a suffix, e.g. 4MiB); larger
-    /// bodies get 413.
-    #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
-    pub max_body: u64,
     /// Requests that may wait for admission; beyond it new requests get 429.
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
@@ -67,18 +100,10 @@ pub struct ServeArgs {
     /// Token budget of one forward step (decode rows plus prefill chunks).
     #[arg(long, default_value_t = 256)]
     pub step_tokens: usize,
-    /// max_tokens of a request that sets none: the rest of the context
-    /// window, capped at this (pages for prompt + max_tokens are reserved
-    /// up front).
-    #[arg(long, default_value_t = 1024)]
-    pub default_max_tokens: usize,
-    /// Most open client connections (more wait in the listen backlog).
-    #[arg(long, default_value_t = 1024)]
-    pub max_connections: usize,
-    /// After SIGTERM or Ctrl-C: seconds running requests get to finish
-    /// before they are cancelled (new requests get 503 meanwhile).
-    #[arg(long, default_value_t = 30)]
-    pub shutdown_grace_secs: u64,
+    /// PD only: KV pages a transfer may have in flight before decode
+    /// acknowledges them (the bounded transfer batch).
+    #[arg(long, default_value_t = 8)]
+    pub transfer_window_pages: u32,
 }
 
 /// `1234`, `4KiB`, `512MiB`, `1GiB`, `2GB`, `64k`, `1g`: bytes.
@@ -115,7 +140,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-fn init_tracing() {
+pub(crate) fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("ISOSERVE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
@@ -126,7 +151,7 @@ fn init_tracing() {
 }
 
 /// Resolves on the first SIGTERM or Ctrl-C; a second one exits at once.
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     async fn ctrl_c() {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
@@ -161,10 +186,16 @@ async fn shutdown_signal() {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
+    if args.disaggregated {
+        return crate::disagg::run_supervised(args);
+    }
     init_tracing();
+    let ServeArgs {
+        http, engine: e, ..
+    } = args;
     // Cheap checks first: a bad tenants file or log path fails before the
     // model loads.
-    let tenants = match &args.tenants {
+    let tenants = match &http.tenants {
         Some(p) => Tenants::load(p)?,
         None => {
             tracing::warn!(
@@ -173,14 +204,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
             Tenants::anonymous()
         }
     };
-    let reqlog = args
+    let reqlog = http
         .request_log
         .as_deref()
         .map(RequestLog::open)
         .transpose()?;
-    let body_limit = usize::try_from(args.max_body).context("--max-body is too large")?;
+    let body_limit = usize::try_from(http.max_body).context("--max-body is too large")?;
 
-    let path = fetch::resolve_model(args.model.as_deref(), false)?;
+    let path = fetch::resolve_model(e.model.as_deref(), false)?;
     let model_id = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -195,13 +226,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
     }
     let ecfg = EngineConfig {
-        page_size_tokens: args.page_size,
-        kv_pages: args.kv_pages,
-        kv_memory_bytes: args.kv_memory,
-        max_context: args.max_context,
-        step_tokens_max: args.step_tokens,
-        running_max: args.max_running,
-        queue_max: args.max_queue,
+        page_size_tokens: e.page_size,
+        kv_pages: e.kv_pages,
+        kv_memory_bytes: e.kv_memory,
+        max_context: e.max_context,
+        step_tokens_max: e.step_tokens,
+        running_max: e.max_running,
+        queue_max: e.max_queue,
         ..EngineConfig::default()
     };
     // K8: refuses to start when the pool cannot hold one full window.
@@ -210,10 +241,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
 
     let mut scfg = ServerConfig::new(model_id.clone());
     scfg.body_limit = body_limit;
-    scfg.default_max_tokens = args.default_max_tokens.max(1);
-    scfg.max_connections = args.max_connections.max(1);
-    scfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
-    scfg.log_prompts = args.log_prompts;
+    scfg.default_max_tokens = http.default_max_tokens.max(1);
+    scfg.max_connections = http.max_connections.max(1);
+    scfg.shutdown_grace = Duration::from_secs(http.shutdown_grace_secs);
+    scfg.log_prompts = http.log_prompts;
     let server = Server::new(engine, tokenizer, template, tenants, reqlog, scfg);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -223,9 +254,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        let listener = tokio::net::TcpListener::bind((http.host.as_str(), http.port))
             .await
-            .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+            .with_context(|| format!("cannot listen on {}:{}", http.host, http.port))?;
         let addr = listener.local_addr()?;
         {
             let mut out = std::io::stdout().lock();

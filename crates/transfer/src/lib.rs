@@ -42,6 +42,6 @@ pub mod sim;
 pub mod wire;
 
 pub use common::{
-    check_peer, check_request, pages_for, refusal, role_name, slots_at, transfer_digest, ConnId,
-    Identity, PeerHello,
+    check_peer, check_request, pages_for, refusal, role_name, short_hex, slots_at, transfer_digest,
+    ConnId, Identity, PeerHello,
 };
