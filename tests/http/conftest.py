@@ -54,11 +54,11 @@ def write_tenants(path: Path, tenants):
 class Server:
     """A running `isoserve serve` process."""
 
-    def __init__(self, args, tmp: Path, name: str):
+    def __init__(self, args, tmp: Path, name: str, command: str = "serve"):
         self.tmp = tmp
         self.stderr_path = tmp / f"{name}.stderr"
         self.request_log = tmp / f"{name}.requests.jsonl"
-        cmd = [str(BIN), "serve", "--host", "127.0.0.1", "--port", "0",
+        cmd = [str(BIN), command, "--host", "127.0.0.1", "--port", "0",
                "--request-log", str(self.request_log)] + list(args)
         self._stderr = open(self.stderr_path, "wb")
         env = dict(os.environ)

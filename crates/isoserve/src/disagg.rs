@@ -48,6 +48,11 @@ pub struct NodeArgs {
     /// This node's name (unique in a deployment).
     #[arg(long)]
     pub node: Option<String>,
+    /// Serve `GET /metrics` (pool, transfer checks, transport) on this
+    /// port of --host; 0 picks one. Once listening, the node prints
+    /// `isoserve: metrics on http://HOST:PORT/metrics`. Default: none.
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
     #[command(flatten)]
     pub engine: NodeEngineArgs,
 }
@@ -134,8 +139,26 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
             TransportConfig::default(),
         )?;
         eprintln!("{}", node.node.capacity().table());
+        let metrics = match args.metrics_port {
+            Some(port) => {
+                let l = tokio::net::TcpListener::bind((args.host.as_str(), port))
+                    .await
+                    .with_context(|| format!("cannot listen on {}:{port} for metrics", args.host))?;
+                let addr = l.local_addr()?;
+                let task = tokio::spawn(pd::node::serve_metrics(
+                    l,
+                    node.node.clone(),
+                    node.transport.clone(),
+                ));
+                Some((addr, task))
+            }
+            None => None,
+        };
         {
             let mut out = std::io::stdout().lock();
+            if let Some((addr, _)) = &metrics {
+                writeln!(out, "isoserve: metrics on http://{addr}/metrics")?;
+            }
             writeln!(
                 out,
                 "isoserve: {role_name} node {node_name} listening on {}",

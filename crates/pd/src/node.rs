@@ -98,3 +98,50 @@ impl RunningNode {
         self.node.shutdown();
     }
 }
+
+/// Serves `GET /metrics` (Prometheus text of the node's pool, transfer
+/// checks and transport) on `listener` until aborted. A deliberately small
+/// HTTP/1.0 responder: one request per connection, bounded head and time.
+pub async fn serve_metrics(listener: TcpListener, node: Arc<PdNode>, transport: Arc<Transport>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const HEAD_BYTES_MAX: usize = 8192;
+    loop {
+        let Ok((mut s, _)) = listener.accept().await else {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        };
+        let node = node.clone();
+        let transport = transport.clone();
+        tokio::spawn(async move {
+            let mut head = Vec::new();
+            let mut buf = [0u8; 1024];
+            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < HEAD_BYTES_MAX {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return false,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                true
+            })
+            .await;
+            if read != Ok(true) {
+                return;
+            }
+            let (status, body) = if head.starts_with(b"GET /metrics ") {
+                (
+                    "200 OK",
+                    crate::gateway::node_metrics(&node.stats(), &transport),
+                )
+            } else {
+                ("404 Not Found", "not found: GET /metrics\n".to_string())
+            };
+            let resp = format!(
+                "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(resp.as_bytes()).await;
+            let _ = s.shutdown().await;
+        });
+    }
+}
