@@ -115,6 +115,12 @@ pub struct PdStats {
     pub decode: Option<DecodeStats>,
     /// Requests the node knows (all phases).
     pub requests: usize,
+    /// Decode: wall time from a transfer's first page to its checked end,
+    /// summed over completed transfers (with `decode.page_bytes_received`
+    /// this gives the transfer rate). Measured by the node loop, not the
+    /// state machine (which has no clock).
+    pub transfer_seconds_total: f64,
+    pub transfers_timed_total: u64,
 }
 
 enum Machine {
@@ -204,6 +210,9 @@ impl PdNode {
         );
         let (tx, rx) = mpsc::sync_channel(pd.events_max);
         let node = NodeLoop {
+            transfer_started: std::collections::HashMap::new(),
+            transfer_seconds_total: 0.0,
+            transfers_timed_total: 0,
             core,
             machine,
             commands,
@@ -275,7 +284,14 @@ impl Drop for PdNode {
     }
 }
 
+/// Transfers being timed at once (beyond it the oldest timings are
+/// dropped: they belong to transfers that failed).
+const TIMED_TRANSFERS_MAX: usize = 4096;
+
 struct NodeLoop {
+    transfer_started: std::collections::HashMap<u64, std::time::Instant>,
+    transfer_seconds_total: f64,
+    transfers_timed_total: u64,
     core: Core,
     machine: Machine,
     commands: Box<dyn FnMut(NetCommand) + Send>,
@@ -409,6 +425,8 @@ impl NodeLoop {
         s.engine = self.core.local.clone();
         s.engine.pool = self.core.pool.stats();
         s.engine.running = self.core.running.len();
+        s.transfer_seconds_total = self.transfer_seconds_total;
+        s.transfers_timed_total = self.transfers_timed_total;
         match &self.machine {
             Machine::Prefill(m) => {
                 s.prefill = Some(m.stats());
@@ -490,6 +508,14 @@ impl NodeLoop {
             if !self.prevalidate(*conn, msg) {
                 return;
             }
+            if let Message::Page { req, .. } = msg {
+                if self.transfer_started.len() >= TIMED_TRANSFERS_MAX {
+                    self.transfer_started.clear();
+                }
+                self.transfer_started
+                    .entry(*req)
+                    .or_insert_with(std::time::Instant::now);
+            }
         }
         let pool = &mut self.core.pool;
         match &mut self.machine {
@@ -553,6 +579,10 @@ impl NodeLoop {
                 DecodeAction::StartDecode(start) => {
                     let s = *start;
                     let req = s.req;
+                    if let Some(t0) = self.transfer_started.remove(&req) {
+                        self.transfer_seconds_total += t0.elapsed().as_secs_f64();
+                        self.transfers_timed_total += 1;
+                    }
                     let started = self.core.start_decode(DecodeJob {
                         req: s.req,
                         owner: s.owner,

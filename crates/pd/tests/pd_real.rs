@@ -406,6 +406,9 @@ fn incident_placeholder_request_never_decodes() {
         prompt_len + 16 > 64 && prompt_len + 16 <= 1024,
         "{prompt_len}"
     );
+    // Stats are published after each step: wait for the first request's end
+    // to show (its pages free) before reading the counter.
+    stack.pools_free();
     let gen_before = stack.decode.node.stats().engine.generated_tokens_total;
     let err = stack.run(req).expect_err("prefill must refuse it");
     match &err {
