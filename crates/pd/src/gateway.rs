@@ -779,5 +779,21 @@ pub fn node_metrics(s: &PdStats, t: &Transport) -> String {
         "Connections ended by heartbeat timeout",
         t.stats.heartbeat_timeouts_total.load(Ordering::Relaxed),
     );
+    metric(
+        "counter",
+        "transfers_timed_total",
+        "Transfers timed (decode: first page to checked Done)",
+        s.transfers_timed_total,
+    );
+    let _ = writeln!(
+        o,
+        "# HELP isoserve_node_transfer_seconds_total Wall time from a transfer's first page to its checked end (decode), summed"
+    );
+    let _ = writeln!(o, "# TYPE isoserve_node_transfer_seconds_total counter");
+    let _ = writeln!(
+        o,
+        "isoserve_node_transfer_seconds_total {}",
+        s.transfer_seconds_total
+    );
     o
 }
