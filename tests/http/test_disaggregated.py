@@ -307,6 +307,12 @@ def test_serve_disaggregated_one_command_and_clean_sigterm(tmp_root):
     r = chat(s, PROMPTS[0])
     assert r.status_code == 200, r.text
     assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    # Each child's /metrics is logged; the decode node counted the transfer.
+    urls = dict(re.findall(r"(prefill|decode) node metrics: (http://\S+)", s.stderr()))
+    assert set(urls) == {"prefill", "decode"}, s.stderr()
+    dm = parse_metrics(requests.get(urls["decode"], timeout=10).text)
+    assert dm["isoserve_node_decode_transfers_completed_total"] == 1
+    assert dm["isoserve_node_decode_checksum_failures_total"] == 0
     assert s.terminate() == 0, s.stderr()
     for k in kids:
         assert not Path(f"/proc/{k}").exists() or "zombie" in Path(f"/proc/{k}/status").read_text().lower()

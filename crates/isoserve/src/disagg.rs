@@ -369,11 +369,15 @@ fn spawn_child(spec: &ChildSpec) -> Result<Child> {
         .spawn()
         .with_context(|| format!("cannot start the {} node", spec.role))?;
     let stdout = child.stdout.take().expect("piped");
+    let role = spec.role;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut lines = BufReader::new(stdout).lines();
         for line in lines.by_ref() {
             let Ok(line) = line else { break };
+            if let Some(url) = line.strip_prefix("isoserve: metrics on ") {
+                tracing::info!("{role} node metrics: {url}");
+            }
             if line.contains("listening on") {
                 let _ = tx.send(line);
                 break;
@@ -455,6 +459,8 @@ pub fn run_supervised(args: serve::ServeArgs) -> Result<()> {
         a.extend([
             "--port".into(),
             port.to_string(),
+            "--metrics-port".into(),
+            "0".into(),
             "--node".into(),
             format!("{role}-0"),
         ]);
