@@ -351,12 +351,6 @@ impl RequestHandle {
             on_cancel: Some(on_cancel),
         }
     }
-
-    /// Whether the request's events ended without the caller cancelling
-    /// (used to skip the cancel hook for finished requests).
-    pub fn finish_quietly(&mut self) {
-        self.on_cancel = None;
-    }
 }
 
 impl Drop for RequestHandle {

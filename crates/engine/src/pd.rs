@@ -17,7 +17,7 @@
 //!   `Token` messages, the end goes back to the machine, which frees the
 //!   pages and sends `Finished`.
 
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -254,15 +254,6 @@ impl PdNode {
         self.tx.send(Some(ev)).is_ok()
     }
 
-    /// As [`PdNode::event`] without blocking: false if the queue is full or
-    /// the node stopped.
-    pub fn try_event(&self, ev: NetEvent) -> bool {
-        match self.tx.try_send(Some(ev)) {
-            Ok(()) => true,
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
-        }
-    }
-
     pub fn stats(&self) -> PdStats {
         self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
@@ -484,20 +475,14 @@ impl NodeLoop {
         match checked {
             Ok(()) => true,
             Err(e) => {
-                // Through the machine, so its refusal counters and (on
-                // prefill) its Abort to decode happen as for its own checks.
-                match &mut self.machine {
-                    Machine::Prefill(_) | Machine::Decode(_) => {
-                        self.core.local.requests_refused_total += 1;
-                        self.send(NetCommand::Send {
-                            conn,
-                            msg: Message::Rejected {
-                                req,
-                                error: refusal_of(&e),
-                            },
-                        });
-                    }
-                }
+                self.core.local.requests_refused_total += 1;
+                self.send(NetCommand::Send {
+                    conn,
+                    msg: Message::Rejected {
+                        req,
+                        error: refusal_of(&e),
+                    },
+                });
                 false
             }
         }
@@ -660,14 +645,7 @@ impl NodeLoop {
                 let mut out = Vec::new();
                 match event {
                     Event::Token(t) => {
-                        let logprobs = t.logprob.map(|lp| WireLogprobs {
-                            logprob_bits: lp.to_bits(),
-                            top: t
-                                .top_logprobs
-                                .iter()
-                                .map(|&(id, v)| (id, v.to_bits()))
-                                .collect(),
-                        });
+                        let logprobs = wire_logprobs(t.logprob.map(|lp| (lp, t.top_logprobs)));
                         out.push(DecodeAction::Send {
                             conn,
                             msg: Message::Token {

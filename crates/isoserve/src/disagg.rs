@@ -77,7 +77,8 @@ pub struct GatewayArgs {
     pub http: HttpArgs,
 }
 
-fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
+/// The engine configuration of `serve`, `prefill` and `decode`.
+pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
     EngineConfig {
         page_size_tokens: e.page_size,
         kv_pages: e.kv_pages,
@@ -206,7 +207,8 @@ fn gateway_model(path: &Path) -> Result<GatewayModel> {
     })
 }
 
-fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerConfig> {
+/// The HTTP layer's configuration of `serve` and `gateway`.
+pub(crate) fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerConfig> {
     let mut scfg = ServerConfig::new(model_id.to_string());
     scfg.body_limit = usize::try_from(http.max_body).context("--max-body is too large")?;
     scfg.default_max_tokens = http.default_max_tokens.max(1);
@@ -216,7 +218,8 @@ fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerConfig> {
     Ok(scfg)
 }
 
-fn tenants_and_log(http: &HttpArgs) -> Result<(Tenants, Option<RequestLog>)> {
+/// The tenants file and the request log of `serve` and `gateway`.
+pub(crate) fn tenants_and_log(http: &HttpArgs) -> Result<(Tenants, Option<RequestLog>)> {
     let tenants = match &http.tenants {
         Some(p) => Tenants::load(p)?,
         None => {

@@ -6,10 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use engine::{Engine, EngineConfig};
-use server::reqlog::RequestLog;
-use server::tenants::Tenants;
-use server::{Server, ServerConfig};
+use engine::Engine;
+use server::Server;
 
 use crate::{fetch, generate};
 
@@ -195,21 +193,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     } = args;
     // Cheap checks first: a bad tenants file or log path fails before the
     // model loads.
-    let tenants = match &http.tenants {
-        Some(p) => Tenants::load(p)?,
-        None => {
-            tracing::warn!(
-                "no --tenants file: every request runs as one anonymous tenant and API keys are not checked"
-            );
-            Tenants::anonymous()
-        }
-    };
-    let reqlog = http
-        .request_log
-        .as_deref()
-        .map(RequestLog::open)
-        .transpose()?;
-    let body_limit = usize::try_from(http.max_body).context("--max-body is too large")?;
+    let (tenants, reqlog) = crate::disagg::tenants_and_log(&http)?;
 
     let path = fetch::resolve_model(e.model.as_deref(), false)?;
     let model_id = path
@@ -225,26 +209,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if template.is_none() {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
     }
-    let ecfg = EngineConfig {
-        page_size_tokens: e.page_size,
-        kv_pages: e.kv_pages,
-        kv_memory_bytes: e.kv_memory,
-        max_context: e.max_context,
-        step_tokens_max: e.step_tokens,
-        running_max: e.max_running,
-        queue_max: e.max_queue,
-        ..EngineConfig::default()
-    };
+    let ecfg = crate::disagg::engine_config(&e);
     // K8: refuses to start when the pool cannot hold one full window.
     let engine = Engine::start(model, tokenizer.clone(), ecfg)?;
     eprintln!("{}", engine.capacity().table());
 
-    let mut scfg = ServerConfig::new(model_id.clone());
-    scfg.body_limit = body_limit;
-    scfg.default_max_tokens = http.default_max_tokens.max(1);
-    scfg.max_connections = http.max_connections.max(1);
-    scfg.shutdown_grace = Duration::from_secs(http.shutdown_grace_secs);
-    scfg.log_prompts = http.log_prompts;
+    let scfg = crate::disagg::server_config(&model_id, &http)?;
     let server = Server::new(engine, tokenizer, template, tenants, reqlog, scfg);
 
     let rt = tokio::runtime::Builder::new_multi_thread()

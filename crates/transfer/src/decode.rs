@@ -61,19 +61,6 @@ pub struct DecodeMutations {
     pub skip_completeness_check: bool,
 }
 
-macro_rules! mutated {
-    ($s:expr, $f:ident) => {{
-        #[cfg(any(test, feature = "mutations"))]
-        {
-            $s.mutations.$f
-        }
-        #[cfg(not(any(test, feature = "mutations")))]
-        {
-            false
-        }
-    }};
-}
-
 /// Where a request is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DecodePhase {
@@ -1074,6 +1061,17 @@ impl DecodeNode {
         }
     }
 
+    /// Takes a decoding request out and frees its pages (`None` if it is
+    /// not decoding: cancelled meanwhile, or unknown).
+    fn end_decoding(&mut self, pool: &mut Pool, req: u64) -> Option<Req> {
+        if self.reqs.get(&req)?.phase != DecodePhase::Decoding {
+            return None;
+        }
+        let r = self.reqs.remove(&req)?;
+        Self::free_pages(pool, &r);
+        Some(r)
+    }
+
     /// The decode loop finished a request: free its pages, tell the gateway.
     #[allow(clippy::too_many_arguments)]
     pub fn decode_finished(
@@ -1085,14 +1083,9 @@ impl DecodeNode {
         tail_text: String,
         out: &mut Vec<DecodeAction>,
     ) {
-        let Some(r) = self.reqs.get(&req) else {
+        let Some(r) = self.end_decoding(pool, req) else {
             return;
         };
-        if r.phase != DecodePhase::Decoding {
-            return;
-        }
-        let r = self.reqs.remove(&req).expect("known");
-        Self::free_pages(pool, &r);
         self.stats.decodes_finished_total += 1;
         out.push(DecodeAction::Send {
             conn: r.gateway,
@@ -1115,14 +1108,9 @@ impl DecodeNode {
         error: Refusal,
         out: &mut Vec<DecodeAction>,
     ) {
-        let Some(r) = self.reqs.get(&req) else {
+        let Some(r) = self.end_decoding(pool, req) else {
             return;
         };
-        if r.phase != DecodePhase::Decoding {
-            return;
-        }
-        let r = self.reqs.remove(&req).expect("known");
-        Self::free_pages(pool, &r);
         self.stats.decodes_failed_total += 1;
         out.push(DecodeAction::Send {
             conn: r.gateway,

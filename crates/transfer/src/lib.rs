@@ -34,6 +34,21 @@
 //! # Ok::<(), transfer::wire::WireError>(())
 //! ```
 
+/// Whether a test-only mutation is on (always false without the
+/// `mutations` feature or `cfg(test)`).
+macro_rules! mutated {
+    ($s:expr, $f:ident) => {{
+        #[cfg(any(test, feature = "mutations"))]
+        {
+            $s.mutations.$f
+        }
+        #[cfg(not(any(test, feature = "mutations")))]
+        {
+            false
+        }
+    }};
+}
+
 mod common;
 pub mod decode;
 pub mod gateway;

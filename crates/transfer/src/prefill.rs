@@ -52,19 +52,6 @@ pub struct PrefillMutations {
     pub placeholder: bool,
 }
 
-macro_rules! mutated {
-    ($s:expr, $f:ident) => {{
-        #[cfg(any(test, feature = "mutations"))]
-        {
-            $s.mutations.$f
-        }
-        #[cfg(not(any(test, feature = "mutations")))]
-        {
-            false
-        }
-    }};
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PrefillPhase {
     Queued,
