@@ -83,7 +83,7 @@ impl LayerView<'_> {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Meta {
     /// Odd while allocated, even while free; bumped on every alloc and free.
     epoch: u64,
@@ -117,7 +117,7 @@ macro_rules! fault {
 /// Safety checks a test can switch off, to show that a test catches the
 /// missing check (see the crate doc for which test catches which).
 #[cfg(any(test, feature = "fault-injection"))]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Faults {
     pub skip_epoch_check: bool,
     pub skip_owner_check: bool,
@@ -148,6 +148,29 @@ struct Counters {
     frees_deferred: AtomicU64,
 }
 
+impl Counters {
+    fn snapshot(&self) -> Counters {
+        let c = |a: &AtomicU64| AtomicU64::new(a.load(Ordering::Relaxed));
+        Counters {
+            refused_stale_handle: c(&self.refused_stale_handle),
+            refused_foreign_owner: c(&self.refused_foreign_owner),
+            refused_unwritten_read: c(&self.refused_unwritten_read),
+            refused_double_free: c(&self.refused_double_free),
+            refused_release_pending: c(&self.refused_release_pending),
+            refused_out_of_range: c(&self.refused_out_of_range),
+            refused_write_gap: c(&self.refused_write_gap),
+            refused_already_written: c(&self.refused_already_written),
+            refused_out_of_pages: c(&self.refused_out_of_pages),
+            refused_lease_limit: c(&self.refused_lease_limit),
+            canary_mismatch: c(&self.canary_mismatch),
+            checksum_mismatch: c(&self.checksum_mismatch),
+            allocs: c(&self.allocs),
+            frees: c(&self.frees),
+            frees_deferred: c(&self.frees_deferred),
+        }
+    }
+}
+
 fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
@@ -171,6 +194,31 @@ impl Memory {
             why: format!("could not allocate {bytes} bytes for the KV pool"),
         })?;
         Ok(Memory { ptr, layout })
+    }
+}
+
+impl Memory {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `layout.size()` bytes were allocated (zeroed) in `new`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Clone for Memory {
+    fn clone(&self) -> Memory {
+        // SAFETY: `alloc` with the same non-zero layout; copied in full below.
+        let raw = unsafe { alloc::alloc(self.layout) };
+        let Some(ptr) = NonNull::new(raw) else {
+            alloc::handle_alloc_error(self.layout)
+        };
+        // SAFETY: both regions are `layout.size()` bytes and do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), ptr.as_ptr(), self.layout.size())
+        };
+        Memory {
+            ptr,
+            layout: self.layout,
+        }
     }
 }
 
@@ -213,6 +261,70 @@ impl std::fmt::Debug for Pool {
             .field("pages", &self.pages)
             .field("stats", &self.stats())
             .finish()
+    }
+}
+
+/// A deep copy: memory, metadata and counters. For model checkers and
+/// simulators that branch a whole node state (pools there are a few tiny
+/// pages); a serving process never clones its pool.
+impl Clone for Pool {
+    fn clone(&self) -> Pool {
+        Pool {
+            shape: self.shape,
+            options: self.options,
+            pages: self.pages,
+            memory: self.memory.clone(),
+            meta: self.meta.clone(),
+            watermarks: self.watermarks.clone(),
+            free_list: self.free_list.clone(),
+            pages_leased: self.pages_leased,
+            pages_release_pending: self.pages_release_pending,
+            counters: self.counters.snapshot(),
+            #[cfg(any(test, feature = "fault-injection"))]
+            faults: self.faults,
+        }
+    }
+}
+
+/// Equal when everything observable is: memory bytes, metadata, free-list
+/// order (it decides which page is handed out next) and counters.
+impl PartialEq for Pool {
+    fn eq(&self, other: &Pool) -> bool {
+        let same_faults = {
+            #[cfg(any(test, feature = "fault-injection"))]
+            {
+                self.faults == other.faults
+            }
+            #[cfg(not(any(test, feature = "fault-injection")))]
+            {
+                true
+            }
+        };
+        self.shape == other.shape
+            && self.options == other.options
+            && self.meta == other.meta
+            && self.watermarks == other.watermarks
+            && self.free_list == other.free_list
+            && self.pages_leased == other.pages_leased
+            && self.pages_release_pending == other.pages_release_pending
+            && self.stats() == other.stats()
+            && same_faults
+            && self.memory.bytes() == other.memory.bytes()
+    }
+}
+
+impl Eq for Pool {}
+
+impl std::hash::Hash for Pool {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.shape.hash(state);
+        self.meta.hash(state);
+        self.watermarks.hash(state);
+        self.free_list.hash(state);
+        self.pages_leased.hash(state);
+        self.pages_release_pending.hash(state);
+        self.stats().fields().hash(state);
+        self.memory.bytes().hash(state);
     }
 }
 
