@@ -646,15 +646,7 @@ impl NodeLoop {
                 match event {
                     Event::Token(t) => {
                         let logprobs = wire_logprobs(t.logprob.map(|lp| (lp, t.top_logprobs)));
-                        out.push(DecodeAction::Send {
-                            conn,
-                            msg: Message::Token {
-                                req,
-                                id: t.id,
-                                text: t.text,
-                                logprobs,
-                            },
-                        });
+                        m.stream_token(req, conn, t.id, t.text, logprobs, &mut out);
                     }
                     Event::Done(d) => m.decode_finished(
                         pool,

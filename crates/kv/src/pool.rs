@@ -910,6 +910,23 @@ impl Pool {
             .map(|m| m.owner)
     }
 
+    /// A hash of one page's bytes and write watermarks, or `None` out of
+    /// range. For checkers that must see whether an event wrote a page;
+    /// not a security checksum.
+    pub fn page_fingerprint(&self, index: u32) -> Option<u64> {
+        if index >= self.pages {
+            return None;
+        }
+        let layers = self.shape.layers;
+        let i = index as usize;
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(self.page(index));
+        for w in &self.watermarks[i * layers..(i + 1) * layers] {
+            h.update(&w.to_le_bytes());
+        }
+        Some(h.digest())
+    }
+
     /// Current epoch of a page.
     pub fn epoch_of(&self, index: u32) -> Option<u64> {
         self.meta.get(index as usize).map(|m| m.epoch)

@@ -59,6 +59,11 @@ pub struct DecodeMutations {
     /// Start decoding on `Done` without checking that every page arrived
     /// (K10 off).
     pub skip_completeness_check: bool,
+    /// No epoch check on late writes (K2 off): a page naming the reserved
+    /// page's index at another epoch is believed — its canary and checksum
+    /// are checked against the epoch it names — and written through the
+    /// reservation's current handle.
+    pub skip_epoch_check: bool,
 }
 
 /// Where a request is.
@@ -157,6 +162,8 @@ struct Req {
     /// Per prompt page: its checksum once received.
     received: Vec<Option<u64>>,
     received_count: u32,
+    /// Tokens streamed to the gateway so far.
+    streamed: u32,
     /// Prompt pages still leased to the transfer.
     leased: bool,
     /// Draining with no known link, while some connection's handshake is
@@ -547,6 +554,7 @@ impl DecodeNode {
                 pages: Vec::new(),
                 received: vec![None; prompt_pages],
                 received_count: 0,
+                streamed: 0,
                 leased: false,
                 awaiting_handshake: false,
                 phase: DecodePhase::Waiting,
@@ -690,14 +698,20 @@ impl DecodeNode {
             return self.fail(pool, req, e, out);
         }
         let mut h = r.pages[pos];
+        // The epoch the sender bound its canary and checksum to: the
+        // reservation's, unless a mutation believes the sender.
+        let mut bound_epoch = h.epoch;
         if dst.index != h.index || dst.epoch != h.epoch {
-            if mutated!(self, skip_handle_check) {
+            if mutated!(self, skip_epoch_check) && dst.index == h.index {
+                bound_epoch = dst.epoch;
+            } else if mutated!(self, skip_handle_check) {
                 // The mutation: write wherever the page says, at the
                 // page's current epoch.
                 h = PageRef {
                     index: dst.index,
                     epoch: pool.epoch_of(dst.index).unwrap_or(dst.epoch),
                 };
+                bound_epoch = h.epoch;
             } else {
                 self.stats.pages_fenced_total += 1;
                 let e = refusal::upstream(
@@ -729,7 +743,7 @@ impl DecodeNode {
         }
         // K7: the sender's canary must be the one derived from our owner,
         // epoch and index.
-        if canary != canary_value(owner, h.epoch, h.index) {
+        if canary != canary_value(owner, bound_epoch, h.index) {
             self.stats.canary_failures_total += 1;
             let e = refusal::upstream(
                 "canary_mismatch",
@@ -739,7 +753,7 @@ impl DecodeNode {
         }
         // K6: bytes bound to (request, destination epoch, position).
         if pool
-            .verify_checksum(req, h.epoch, position, &bytes, checksum)
+            .verify_checksum(req, bound_epoch, position, &bytes, checksum)
             .is_err()
         {
             self.stats.checksum_failures_total += 1;
@@ -1070,6 +1084,34 @@ impl DecodeNode {
         let r = self.reqs.remove(&req)?;
         Self::free_pages(pool, &r);
         Some(r)
+    }
+
+    /// The engine generated a token of a decoding request: stream it to
+    /// the gateway on `conn`, numbered (the first is prefill's).
+    pub fn stream_token(
+        &mut self,
+        req: u64,
+        conn: ConnId,
+        id: u32,
+        text: String,
+        logprobs: Option<WireLogprobs>,
+        out: &mut Vec<DecodeAction>,
+    ) {
+        let Some(r) = self.reqs.get_mut(&req) else {
+            return;
+        };
+        let index = r.streamed;
+        r.streamed += 1;
+        out.push(DecodeAction::Send {
+            conn,
+            msg: Message::Token {
+                req,
+                index,
+                id,
+                text,
+                logprobs,
+            },
+        });
     }
 
     /// The decode loop finished a request: free its pages, tell the gateway.

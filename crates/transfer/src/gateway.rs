@@ -113,6 +113,8 @@ struct Req {
     max_tokens: u32,
     gen: GenSpec,
     phase: GatewayPhase,
+    /// Tokens delivered to the client so far.
+    streamed: u32,
 }
 
 /// Test-only mutations (see [`crate::decode::DecodeMutations`]).
@@ -356,6 +358,7 @@ impl Gateway {
             }
             Message::Token {
                 req,
+                index,
                 id,
                 text,
                 logprobs,
@@ -367,6 +370,20 @@ impl Gateway {
                     self.stats.protocol_errors_total += 1;
                     return;
                 }
+                if index != r.streamed {
+                    // TCP never reorders; a stream that skipped or repeated
+                    // a token ends the request rather than answer wrongly.
+                    self.stats.protocol_errors_total += 1;
+                    let e = refusal::upstream(
+                        "transfer_protocol",
+                        format!(
+                            "decode sent token {index} of request {req}, expected token {}",
+                            r.streamed
+                        ),
+                    );
+                    return self.end(req, Some(e), out);
+                }
+                r.streamed += 1;
                 r.phase = GatewayPhase::Streaming;
                 out.push(GatewayAction::Deliver {
                     req,
@@ -386,6 +403,18 @@ impl Gateway {
                 if r.decode != node || r.phase == GatewayPhase::Reserving {
                     self.stats.protocol_errors_total += 1;
                     return;
+                }
+                if completion_tokens != r.streamed {
+                    self.stats.protocol_errors_total += 1;
+                    let e = refusal::upstream(
+                        "transfer_protocol",
+                        format!(
+                            "decode finished request {req} with {completion_tokens} tokens, {} were \
+                             streamed",
+                            r.streamed
+                        ),
+                    );
+                    return self.end(req, Some(e), out);
                 }
                 self.stats.finished_total += 1;
                 out.push(GatewayAction::Deliver {
@@ -512,6 +541,7 @@ impl Gateway {
                 max_tokens,
                 gen,
                 phase: GatewayPhase::Reserving,
+                streamed: 0,
             },
         );
         Ok(())

@@ -221,6 +221,15 @@ impl PrefillNode {
             })
     }
 
+    /// The pages each request holds in this node's pool and has not freed
+    /// yet: `(request, owner, pages)` (for invariant checks).
+    pub fn holdings(&self) -> impl Iterator<Item = (u64, Owner, &[PageRef])> + '_ {
+        self.reqs
+            .iter()
+            .filter(|(_, r)| !r.freed)
+            .map(|(&k, r)| (k, r.owner, r.own.as_slice()))
+    }
+
     // ------------------------------------------------------------ links
 
     /// A gateway dialled us.

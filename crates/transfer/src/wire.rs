@@ -216,9 +216,12 @@ pub enum Message {
     Closed { req: u64 },
     /// Gateway → any, decode → prefill: cooperative cancel.
     Cancel { req: u64 },
-    /// Decode → gateway: a generated token.
+    /// Decode → gateway: a generated token, the `index`-th of the request
+    /// (0 is the one prefill sampled), so a stream that skipped or repeated
+    /// a token is an error, never a wrong answer.
     Token {
         req: u64,
+        index: u32,
         id: u32,
         text: String,
         logprobs: Option<WireLogprobs>,
@@ -457,12 +460,14 @@ impl Message {
             }
             Message::Token {
                 req,
+                index,
                 id,
                 text,
                 logprobs,
             } => {
                 w.u8(K_TOKEN);
                 w.u64(*req);
+                w.u32(*index);
                 w.u32(*id);
                 w.str(text);
                 w.logprobs(logprobs.as_ref());
@@ -600,6 +605,7 @@ impl Message {
             K_CANCEL => Message::Cancel { req: r.u64("req")? },
             K_TOKEN => Message::Token {
                 req: r.u64("req")?,
+                index: r.u32("index")?,
                 id: r.u32("id")?,
                 text: r.str("text")?,
                 logprobs: r.logprobs()?,

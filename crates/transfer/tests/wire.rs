@@ -153,9 +153,10 @@ fn message() -> impl Strategy<Value = Message> {
         any::<(u64, u32)>().prop_map(|(req, pages)| Message::Ack { req, pages }),
         any::<u64>().prop_map(|req| Message::Closed { req }),
         any::<u64>().prop_map(|req| Message::Cancel { req }),
-        (any::<u64>(), any::<u32>(), s, logprobs()).prop_map(|(req, id, text, logprobs)| {
+        (any::<(u64, u32, u32)>(), s, logprobs()).prop_map(|((req, index, id), text, logprobs)| {
             Message::Token {
                 req,
+                index,
                 id,
                 text,
                 logprobs,

@@ -1,0 +1,1444 @@
+//! The world both test drivers run: the production [`Gateway`],
+//! [`PrefillNode`] and [`DecodeNode`] state machines with real
+//! [`kv::Pool`]s, connections carrying encoded frames, the engines of the
+//! stand-in model, clients — and every invariant, checked after each event.
+//!
+//! A `World` makes no choices. Each public method is one atomic event (a
+//! frame delivered, a connection killed, a node crashed, an engine step, a
+//! client's cancel); a driver picks which. [`crate::sim`] picks with a
+//! seeded random number generator (deterministic simulation, thousands of
+//! seeds); the `verify` crate's model checker tries *every* choice within
+//! bounds (the world is `Clone + Eq + Hash`, so it is a checker state).
+//!
+//! The stand-in model's next token is a hash of every KV row the sequence
+//! reads *through the pool*: if decode ever read a page it did not receive
+//! from this request's prefill (another tenant's, a stale one, an unwritten
+//! one), its tokens would differ from the reference, computed from the
+//! tokens alone. So the world checks content, not just states.
+//!
+//! ```
+//! use transfer::world::{ClientSpec, Node, World, WorldParams};
+//! let mut w = World::new(WorldParams::default(), vec![ClientSpec::new(1, vec![5, 6, 7], 2)]);
+//! // Deliver frames and run engines until nothing is left to do.
+//! for _ in 0..200 {
+//!     if w.gateway.ready() && w.next_client().is_some() {
+//!         w.submit_next();
+//!     } else if let Some(&(conn, side, _)) = w.frames().first() {
+//!         w.deliver(conn, side, 0, None, None);
+//!     } else if w.has_dials() {
+//!         w.prefill_dial();
+//!     } else if let Some(&req) = w.jobs().first() {
+//!         w.compute(req);
+//!     } else if let Some(&req) = w.decoding().first() {
+//!         w.decode_step(req);
+//!     }
+//!     w.check_step().expect("invariants hold after every event");
+//! }
+//! assert!(w.quiescent());
+//! let outcomes = w.check_end().expect("content and pools check out");
+//! assert_eq!(outcomes[0].end, Some(Ok(2)));
+//! # let _ = Node::Decode;
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use kv::{LayerView, Owner, PageRef, Pool, PoolOptions};
+
+use crate::common::ConnId;
+use crate::decode::{DecodeAction, DecodeConfig, DecodeNode, DecodeStart};
+use crate::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
+use crate::prefill::{ComputeJob, PrefillAction, PrefillConfig, PrefillNode};
+use crate::wire::{GenSpec, Message};
+
+// ------------------------------------------------------------- the model
+
+/// Shape of the stand-in model's KV: layers × (1 head of `WIDTH`).
+pub const LAYERS: usize = 2;
+pub const WIDTH: usize = 4;
+pub const VOCAB: u32 = 1000;
+
+/// K row of (token, position, layer); V is K + 0.5.
+fn kv_row(token: u32, pos: usize, layer: usize) -> [f32; WIDTH] {
+    [
+        token as f32,
+        pos as f32,
+        layer as f32,
+        ((token as usize * 31 + pos * 7 + layer) % 97) as f32,
+    ]
+}
+
+fn mix(acc: u64, v: u64) -> u64 {
+    let mut z = acc ^ v.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z ^ (z >> 32)
+}
+
+/// Hash of the rows of one (position, layer).
+fn row_hash(pos: usize, layer: usize, k: &[f32], v: &[f32]) -> u64 {
+    let mut h = mix(pos as u64, layer as u64);
+    for x in k.iter().chain(v) {
+        h = mix(h, x.to_bits() as u64);
+    }
+    h
+}
+
+fn token_of(sum: u64) -> u32 {
+    (mix(sum, 0x70c3) % VOCAB as u64) as u32
+}
+
+/// The reference: the next token after `seq`, from the tokens alone.
+pub fn reference_next(seq: &[u32]) -> u32 {
+    let mut sum = 0u64;
+    for (pos, &t) in seq.iter().enumerate() {
+        for layer in 0..LAYERS {
+            let k = kv_row(t, pos, layer);
+            let v = k.map(|x| x + 0.5);
+            sum = sum.wrapping_add(row_hash(pos, layer, &k, &v));
+        }
+    }
+    token_of(sum)
+}
+
+/// The reference generation of `max_tokens` tokens.
+pub fn reference_tokens(prompt: &[u32], max_tokens: u32) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    let mut out = Vec::new();
+    for _ in 0..max_tokens {
+        let t = reference_next(&seq);
+        out.push(t);
+        seq.push(t);
+    }
+    out
+}
+
+/// Prefill (or a decode step) of the stand-in: writes the rows of `token`
+/// at `pos` through the pool.
+pub fn write_kv(
+    pool: &mut Pool,
+    pages: &[PageRef],
+    owner: Owner,
+    ps: usize,
+    pos: usize,
+    token: u32,
+) -> Result<(), kv::KvError> {
+    for layer in 0..LAYERS {
+        let k = kv_row(token, pos, layer);
+        let v = k.map(|x| x + 0.5);
+        pool.write_token(pages[pos / ps], owner, layer, pos % ps, &k, &v)?;
+    }
+    Ok(())
+}
+
+/// The next token after positions `0..n`, reading every row through the
+/// pool (K1–K3 checked on every read).
+pub fn next_from_pool(
+    pool: &Pool,
+    pages: &[PageRef],
+    owner: Owner,
+    ps: usize,
+    n: usize,
+) -> Result<u32, kv::KvError> {
+    let mut sum = 0u64;
+    for (pi, &h) in pages.iter().enumerate().take(n.div_ceil(ps)) {
+        let slots = (n - pi * ps).min(ps);
+        for layer in 0..LAYERS {
+            match pool.read_layer(h, owner, layer, slots)? {
+                LayerView::F32 { k, v } => {
+                    for s in 0..slots {
+                        let pos = pi * ps + s;
+                        sum = sum.wrapping_add(row_hash(
+                            pos,
+                            layer,
+                            &k[s * WIDTH..(s + 1) * WIDTH],
+                            &v[s * WIDTH..(s + 1) * WIDTH],
+                        ));
+                    }
+                }
+                LayerView::F16 { .. } => unreachable!("the stand-in's pools are f32"),
+            }
+        }
+    }
+    Ok(token_of(sum))
+}
+
+/// The KV shape of the stand-in model with `page_size` slots per page.
+pub fn shape(page_size: u32) -> kv::KvShape {
+    kv::KvShape::new(LAYERS, 1, WIDTH, page_size as usize, kv::DType::F32)
+        .expect("stand-in shape is valid")
+}
+
+/// A node identity for the stand-in model (every node shares the model
+/// fingerprint and KV layout).
+pub fn identity(node: &str, ps: u32, limit: u32) -> crate::Identity {
+    crate::Identity {
+        node: node.into(),
+        fingerprint: [7; 32],
+        layout: crate::wire::KvLayout {
+            page_size: ps,
+            dtype: 0,
+            layers: LAYERS as u32,
+            kv_heads: 1,
+            head_dim: WIDTH as u32,
+        },
+        max_request_tokens: limit,
+    }
+}
+
+// ----------------------------------------------------------- parameters
+
+/// Sizes and limits of the nodes; every count is a bound.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct WorldParams {
+    pub page_size: u32,
+    pub prefill_pages: u64,
+    pub decode_pages: u64,
+    /// Limits the nodes advertise (K8); the gateway takes the minimum.
+    pub prefill_limit: u32,
+    pub decode_limit: u32,
+    pub window_pages: u32,
+}
+
+impl Default for WorldParams {
+    fn default() -> Self {
+        WorldParams {
+            page_size: 4,
+            prefill_pages: 12,
+            decode_pages: 16,
+            prefill_limit: 32,
+            decode_limit: 32,
+            window_pages: 2,
+        }
+    }
+}
+
+/// A client's request: `(tenant, prompt, max_tokens)`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ClientSpec {
+    pub tenant: u64,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+}
+
+impl ClientSpec {
+    pub fn new(tenant: u64, prompt: Vec<u32>, max_tokens: u32) -> ClientSpec {
+        ClientSpec {
+            tenant,
+            prompt,
+            max_tokens,
+        }
+    }
+}
+
+/// The nodes of the world.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Node {
+    Gateway,
+    Prefill,
+    Decode,
+}
+
+const DECODE_ADDR: &str = "decode-0:7001";
+const PREFILL_ADDR: &str = "prefill-0:7002";
+
+/// Codes a request over a node's limit may end with: the limit's own
+/// refusal (K9), or the loss of a node before anyone refused it.
+const CODES_OF_AN_OVERSIZE_REQUEST: [&str; 4] = [
+    "context_length_exceeded",
+    "prefill_lost",
+    "decode_lost",
+    "unavailable",
+];
+
+// ------------------------------------------------------------ the state
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Conn {
+    /// (dialler, listener)
+    ends: [Node; 2],
+    /// queues[i]: frames travelling from ends[i] to the other end.
+    queues: [VecDeque<Vec<u8>>; 2],
+    /// An end that closed: the other end still receives what was queued
+    /// towards it, then sees the close.
+    closed: [bool; 2],
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Decoding {
+    owner: Owner,
+    conn: ConnId,
+    pages: Vec<PageRef>,
+    seq: Vec<u32>,
+    /// Tokens generated (the first came from prefill).
+    generated: u32,
+    max_tokens: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Client {
+    spec: ClientSpec,
+    expected: Vec<u32>,
+    /// Over a node's limit: must end with `context_length_exceeded` (K9).
+    oversize: bool,
+    tokens: Vec<u32>,
+    end: Option<Result<u32, String>>,
+    status: Option<u16>,
+    cancelled: bool,
+}
+
+/// One client request at the end of a run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    pub req: u64,
+    pub tenant: u64,
+    pub prompt: Vec<u32>,
+    /// Tokens the client received.
+    pub tokens: Vec<u32>,
+    /// The reference generation.
+    pub expected: Vec<u32>,
+    /// `Ok(completion_tokens)` or `Err(error code)`; `None` if cancelled.
+    pub end: Option<Result<u32, String>>,
+    /// Status of the error, if any.
+    pub status: Option<u16>,
+    pub cancelled: bool,
+}
+
+/// What happened so far (part of the state: two worlds that differ only
+/// here are different states).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct WorldCounters {
+    pub tokens_delivered: usize,
+    pub corruptions: usize,
+    pub kills: usize,
+    pub crashes: usize,
+    pub cancels: usize,
+    /// Frames the network delivered out of order, dropped or duplicated
+    /// (adversarial networks).
+    pub reorders: usize,
+    pub drops: usize,
+    pub duplicates: usize,
+    /// Prefill frames rewritten to name a page's previous epoch.
+    pub stale_writes: usize,
+    /// Counters of decode instances that crashed (added at crash time).
+    pub retired_checksum: u64,
+    pub retired_fenced: u64,
+    pub retired_late: u64,
+    pub retired_cancels: (u64, u64),
+    /// Cancels that reached decode while it was receiving the transfer.
+    pub cancels_mid_transfer: u64,
+}
+
+/// Rewrites a message in flight (tests of faulty senders and of corruption
+/// the frame check does not cover); returns whether it changed it.
+pub type Tamper<'a> = &'a mut dyn FnMut(&mut Message) -> bool;
+
+/// The whole PD stack as one value. See the module documentation.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct World {
+    params: WorldParams,
+    pub gateway: Gateway,
+    pub prefill: PrefillNode,
+    pub decode: DecodeNode,
+    pub prefill_pool: Pool,
+    pub decode_pool: Pool,
+    prefill_up: bool,
+    decode_up: bool,
+    conns: BTreeMap<ConnId, Conn>,
+    next_conn: ConnId,
+    /// Gateway's connections to (prefill, decode), if any.
+    gw_links: [Option<ConnId>; 2],
+    /// Dials prefill has asked for.
+    dials: VecDeque<String>,
+    jobs: BTreeMap<u64, ComputeJob>,
+    decoding: BTreeMap<u64, Decoding>,
+    clients: BTreeMap<u64, Client>,
+    next_req: u64,
+    pub counters: WorldCounters,
+    /// Everything an event saw go wrong (an invariant broken mid-event: a
+    /// write through a stale handle, a wrong token, an event after a
+    /// request's end). Empty in a correct world.
+    violations: Vec<String>,
+    /// Check the cross-node K4 invariant in `check_step`.
+    check_k4: bool,
+    /// Print every event to stderr (replays).
+    trace: bool,
+    events: u64,
+}
+
+/// The first request's id; requests are numbered in submission order.
+pub const FIRST_REQUEST: u64 = 100;
+
+impl World {
+    pub fn new(params: WorldParams, clients: Vec<ClientSpec>) -> World {
+        let limit = params.prefill_limit.min(params.decode_limit) as usize;
+        let clients = clients
+            .into_iter()
+            .enumerate()
+            .map(|(i, spec)| {
+                let c = Client {
+                    expected: reference_tokens(&spec.prompt, spec.max_tokens),
+                    oversize: spec.prompt.len() + spec.max_tokens as usize > limit,
+                    spec,
+                    tokens: Vec::new(),
+                    end: None,
+                    status: None,
+                    cancelled: false,
+                };
+                (FIRST_REQUEST + i as u64, c)
+            })
+            .collect();
+        let pool = |pages| {
+            Pool::new(shape(params.page_size), pages, PoolOptions::default()).expect("small pool")
+        };
+        let mut w = World {
+            gateway: Gateway::new(GatewayConfig {
+                identity: identity("gateway", params.page_size, 0),
+                model_window_tokens: 64,
+                requests_max: 64,
+                prefill: vec![PREFILL_ADDR.into()],
+                decode: vec![DECODE_ADDR.into()],
+            }),
+            prefill: Self::new_prefill(&params),
+            decode: Self::new_decode(&params),
+            prefill_pool: pool(params.prefill_pages),
+            decode_pool: pool(params.decode_pages),
+            prefill_up: true,
+            decode_up: true,
+            conns: BTreeMap::new(),
+            next_conn: 1,
+            gw_links: [None, None],
+            dials: VecDeque::new(),
+            jobs: BTreeMap::new(),
+            decoding: BTreeMap::new(),
+            clients,
+            next_req: FIRST_REQUEST,
+            counters: WorldCounters::default(),
+            violations: Vec::new(),
+            check_k4: true,
+            trace: false,
+            events: 0,
+            params,
+        };
+        w.gateway_dial(0);
+        w.gateway_dial(1);
+        w
+    }
+
+    fn new_prefill(p: &WorldParams) -> PrefillNode {
+        PrefillNode::new(PrefillConfig {
+            identity: identity("prefill-0", p.page_size, p.prefill_limit),
+            vocab: VOCAB,
+            requests_max: 32,
+            queue_max: 32,
+            window_pages: p.window_pages,
+            tombstones_max: 64,
+        })
+    }
+
+    fn new_decode(p: &WorldParams) -> DecodeNode {
+        DecodeNode::new(DecodeConfig {
+            identity: identity("decode-0", p.page_size, p.decode_limit),
+            vocab: VOCAB,
+            requests_max: 32,
+            waiting_max: 32,
+            ack_every_pages: p.window_pages,
+        })
+    }
+
+    pub fn params(&self) -> &WorldParams {
+        &self.params
+    }
+    pub fn set_trace(&mut self, on: bool) {
+        self.trace = on;
+    }
+    /// Switch the cross-node K4 check off (to let a mutation run on and
+    /// show its consequences further down).
+    pub fn set_check_k4(&mut self, on: bool) {
+        self.check_k4 = on;
+    }
+    pub fn violations(&self) -> &[String] {
+        &self.violations
+    }
+
+    fn trace(&self, what: impl FnOnce() -> String) {
+        if self.trace {
+            eprintln!("[{}] {}", self.events, what());
+        }
+    }
+
+    // -------------------------------------------------- what can happen
+
+    pub fn up(&self, n: Node) -> bool {
+        match n {
+            Node::Gateway => true,
+            Node::Prefill => self.prefill_up,
+            Node::Decode => self.decode_up,
+        }
+    }
+
+    /// Every direction of a connection with frames queued: `(conn, side,
+    /// frames queued)`.
+    pub fn frames(&self) -> Vec<(ConnId, usize, usize)> {
+        let mut v = Vec::new();
+        for (&id, c) in &self.conns {
+            for side in 0..2 {
+                if !c.queues[side].is_empty() {
+                    v.push((id, side, c.queues[side].len()));
+                }
+            }
+        }
+        v
+    }
+
+    /// The frame `index` of one direction of `conn`, decoded (for drivers
+    /// that rewrite a particular kind).
+    pub fn peek(&self, conn: ConnId, side: usize, index: usize) -> Option<Message> {
+        let frame = self.conns.get(&conn)?.queues[side].get(index)?;
+        Message::decode(frame).ok().flatten().map(|(m, _)| m)
+    }
+
+    /// The (dialler, listener) of a connection.
+    pub fn conn_ends(&self, conn: ConnId) -> Option<[Node; 2]> {
+        self.conns.get(&conn).map(|c| c.ends)
+    }
+
+    pub fn conn_ids(&self) -> Vec<ConnId> {
+        self.conns.keys().copied().collect()
+    }
+    pub fn has_dials(&self) -> bool {
+        !self.dials.is_empty()
+    }
+    pub fn jobs(&self) -> Vec<u64> {
+        self.jobs.keys().copied().collect()
+    }
+    pub fn decoding(&self) -> Vec<u64> {
+        self.decoding.keys().copied().collect()
+    }
+    /// Whether the gateway has no link to prefill (0) or decode (1) while
+    /// that node is up (its connection manager would dial).
+    pub fn gateway_link_missing(&self, which: usize) -> bool {
+        let node = if which == 0 {
+            Node::Prefill
+        } else {
+            Node::Decode
+        };
+        self.gw_links[which].is_none() && self.up(node)
+    }
+    /// The next request to submit, if any.
+    pub fn next_client(&self) -> Option<u64> {
+        self.clients
+            .contains_key(&self.next_req)
+            .then_some(self.next_req)
+    }
+    /// Submitted requests that have not ended and were not cancelled.
+    pub fn in_flight(&self) -> Vec<u64> {
+        self.clients
+            .iter()
+            .filter(|(&k, c)| k < self.next_req && c.end.is_none() && !c.cancelled)
+            .map(|(&k, _)| k)
+            .collect()
+    }
+    /// Every request was submitted and has ended (or was cancelled).
+    pub fn clients_done(&self) -> bool {
+        self.next_client().is_none() && self.in_flight().is_empty()
+    }
+    /// A request completed with the reference's tokens.
+    pub fn some_completed(&self) -> bool {
+        self.clients
+            .values()
+            .any(|c| c.end == Some(Ok(c.expected.len() as u32)) && c.tokens == c.expected)
+    }
+
+    // ------------------------------------------------------ connections
+
+    fn open(&mut self, from: Node, to: Node) -> ConnId {
+        let id = self.next_conn;
+        self.next_conn += 1;
+        self.conns.insert(
+            id,
+            Conn {
+                ends: [from, to],
+                queues: [VecDeque::new(), VecDeque::new()],
+                closed: [false, false],
+            },
+        );
+        id
+    }
+
+    /// The gateway's connection manager dials prefill (0) or decode (1) if
+    /// it is up and not linked.
+    pub fn gateway_dial(&mut self, which: usize) {
+        let to = if which == 0 {
+            Node::Prefill
+        } else {
+            Node::Decode
+        };
+        if !self.up(to) || self.gw_links[which].is_some() {
+            return;
+        }
+        self.events += 1;
+        let conn = self.open(Node::Gateway, to);
+        self.trace(|| format!("gateway dials {to:?}: conn {conn}"));
+        self.gw_links[which] = Some(conn);
+        let mut ga = Vec::new();
+        self.gateway.connected(which, conn, &mut ga);
+        self.gateway_actions(ga);
+        if to == Node::Prefill {
+            let mut pa = Vec::new();
+            self.prefill.accepted(conn, &mut pa);
+            self.prefill_actions(pa);
+        } else {
+            let mut da = Vec::new();
+            self.decode.connected(conn, &mut da);
+            self.decode_actions(da);
+        }
+    }
+
+    /// Prefill's oldest dial completes (or fails if decode is down).
+    pub fn prefill_dial(&mut self) {
+        let Some(addr) = self.dials.pop_front() else {
+            return;
+        };
+        self.events += 1;
+        if !self.decode_up || addr != DECODE_ADDR {
+            self.trace(|| format!("prefill's dial to {addr} fails"));
+            let mut pa = Vec::new();
+            self.prefill.connect_failed(
+                &mut self.prefill_pool,
+                &addr,
+                "connection refused",
+                &mut pa,
+            );
+            self.prefill_actions(pa);
+            return;
+        }
+        let conn = self.open(Node::Prefill, Node::Decode);
+        self.trace(|| format!("prefill dials decode: conn {conn}"));
+        let mut pa = Vec::new();
+        self.prefill.connected(conn, &addr, &mut pa);
+        self.prefill_actions(pa);
+        let mut da = Vec::new();
+        self.decode.connected(conn, &mut da);
+        self.decode_actions(da);
+    }
+
+    fn send(&mut self, from: Node, conn: ConnId, msg: &Message) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let side = if c.ends[0] == from { 0 } else { 1 };
+        if c.closed[side] || c.closed[1 - side] {
+            return;
+        }
+        let mut buf = Vec::new();
+        msg.encode(&mut buf);
+        c.queues[side].push_back(buf);
+    }
+
+    /// `node` closes `conn`: it sees the close now; the peer after the
+    /// frames queued towards it.
+    fn close_by(&mut self, node: Node, conn: ConnId) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let side = if c.ends[0] == node { 0 } else { 1 };
+        if c.closed[side] {
+            return;
+        }
+        c.closed[side] = true;
+        c.queues[1 - side].clear();
+        self.notify_closed(node, conn);
+        self.maybe_finish_close(conn);
+    }
+
+    fn maybe_finish_close(&mut self, conn: ConnId) {
+        for side in 0..2 {
+            let Some(c) = self.conns.get_mut(&conn) else {
+                return;
+            };
+            if c.closed[side] && !c.closed[1 - side] && c.queues[side].is_empty() {
+                let peer = c.ends[1 - side];
+                c.closed[1 - side] = true;
+                self.notify_closed(peer, conn);
+            }
+        }
+        if self
+            .conns
+            .get(&conn)
+            .is_some_and(|c| c.closed == [true, true])
+        {
+            self.conns.remove(&conn);
+        }
+    }
+
+    /// The network drops a connection: both ends see it at once, and every
+    /// frame in flight on it is lost (the only loss TCP has).
+    pub fn kill(&mut self, conn: ConnId) {
+        self.events += 1;
+        self.trace(|| format!("KILL conn {conn}"));
+        self.counters.kills += 1;
+        self.drop_conn(conn);
+    }
+
+    fn drop_conn(&mut self, conn: ConnId) {
+        let Some(c) = self.conns.remove(&conn) else {
+            return;
+        };
+        for side in 0..2 {
+            if !c.closed[side] {
+                self.notify_closed(c.ends[side], conn);
+            }
+        }
+    }
+
+    fn notify_closed(&mut self, node: Node, conn: ConnId) {
+        self.trace(|| format!("{node:?} sees conn {conn} closed"));
+        match node {
+            Node::Gateway => {
+                for l in self.gw_links.iter_mut() {
+                    if *l == Some(conn) {
+                        *l = None;
+                    }
+                }
+                let mut ga = Vec::new();
+                self.gateway.closed(conn, &mut ga);
+                self.gateway_actions(ga);
+            }
+            Node::Prefill => {
+                if self.prefill_up {
+                    let mut pa = Vec::new();
+                    self.prefill.closed(&mut self.prefill_pool, conn, &mut pa);
+                    self.prefill_actions(pa);
+                }
+            }
+            Node::Decode => {
+                if self.decode_up {
+                    let mut da = Vec::new();
+                    self.decode.closed(&mut self.decode_pool, conn, &mut da);
+                    self.decode_actions(da);
+                }
+            }
+        }
+    }
+
+    /// Delivers frame `index` (0: the next one, as TCP does; others model a
+    /// reordering network) of one direction of `conn`. `corrupt`: flip bit
+    /// `.1 % 8` of byte `4 + .0 % (len - 4)` first. `tamper` may rewrite the
+    /// decoded message.
+    pub fn deliver(
+        &mut self,
+        conn: ConnId,
+        side: usize,
+        index: usize,
+        corrupt: Option<(u64, u64)>,
+        tamper: Option<Tamper<'_>>,
+    ) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let Some(mut frame) = c.queues[side].remove(index) else {
+            return;
+        };
+        self.events += 1;
+        self.counters.reorders += usize::from(index > 0);
+        let to = c.ends[1 - side];
+        if let Some((byte, bit)) = corrupt.filter(|_| frame.len() > 4) {
+            // Any byte after the length prefix (a flipped length is a TCP
+            // stream desync, which the heartbeat timeout ends).
+            let i = 4 + (byte % (frame.len() as u64 - 4)) as usize;
+            frame[i] ^= 1 << (bit % 8);
+            self.counters.corruptions += 1;
+            self.trace(|| format!("CORRUPT byte {i} of a frame on conn {conn}"));
+        }
+        match Message::decode(&frame) {
+            Ok(Some((mut msg, _))) => {
+                if let Some(t) = tamper {
+                    if t(&mut msg) {
+                        self.trace(|| format!("TAMPERED a {} on conn {conn}", msg.kind_name()));
+                    }
+                }
+                self.receive(to, conn, msg)
+            }
+            // A frame that no longer parses: the receiver's transport
+            // closes the connection (what the TCP driver does).
+            _ => self.close_by(to, conn),
+        }
+        self.maybe_finish_close(conn);
+    }
+
+    /// An adversarial network loses frame `index` of a live connection
+    /// (TCP cannot: see the `verify` crate for when drivers use this).
+    pub fn drop_frame(&mut self, conn: ConnId, side: usize, index: usize) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            if c.queues[side].remove(index).is_some() {
+                self.events += 1;
+                self.counters.drops += 1;
+                self.trace(|| format!("DROP frame {index} on conn {conn}"));
+            }
+        }
+        self.maybe_finish_close(conn);
+    }
+
+    /// An adversarial network delivers frame `index` twice (TCP cannot).
+    pub fn duplicate_frame(&mut self, conn: ConnId, side: usize, index: usize) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            if let Some(f) = c.queues[side].get(index).cloned() {
+                c.queues[side].push_back(f);
+                self.events += 1;
+                self.counters.duplicates += 1;
+                self.trace(|| format!("DUPLICATE frame {index} on conn {conn}"));
+            }
+        }
+    }
+
+    fn receive(&mut self, to: Node, conn: ConnId, msg: Message) {
+        self.trace(|| {
+            let mut m = format!("{msg:?}");
+            m.truncate(160);
+            format!("{to:?} <- conn {conn}: {m}")
+        });
+        match to {
+            Node::Gateway => {
+                let mut ga = Vec::new();
+                self.gateway.message(conn, msg, &mut ga);
+                self.gateway_actions(ga);
+            }
+            Node::Prefill => {
+                let mut pa = Vec::new();
+                self.prefill
+                    .message(&mut self.prefill_pool, conn, msg, &mut pa);
+                self.prefill_actions(pa);
+            }
+            Node::Decode => {
+                // K2 as an event: a page may change decode's memory only
+                // through the live reservation it names.
+                let page = match &msg {
+                    Message::Page {
+                        req, position, dst, ..
+                    } => {
+                        let reserved = self
+                            .decode
+                            .pages_of(*req)
+                            .and_then(|p| p.get(*position as usize).copied());
+                        let before = (
+                            self.decode_pool.epoch_of(dst.index),
+                            self.decode_pool.page_fingerprint(dst.index),
+                        );
+                        Some((*req, *dst, reserved, before))
+                    }
+                    _ => None,
+                };
+                if let Message::Cancel { req } = &msg {
+                    if self.decode.phase_of(*req) == Some(crate::decode::DecodePhase::Receiving) {
+                        self.counters.cancels_mid_transfer += 1;
+                    }
+                }
+                let mut da = Vec::new();
+                self.decode
+                    .message(&mut self.decode_pool, conn, msg, &mut da);
+                if let Some((req, dst, reserved, (epoch, before))) = page {
+                    // A page freed or reallocated by the event (a failed
+                    // transfer's pages are poisoned, a waiting request's get
+                    // canaries) changed for other reasons: K1/K4 judge those.
+                    let same_epoch = self.decode_pool.epoch_of(dst.index) == epoch;
+                    let written = before != self.decode_pool.page_fingerprint(dst.index);
+                    let named_live = reserved
+                        == Some(PageRef {
+                            index: dst.index,
+                            epoch: dst.epoch,
+                        })
+                        && epoch == Some(dst.epoch);
+                    if same_epoch && written && !named_live {
+                        self.violations.push(format!(
+                            "K2: a page of request {req} naming page {} epoch {} was written into \
+                             decode's page {} at epoch {:?} (the request's reservation there: \
+                             {reserved:?})",
+                            dst.index, dst.epoch, dst.index, epoch
+                        ));
+                    }
+                }
+                self.decode_actions(da);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------- actions
+
+    fn gateway_actions(&mut self, actions: Vec<GatewayAction>) {
+        for a in actions {
+            match a {
+                GatewayAction::Send { conn, msg } => self.send(Node::Gateway, conn, &msg),
+                GatewayAction::Close { conn } => self.close_by(Node::Gateway, conn),
+                GatewayAction::Deliver { req, event } => self.client_event(req, event),
+            }
+        }
+    }
+
+    fn prefill_actions(&mut self, actions: Vec<PrefillAction>) {
+        for a in actions {
+            match a {
+                PrefillAction::Send { conn, msg } => self.send(Node::Prefill, conn, &msg),
+                PrefillAction::Close { conn } => self.close_by(Node::Prefill, conn),
+                PrefillAction::Connect { addr } => self.dials.push_back(addr),
+                PrefillAction::Compute(job) => {
+                    self.jobs.insert(job.req, *job);
+                }
+                PrefillAction::StopCompute { req } => {
+                    self.jobs.remove(&req);
+                }
+            }
+        }
+    }
+
+    fn decode_actions(&mut self, actions: Vec<DecodeAction>) {
+        for a in actions {
+            match a {
+                DecodeAction::Send { conn, msg } => self.send(Node::Decode, conn, &msg),
+                DecodeAction::Close { conn } => self.close_by(Node::Decode, conn),
+                DecodeAction::StartDecode(start) => self.start_decode(*start),
+                DecodeAction::StopDecode { req } => {
+                    self.decoding.remove(&req);
+                }
+            }
+        }
+    }
+
+    fn client_event(&mut self, req: u64, event: ClientEvent) {
+        self.trace(|| format!("client {req} <- {event:?}"));
+        let Some(c) = self.clients.get_mut(&req) else {
+            return;
+        };
+        if c.end.is_some() || c.cancelled {
+            self.violations.push(format!(
+                "request {req}: an event after its end or its cancel: {event:?}"
+            ));
+            return;
+        }
+        match event {
+            ClientEvent::Token { id, .. } => {
+                let at = c.tokens.len();
+                if c.expected.get(at) != Some(&id) {
+                    // Content: a token another request's KV (or a stale or
+                    // unwritten page) produced.
+                    self.violations.push(format!(
+                        "request {req}: token {at} is {id}, the reference's is {:?}",
+                        c.expected.get(at)
+                    ));
+                }
+                c.tokens.push(id);
+                self.counters.tokens_delivered += 1;
+            }
+            ClientEvent::Finished {
+                completion_tokens, ..
+            } => c.end = Some(Ok(completion_tokens)),
+            ClientEvent::Error(e) => {
+                c.status = Some(e.status);
+                c.end = Some(Err(e.code));
+            }
+        }
+    }
+
+    // ---------------------------------------------------------- engines
+
+    /// Prefill's engine runs one job: writes the prompt's KV, reads it
+    /// back for the first token.
+    pub fn compute(&mut self, req: u64) {
+        let Some(job) = self.jobs.remove(&req) else {
+            return;
+        };
+        self.events += 1;
+        self.trace(|| format!("prefill computes request {req}"));
+        let ps = self.params.page_size as usize;
+        let mut result = Ok(());
+        for (pos, &t) in job.tokens.iter().enumerate() {
+            result = result
+                .and_then(|()| write_kv(&mut self.prefill_pool, &job.pages, job.owner, ps, pos, t));
+        }
+        let first = result.and_then(|()| {
+            next_from_pool(
+                &self.prefill_pool,
+                &job.pages,
+                job.owner,
+                ps,
+                job.tokens.len(),
+            )
+        });
+        let mut pa = Vec::new();
+        match first {
+            Ok(t) => self
+                .prefill
+                .computed(&mut self.prefill_pool, req, t, None, 0, &mut pa),
+            Err(e) => self.prefill.compute_failed(
+                &mut self.prefill_pool,
+                req,
+                crate::refusal::internal(e.to_string()),
+                &mut pa,
+            ),
+        }
+        self.prefill_actions(pa);
+    }
+
+    fn start_decode(&mut self, s: DecodeStart) {
+        // K3/K10 as an event: decode starts only on pages that hold exactly
+        // this request's prompt, written in their current epoch.
+        let ps = self.params.page_size as usize;
+        let prompt = self.clients.get(&s.req).map(|c| c.spec.prompt.clone());
+        let read = next_from_pool(&self.decode_pool, &s.pages, s.owner, ps, s.tokens.len());
+        match (&prompt, &read) {
+            (Some(p), Ok(t)) if *p == s.tokens && *t == reference_next(p) => {}
+            _ => self.violations.push(format!(
+                "K3/K10: decode started request {} on pages that do not hold its prompt \
+                 (decode has {} tokens, the client sent {:?}; reading them: {read:?})",
+                s.req,
+                s.tokens.len(),
+                prompt.as_ref().map(Vec::len)
+            )),
+        }
+        let mut seq = s.tokens.clone();
+        seq.push(s.first_token);
+        let mut da = Vec::new();
+        self.decode
+            .stream_token(s.req, s.conn, s.first_token, String::new(), None, &mut da);
+        let d = Decoding {
+            owner: s.owner,
+            conn: s.conn,
+            pages: s.pages,
+            seq,
+            generated: 1,
+            max_tokens: s.max_tokens,
+        };
+        if d.generated >= d.max_tokens {
+            self.decode
+                .decode_finished(&mut self.decode_pool, s.req, 1, 1, String::new(), &mut da);
+        } else {
+            self.decoding.insert(s.req, d);
+        }
+        self.decode_actions(da);
+    }
+
+    /// Decode's engine runs one step of one request.
+    pub fn decode_step(&mut self, req: u64) {
+        let ps = self.params.page_size as usize;
+        let Some(d) = self.decoding.get_mut(&req) else {
+            return;
+        };
+        self.events += 1;
+        let n = d.seq.len();
+        let last = *d.seq.last().expect("non-empty");
+        let next = write_kv(&mut self.decode_pool, &d.pages, d.owner, ps, n - 1, last)
+            .and_then(|()| next_from_pool(&self.decode_pool, &d.pages, d.owner, ps, n));
+        let mut da = Vec::new();
+        match next {
+            Ok(t) => {
+                d.seq.push(t);
+                d.generated += 1;
+                let conn = d.conn;
+                let done = d.generated >= d.max_tokens;
+                let generated = d.generated;
+                self.decode
+                    .stream_token(req, conn, t, String::new(), None, &mut da);
+                if done {
+                    self.decoding.remove(&req);
+                    self.decode.decode_finished(
+                        &mut self.decode_pool,
+                        req,
+                        1,
+                        generated,
+                        String::new(),
+                        &mut da,
+                    );
+                }
+            }
+            Err(e) => {
+                self.decoding.remove(&req);
+                self.decode.decode_failed(
+                    &mut self.decode_pool,
+                    req,
+                    crate::refusal::internal(e.to_string()),
+                    &mut da,
+                );
+            }
+        }
+        self.decode_actions(da);
+    }
+
+    // ----------------------------------------------------------- faults
+
+    /// A node crashes: its memory is gone, its peers see its connections
+    /// drop; it sees nothing.
+    pub fn crash(&mut self, node: Node) {
+        self.events += 1;
+        self.trace(|| format!("CRASH {node:?}"));
+        self.counters.crashes += 1;
+        let conns: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.ends.contains(&node))
+            .map(|(&k, _)| k)
+            .collect();
+        match node {
+            Node::Prefill => {
+                self.prefill_up = false;
+                self.jobs.clear();
+                self.dials.clear();
+            }
+            Node::Decode => {
+                let s = self.decode.stats();
+                self.counters.retired_checksum += s.checksum_failures_total;
+                self.counters.retired_fenced += s.pages_fenced_total;
+                self.counters.retired_late += s.pages_late_total;
+                self.counters.retired_cancels.0 += s.cancels_receiving_total;
+                self.counters.retired_cancels.1 += s.cancels_decoding_total;
+                self.decode_up = false;
+                self.decoding.clear();
+            }
+            Node::Gateway => unreachable!("the gateway does not crash in this world"),
+        }
+        for conn in conns {
+            self.drop_conn(conn);
+        }
+    }
+
+    /// A crashed node comes back empty (new state machine, new pool).
+    pub fn restart(&mut self, node: Node) {
+        self.events += 1;
+        self.trace(|| format!("RESTART {node:?}"));
+        let shape = *self.decode_pool.shape();
+        match node {
+            Node::Prefill => {
+                self.prefill = Self::new_prefill(&self.params);
+                self.prefill_pool =
+                    Pool::new(shape, self.params.prefill_pages, PoolOptions::default())
+                        .expect("pool");
+                self.prefill_up = true;
+                self.gateway_dial(0);
+            }
+            Node::Decode => {
+                self.decode = Self::new_decode(&self.params);
+                self.decode_pool =
+                    Pool::new(shape, self.params.decode_pages, PoolOptions::default())
+                        .expect("pool");
+                self.decode_up = true;
+                self.gateway_dial(1);
+            }
+            Node::Gateway => {}
+        }
+    }
+
+    // --------------------------------------------------------- clients
+
+    /// The next client submits its request.
+    pub fn submit_next(&mut self) {
+        let req = self.next_req;
+        let Some(c) = self.clients.get(&req) else {
+            return;
+        };
+        self.events += 1;
+        self.next_req += 1;
+        let (tenant, prompt, max_tokens) =
+            (c.spec.tenant, c.spec.prompt.clone(), c.spec.max_tokens);
+        self.trace(|| format!("client {req} submits {} tokens", prompt.len()));
+        let mut ga = Vec::new();
+        let r = self
+            .gateway
+            .submit(req, tenant, prompt, max_tokens, GenSpec::greedy(), &mut ga);
+        self.gateway_actions(ga);
+        if let Err(e) = r {
+            self.client_event(req, ClientEvent::Error(e));
+        }
+    }
+
+    /// A client cancels its request (hangs up).
+    pub fn cancel(&mut self, req: u64) {
+        let Some(c) = self.clients.get_mut(&req) else {
+            return;
+        };
+        if c.end.is_some() || c.cancelled || req >= self.next_req {
+            return;
+        }
+        self.events += 1;
+        c.cancelled = true;
+        self.counters.cancels += 1;
+        self.trace(|| format!("client {req} CANCELS"));
+        let mut ga = Vec::new();
+        self.gateway.cancel(req, &mut ga);
+        self.gateway_actions(ga);
+    }
+
+    // ---------------------------------------------------------- checks
+
+    /// After every event: what an event saw go wrong, the pools' own
+    /// invariants (K1, K2, K4, K5 as state: the free list is a set, no
+    /// double free), ownership across requests (K1), K9 for requests that
+    /// ended, and K4 across nodes.
+    pub fn check_step(&self) -> Result<(), String> {
+        if let Some(v) = self.violations.first() {
+            return Err(v.clone());
+        }
+        for (pool, name, up) in [
+            (&self.prefill_pool, "prefill", self.prefill_up),
+            (&self.decode_pool, "decode", self.decode_up),
+        ] {
+            if !up {
+                continue;
+            }
+            pool.check_invariants()
+                .map_err(|e| format!("{name} pool: {e}"))?;
+            let s = pool.stats();
+            if s.refused_double_free > 0 {
+                return Err(format!(
+                    "K5: {name} pool refused {} double frees",
+                    s.refused_double_free
+                ));
+            }
+        }
+        self.check_ownership()?;
+        self.check_refusals()?;
+        self.check_k4_across()
+    }
+
+    /// K1: every page a request holds is allocated to that request (same
+    /// epoch, same owner), and no page is held by two requests.
+    fn check_ownership(&self) -> Result<(), String> {
+        use crate::decode::DecodePhase;
+        let check = |pool: &Pool, name: &str, holdings: Vec<(u64, Owner, Vec<PageRef>)>| {
+            let mut seen = BTreeSet::new();
+            for (req, owner, pages) in holdings {
+                for h in pages {
+                    if !seen.insert(h.index) {
+                        return Err(format!(
+                            "K1: {name} page {} is held by two requests",
+                            h.index
+                        ));
+                    }
+                    if pool.epoch_of(h.index) != Some(h.epoch)
+                        || pool.owner_of(h.index) != Some(owner)
+                    {
+                        return Err(format!(
+                            "K1: {name} request {req} holds page {} epoch {}, which is at epoch {:?} \
+                             owned by {:?}",
+                            h.index,
+                            h.epoch,
+                            pool.epoch_of(h.index),
+                            pool.owner_of(h.index)
+                        ));
+                    }
+                }
+            }
+            Ok(())
+        };
+        if self.decode_up {
+            let holdings = self
+                .decode
+                .request_phases()
+                .filter(|(_, p)| matches!(p, DecodePhase::Receiving | DecodePhase::Decoding))
+                .filter_map(|(req, _)| {
+                    Some((
+                        req,
+                        self.decode.owner_of(req)?,
+                        self.decode.pages_of(req)?.to_vec(),
+                    ))
+                })
+                .collect();
+            check(&self.decode_pool, "decode", holdings)?;
+        }
+        if self.prefill_up {
+            let holdings = self
+                .prefill
+                .holdings()
+                .map(|(req, owner, pages)| (req, owner, pages.to_vec()))
+                .collect();
+            check(&self.prefill_pool, "prefill", holdings)?;
+        }
+        Ok(())
+    }
+
+    /// K9: a request over a node's limit ends with that refusal and no
+    /// tokens (or with the loss of a node that had not refused it yet).
+    fn check_refusals(&self) -> Result<(), String> {
+        for (&req, c) in &self.clients {
+            if !c.oversize {
+                continue;
+            }
+            let fine = match &c.end {
+                None => c.tokens.is_empty(),
+                Some(Ok(_)) => false,
+                Some(Err(code)) => {
+                    c.tokens.is_empty() && CODES_OF_AN_OVERSIZE_REQUEST.contains(&code.as_str())
+                }
+            };
+            if !fine {
+                return Err(format!(
+                    "K9: request {req} exceeds a node's limit ({} + {} tokens) but ended with {:?} \
+                     after {} tokens, not `context_length_exceeded`",
+                    c.spec.prompt.len(),
+                    c.spec.max_tokens,
+                    c.end,
+                    c.tokens.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// K4 across nodes: while prefill may still write a transfer's pages
+    /// over a live link that decode has bound the request to, decode's
+    /// pages for it are still that reservation (same epoch: never freed,
+    /// never reallocated). A transfer on a link decode has not bound (it
+    /// forgot the request: cancelled before it knew the link) can only
+    /// reach pages through handles decode no longer honours: those pages
+    /// are fenced (K2), which the K2 event check and the content check
+    /// cover.
+    fn check_k4_across(&self) -> Result<(), String> {
+        if !self.check_k4 || !self.decode_up || !self.prefill_up {
+            return Ok(());
+        }
+        for (req, conn, dst) in self.prefill.sending() {
+            let alive = conn
+                .and_then(|c| self.conns.get(&c))
+                .is_some_and(|c| c.closed == [false, false]);
+            if !alive || self.decode.link_of(req) != conn {
+                continue;
+            }
+            for p in dst {
+                let epoch = self.decode_pool.epoch_of(p.index);
+                if epoch != Some(p.epoch) {
+                    return Err(format!(
+                        "K4: prefill may still write page {} epoch {} of request {req}, but decode's \
+                         page is at epoch {epoch:?} (freed or reallocated)",
+                        p.index, p.epoch
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Nothing left to do: every request ended, no frame in flight, no
+    /// work queued, both nodes up and holding nothing.
+    pub fn quiescent(&self) -> bool {
+        self.clients_done()
+            && self.frames().is_empty()
+            && self.jobs.is_empty()
+            && self.decoding.is_empty()
+            && self.dials.is_empty()
+            && self.prefill_up
+            && self.decode_up
+            && self.decode.requests() == 0
+            && self.prefill.requests() == 0
+            && self.gateway.requests() == 0
+    }
+
+    /// Every page of every live node is free, none leased.
+    pub fn pools_free(&self) -> Result<(), String> {
+        for (pool, name, up) in [
+            (&self.prefill_pool, "prefill", self.prefill_up),
+            (&self.decode_pool, "decode", self.decode_up),
+        ] {
+            let s = pool.stats();
+            if up && (s.pages_free != s.pages_total || s.pages_leased != 0) {
+                return Err(format!(
+                    "{name} pool: {} of {} pages free, {} leased, with every request ended (leaked)",
+                    s.pages_free, s.pages_total, s.pages_leased
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// At the end: pools free, and every request's content and ending
+    /// right. Returns the outcomes.
+    pub fn check_end(&self) -> Result<Vec<Outcome>, String> {
+        self.check_step()?;
+        self.pools_free()?;
+        let mut out = Vec::new();
+        for (&req, c) in &self.clients {
+            if c.tokens.len() > c.expected.len() || c.tokens[..] != c.expected[..c.tokens.len()] {
+                return Err(format!(
+                    "request {req}: tokens {:?} are not a prefix of the reference {:?}",
+                    c.tokens, c.expected
+                ));
+            }
+            match &c.end {
+                Some(Ok(n)) => {
+                    if *n as usize != c.tokens.len() || c.tokens != c.expected {
+                        return Err(format!(
+                            "request {req}: finished with {n} tokens {:?}, reference {:?}",
+                            c.tokens, c.expected
+                        ));
+                    }
+                }
+                Some(Err(code)) => {
+                    // Tokens before an error only when decode itself was lost
+                    // (or the link to it) after decoding began — or on an
+                    // adversarial network, where a duplicated or reordered
+                    // frame can end a streaming request (the gateway detects
+                    // a skipped or repeated token): the tokens delivered are
+                    // still a prefix of the reference (checked above).
+                    let beyond_tcp =
+                        self.counters.reorders + self.counters.drops + self.counters.duplicates > 0;
+                    let may_follow_tokens = code == "decode_lost" || beyond_tcp;
+                    if !c.tokens.is_empty() && !may_follow_tokens {
+                        return Err(format!(
+                            "request {req}: error `{code}` after {} tokens",
+                            c.tokens.len()
+                        ));
+                    }
+                }
+                None if c.cancelled => {}
+                None => return Err(format!("request {req} never ended")),
+            }
+            out.push(Outcome {
+                req,
+                tenant: c.spec.tenant,
+                prompt: c.spec.prompt.clone(),
+                tokens: c.tokens.clone(),
+                expected: c.expected.clone(),
+                end: c.end.clone(),
+                status: c.status,
+                cancelled: c.cancelled,
+            });
+        }
+        Ok(out)
+    }
+
+    /// One line per request, for traces.
+    pub fn summary(&self) -> String {
+        let mut s = String::new();
+        for (&req, c) in &self.clients {
+            let state = if req >= self.next_req {
+                "not sent".to_string()
+            } else if c.cancelled {
+                "cancelled".to_string()
+            } else {
+                match &c.end {
+                    None => "running".to_string(),
+                    Some(Ok(n)) => format!("finished ({n} tokens)"),
+                    Some(Err(code)) => format!("error `{code}`"),
+                }
+            };
+            s += &format!(
+                "req {req} (tenant {}): {state}, tokens {:?}; gateway {:?}, prefill {:?}, decode {:?}\n",
+                c.spec.tenant,
+                c.tokens,
+                self.gateway.phase_of(req),
+                self.prefill.phase_of(req).filter(|_| self.prefill_up),
+                self.decode.phase_of(req).filter(|_| self.decode_up),
+            );
+        }
+        let p = self.prefill_pool.stats();
+        let d = self.decode_pool.stats();
+        s += &format!(
+            "prefill {} pool {}/{} free {} leased; decode {} pool {}/{} free {} leased; {} frames in flight",
+            if self.prefill_up { "up" } else { "DOWN" },
+            p.pages_free,
+            p.pages_total,
+            p.pages_leased,
+            if self.decode_up { "up" } else { "DOWN" },
+            d.pages_free,
+            d.pages_total,
+            d.pages_leased,
+            self.frames().iter().map(|f| f.2).sum::<usize>()
+        );
+        s
+    }
+}
