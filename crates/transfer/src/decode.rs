@@ -1136,6 +1136,7 @@ impl DecodeNode {
                 finish,
                 prompt_tokens: r.tokens.len() as u32,
                 completion_tokens,
+                streamed: r.streamed,
                 tail_text,
             },
         });

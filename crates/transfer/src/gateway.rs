@@ -395,6 +395,7 @@ impl Gateway {
                 finish,
                 prompt_tokens,
                 completion_tokens,
+                streamed,
                 tail_text,
             } if up => {
                 let Some(r) = self.reqs.get(&req) else {
@@ -404,13 +405,14 @@ impl Gateway {
                     self.stats.protocol_errors_total += 1;
                     return;
                 }
-                if completion_tokens != r.streamed {
+                if streamed != r.streamed {
+                    // A token lost (or repeated) before the end.
                     self.stats.protocol_errors_total += 1;
                     let e = refusal::upstream(
                         "transfer_protocol",
                         format!(
-                            "decode finished request {req} with {completion_tokens} tokens, {} were \
-                             streamed",
+                            "decode finished request {req} after streaming {streamed} tokens; \
+                             {} arrived",
                             r.streamed
                         ),
                     );

@@ -233,6 +233,9 @@ pub enum Message {
         finish: u8,
         prompt_tokens: u32,
         completion_tokens: u32,
+        /// `Token` messages sent before this one (a stop token counts in
+        /// `completion_tokens` but is not streamed).
+        streamed: u32,
         /// Text held back at the end (a stop-string prefix that never
         /// completed).
         tail_text: String,
@@ -477,6 +480,7 @@ impl Message {
                 finish,
                 prompt_tokens,
                 completion_tokens,
+                streamed,
                 tail_text,
             } => {
                 w.u8(K_FINISHED);
@@ -484,6 +488,7 @@ impl Message {
                 w.u8(*finish);
                 w.u32(*prompt_tokens);
                 w.u32(*completion_tokens);
+                w.u32(*streamed);
                 w.str(tail_text);
             }
             Message::Heartbeat { nonce } => {
@@ -615,6 +620,7 @@ impl Message {
                 finish: r.u8("finish")?,
                 prompt_tokens: r.u32("prompt_tokens")?,
                 completion_tokens: r.u32("completion_tokens")?,
+                streamed: r.u32("streamed")?,
                 tail_text: r.str("tail_text")?,
             },
             K_HEARTBEAT => Message::Heartbeat {

@@ -361,7 +361,6 @@ pub struct World {
     check_k4: bool,
     /// Print every event to stderr (replays).
     trace: bool,
-    events: u64,
 }
 
 /// The first request's id; requests are numbered in submission order.
@@ -415,7 +414,6 @@ impl World {
             violations: Vec::new(),
             check_k4: true,
             trace: false,
-            events: 0,
             params,
         };
         w.gateway_dial(0);
@@ -461,7 +459,7 @@ impl World {
 
     fn trace(&self, what: impl FnOnce() -> String) {
         if self.trace {
-            eprintln!("[{}] {}", self.events, what());
+            eprintln!("  {}", what());
         }
     }
 
@@ -575,7 +573,6 @@ impl World {
         if !self.up(to) || self.gw_links[which].is_some() {
             return;
         }
-        self.events += 1;
         let conn = self.open(Node::Gateway, to);
         self.trace(|| format!("gateway dials {to:?}: conn {conn}"));
         self.gw_links[which] = Some(conn);
@@ -598,7 +595,6 @@ impl World {
         let Some(addr) = self.dials.pop_front() else {
             return;
         };
-        self.events += 1;
         if !self.decode_up || addr != DECODE_ADDR {
             self.trace(|| format!("prefill's dial to {addr} fails"));
             let mut pa = Vec::new();
@@ -673,7 +669,6 @@ impl World {
     /// The network drops a connection: both ends see it at once, and every
     /// frame in flight on it is lost (the only loss TCP has).
     pub fn kill(&mut self, conn: ConnId) {
-        self.events += 1;
         self.trace(|| format!("KILL conn {conn}"));
         self.counters.kills += 1;
         self.drop_conn(conn);
@@ -738,7 +733,6 @@ impl World {
         let Some(mut frame) = c.queues[side].remove(index) else {
             return;
         };
-        self.events += 1;
         self.counters.reorders += usize::from(index > 0);
         let to = c.ends[1 - side];
         if let Some((byte, bit)) = corrupt.filter(|_| frame.len() > 4) {
@@ -770,7 +764,6 @@ impl World {
     pub fn drop_frame(&mut self, conn: ConnId, side: usize, index: usize) {
         if let Some(c) = self.conns.get_mut(&conn) {
             if c.queues[side].remove(index).is_some() {
-                self.events += 1;
                 self.counters.drops += 1;
                 self.trace(|| format!("DROP frame {index} on conn {conn}"));
             }
@@ -783,7 +776,6 @@ impl World {
         if let Some(c) = self.conns.get_mut(&conn) {
             if let Some(f) = c.queues[side].get(index).cloned() {
                 c.queues[side].push_back(f);
-                self.events += 1;
                 self.counters.duplicates += 1;
                 self.trace(|| format!("DUPLICATE frame {index} on conn {conn}"));
             }
@@ -945,7 +937,6 @@ impl World {
         let Some(job) = self.jobs.remove(&req) else {
             return;
         };
-        self.events += 1;
         self.trace(|| format!("prefill computes request {req}"));
         let ps = self.params.page_size as usize;
         let mut result = Ok(());
@@ -1021,7 +1012,6 @@ impl World {
         let Some(d) = self.decoding.get_mut(&req) else {
             return;
         };
-        self.events += 1;
         let n = d.seq.len();
         let last = *d.seq.last().expect("non-empty");
         let next = write_kv(&mut self.decode_pool, &d.pages, d.owner, ps, n - 1, last)
@@ -1066,7 +1056,6 @@ impl World {
     /// A node crashes: its memory is gone, its peers see its connections
     /// drop; it sees nothing.
     pub fn crash(&mut self, node: Node) {
-        self.events += 1;
         self.trace(|| format!("CRASH {node:?}"));
         self.counters.crashes += 1;
         let conns: Vec<ConnId> = self
@@ -1100,7 +1089,6 @@ impl World {
 
     /// A crashed node comes back empty (new state machine, new pool).
     pub fn restart(&mut self, node: Node) {
-        self.events += 1;
         self.trace(|| format!("RESTART {node:?}"));
         let shape = *self.decode_pool.shape();
         match node {
@@ -1132,7 +1120,6 @@ impl World {
         let Some(c) = self.clients.get(&req) else {
             return;
         };
-        self.events += 1;
         self.next_req += 1;
         let (tenant, prompt, max_tokens) =
             (c.spec.tenant, c.spec.prompt.clone(), c.spec.max_tokens);
@@ -1155,7 +1142,6 @@ impl World {
         if c.end.is_some() || c.cancelled || req >= self.next_req {
             return;
         }
-        self.events += 1;
         c.cancelled = true;
         self.counters.cancels += 1;
         self.trace(|| format!("client {req} CANCELS"));
@@ -1174,6 +1160,16 @@ impl World {
         if let Some(v) = self.violations.first() {
             return Err(v.clone());
         }
+        self.check_pools()?;
+        self.check_ownership()?;
+        self.check_refusals()?;
+        self.check_k4_across()
+    }
+
+    /// Each live node's pool is consistent (the free list is a set of
+    /// exactly the unallocated pages; lease counts match) and refused no
+    /// double free (K5).
+    pub fn check_pools(&self) -> Result<(), String> {
         for (pool, name, up) in [
             (&self.prefill_pool, "prefill", self.prefill_up),
             (&self.decode_pool, "decode", self.decode_up),
@@ -1191,14 +1187,12 @@ impl World {
                 ));
             }
         }
-        self.check_ownership()?;
-        self.check_refusals()?;
-        self.check_k4_across()
+        Ok(())
     }
 
     /// K1: every page a request holds is allocated to that request (same
     /// epoch, same owner), and no page is held by two requests.
-    fn check_ownership(&self) -> Result<(), String> {
+    pub fn check_ownership(&self) -> Result<(), String> {
         use crate::decode::DecodePhase;
         let check = |pool: &Pool, name: &str, holdings: Vec<(u64, Owner, Vec<PageRef>)>| {
             let mut seen = BTreeSet::new();
@@ -1254,7 +1248,7 @@ impl World {
 
     /// K9: a request over a node's limit ends with that refusal and no
     /// tokens (or with the loss of a node that had not refused it yet).
-    fn check_refusals(&self) -> Result<(), String> {
+    pub fn check_refusals(&self) -> Result<(), String> {
         for (&req, c) in &self.clients {
             if !c.oversize {
                 continue;
@@ -1288,7 +1282,7 @@ impl World {
     /// reach pages through handles decode no longer honours: those pages
     /// are fenced (K2), which the K2 event check and the content check
     /// cover.
-    fn check_k4_across(&self) -> Result<(), String> {
+    pub fn check_k4_across(&self) -> Result<(), String> {
         if !self.check_k4 || !self.decode_up || !self.prefill_up {
             return Ok(());
         }

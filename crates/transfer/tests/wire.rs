@@ -162,13 +162,14 @@ fn message() -> impl Strategy<Value = Message> {
                 logprobs,
             }
         }),
-        (any::<(u64, u8, u32, u32)>(), s).prop_map(
-            |((req, finish, prompt_tokens, completion_tokens), tail_text)| {
+        (any::<(u64, u8, u32, u32, u32)>(), s).prop_map(
+            |((req, finish, prompt_tokens, completion_tokens, streamed), tail_text)| {
                 Message::Finished {
                     req,
                     finish,
                     prompt_tokens,
                     completion_tokens,
+                    streamed,
                     tail_text,
                 }
             }
