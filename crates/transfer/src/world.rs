@@ -1275,13 +1275,13 @@ impl World {
     }
 
     /// K4 across nodes: while prefill may still write a transfer's pages
-    /// over a live link that decode has bound the request to, decode's
-    /// pages for it are still that reservation (same epoch: never freed,
-    /// never reallocated). A transfer on a link decode has not bound (it
-    /// forgot the request: cancelled before it knew the link) can only
-    /// reach pages through handles decode no longer honours: those pages
-    /// are fenced (K2), which the K2 event check and the content check
-    /// cover.
+    /// over a live link that decode has bound the request to, decode's own
+    /// reservation for the prompt is intact (same epoch: never freed, never
+    /// reallocated). A transfer on a link decode has not bound (it forgot
+    /// the request: cancelled before it knew the link) can only reach pages
+    /// through handles decode no longer honours, and a page naming any
+    /// other handle (a stale writer) is fenced: the K2 event check and the
+    /// content check cover those.
     pub fn check_k4_across(&self) -> Result<(), String> {
         if !self.check_k4 || !self.decode_up || !self.prefill_up {
             return Ok(());
@@ -1293,13 +1293,16 @@ impl World {
             if !alive || self.decode.link_of(req) != conn {
                 continue;
             }
-            for p in dst {
-                let epoch = self.decode_pool.epoch_of(p.index);
-                if epoch != Some(p.epoch) {
+            let Some(pages) = self.decode.pages_of(req) else {
+                continue;
+            };
+            for h in pages.iter().take(dst.len()) {
+                let epoch = self.decode_pool.epoch_of(h.index);
+                if epoch != Some(h.epoch) {
                     return Err(format!(
-                        "K4: prefill may still write page {} epoch {} of request {req}, but decode's \
-                         page is at epoch {epoch:?} (freed or reallocated)",
-                        p.index, p.epoch
+                        "K4: prefill may still write request {req}'s prompt, but decode's page {} \
+                         of it went from epoch {} to {epoch:?} (freed or reallocated)",
+                        h.index, h.epoch
                     ));
                 }
             }
