@@ -86,6 +86,9 @@ pub struct Bounds {
     pub stale_writes: usize,
     pub network: Network,
     pub mutations: Mutations,
+    /// Check liveness on an adversarial network too (it fails there: the
+    /// test that shows the liveness properties can fail at all).
+    pub liveness_everywhere: bool,
     /// Give up after this long (the report says so).
     pub timeout: Duration,
 }
@@ -116,6 +119,7 @@ impl Bounds {
             stale_writes: 0,
             network: Network::Tcp,
             mutations: Mutations::default(),
+            liveness_everywhere: false,
             timeout: Duration::from_secs(600),
         }
     }
@@ -262,7 +266,7 @@ impl PdModel {
 
     /// Properties that hold only on a TCP network.
     fn liveness_applies(&self) -> bool {
-        self.tcp()
+        self.tcp() || self.bounds.liveness_everywhere
     }
 
     /// A terminal state: no action is enabled.

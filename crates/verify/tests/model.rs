@@ -78,3 +78,16 @@ fn without_the_epoch_check_a_stale_writer_lands() {
     // With the check, the same stale writer is fenced (the CI test above
     // runs this bound set clean).
 }
+
+/// The liveness properties can fail: on a network that loses a frame of a
+/// live connection (TCP cannot), a request hangs with its pages held —
+/// which is why they are checked on the TCP network only.
+#[test]
+fn liveness_fails_where_a_live_connection_can_lose_a_frame() {
+    let mut b = Bounds::adversarial();
+    b.cancels = 0;
+    b.liveness_everywhere = true;
+    let r = run(&b);
+    let trace = violated(&r, "liveness");
+    assert!(trace.contains("network LOSES"), "{trace}");
+}
