@@ -58,13 +58,8 @@ pub struct SimConfig {
     pub tenants: u64,
     pub prompt_tokens_max: usize,
     pub max_tokens_max: u32,
-    pub page_size: u32,
-    pub prefill_pages: u64,
-    pub decode_pages: u64,
-    /// Limits the nodes advertise (K8); the gateway takes the minimum.
-    pub prefill_limit: u32,
-    pub decode_limit: u32,
-    pub window_pages: u32,
+    /// Sizes and limits of the nodes.
+    pub world: WorldParams,
     /// Faults (per-mille chance per step, and how many at most).
     pub cancel_permille: u32,
     pub cancels_max: usize,
@@ -107,12 +102,7 @@ impl Default for SimConfig {
             tenants: 3,
             prompt_tokens_max: 14,
             max_tokens_max: 5,
-            page_size: 4,
-            prefill_pages: 12,
-            decode_pages: 16,
-            prefill_limit: 32,
-            decode_limit: 32,
-            window_pages: 2,
+            world: WorldParams::default(),
             cancel_permille: 20,
             cancels_max: 2,
             corrupt_permille: 5,
@@ -258,15 +248,7 @@ impl Sim {
     }
 
     fn build(rng: SimRng, cfg: SimConfig, clients: Vec<ClientSpec>) -> Sim {
-        let params = WorldParams {
-            page_size: cfg.page_size,
-            prefill_pages: cfg.prefill_pages,
-            decode_pages: cfg.decode_pages,
-            prefill_limit: cfg.prefill_limit,
-            decode_limit: cfg.decode_limit,
-            window_pages: cfg.window_pages,
-        };
-        let mut world = World::new(params, clients);
+        let mut world = World::new(cfg.world.clone(), clients);
         world.set_trace(cfg.trace);
         Sim {
             cfg,

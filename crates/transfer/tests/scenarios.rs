@@ -16,6 +16,7 @@ use transfer::gateway::GatewayMutations;
 use transfer::prefill::PrefillMutations;
 use transfer::sim::{Outcome, Sim, SimConfig, SimReport};
 use transfer::wire::Message;
+use transfer::world::WorldParams;
 
 fn quiet() -> SimConfig {
     SimConfig::quiet()
@@ -47,8 +48,11 @@ fn assert_pools_free(r: &SimReport) {
 /// decode but not prefill, and the gateway is made to pass it on.
 fn incident() -> (SimConfig, Vec<(u64, Vec<u32>, u32)>) {
     let cfg = SimConfig {
-        prefill_limit: 16,
-        decode_limit: 32,
+        world: WorldParams {
+            prefill_limit: 16,
+            decode_limit: 32,
+            ..WorldParams::default()
+        },
         ..quiet()
     };
     let reqs = vec![(1, prompt(1, 12), 4), (2, prompt(2, 22), 4)];

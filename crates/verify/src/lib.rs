@@ -74,6 +74,18 @@ pub struct Mutations {
     pub gateway: GatewayMutations,
 }
 
+/// How the state space is walked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Search {
+    /// Breadth-first: the shortest counterexample; keeps a frontier of
+    /// whole states in memory (CI's bounds need well under 1 GiB).
+    Bfs,
+    /// Depth-first: keeps only the current path and fingerprints of the
+    /// states seen, so deeper bounds fit in memory; counterexamples may be
+    /// longer than necessary.
+    Dfs,
+}
+
 /// The bounds of a search: sizes, requests and fault budgets.
 #[derive(Clone, Debug)]
 pub struct Bounds {
@@ -89,6 +101,7 @@ pub struct Bounds {
     /// Check liveness on an adversarial network too (it fails there: the
     /// test that shows the liveness properties can fail at all).
     pub liveness_everywhere: bool,
+    pub search: Search,
     /// Give up after this long (the report says so).
     pub timeout: Duration,
 }
@@ -120,6 +133,7 @@ impl Bounds {
             network: Network::Tcp,
             mutations: Mutations::default(),
             liveness_everywhere: false,
+            search: Search::Bfs,
             timeout: Duration::from_secs(600),
         }
     }
@@ -476,20 +490,24 @@ impl std::fmt::Display for Report {
     }
 }
 
-/// Runs a breadth-first search (the shortest counterexample first) on
-/// `threads` threads.
+/// Runs the search `bounds.search` names on `threads` threads.
 pub fn check(bounds: &Bounds, threads: usize) -> Report {
-    let start = Instant::now();
     let model = PdModel {
         bounds: bounds.clone(),
     };
-    let properties = model.properties();
-    let checker = model
+    let builder = model
         .checker()
         .threads(threads.max(1))
-        .timeout(bounds.timeout)
-        .spawn_bfs()
-        .join();
+        .timeout(bounds.timeout);
+    let start = Instant::now();
+    match bounds.search {
+        Search::Bfs => report(bounds, start, builder.spawn_bfs().join()),
+        Search::Dfs => report(bounds, start, builder.spawn_dfs().join()),
+    }
+}
+
+fn report(bounds: &Bounds, start: Instant, checker: impl Checker<PdModel>) -> Report {
+    let properties = checker.model().properties();
     let seconds = start.elapsed().as_secs_f64();
     let discoveries: HashMap<_, _> = checker.discoveries();
     let mut report = Report {

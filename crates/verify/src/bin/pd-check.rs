@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use verify::{check, Bounds};
+use verify::{check, Bounds, Search};
 
 #[derive(Parser)]
 #[command(about = "Model-check the PD KV transfer protocol (stateright)")]
@@ -39,6 +39,9 @@ struct Args {
     /// skip-epoch-check (the search must then find a counterexample).
     #[arg(long)]
     mutation: Option<String>,
+    /// Depth-first search (less memory, for deeper bounds).
+    #[arg(long)]
+    dfs: bool,
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 3600)]
     timeout_s: u64,
@@ -74,6 +77,9 @@ fn main() -> ExitCode {
         b.stale_writes = a.stale_writes.unwrap_or(b.stale_writes);
         b.params.decode_pages = a.decode_pages.unwrap_or(b.params.decode_pages);
         b.timeout = Duration::from_secs(a.timeout_s);
+        if a.dfs {
+            b.search = Search::Dfs;
+        }
         match a.mutation.as_deref() {
             None => {}
             Some("placeholder") => b.mutations.prefill.placeholder = true,
@@ -88,7 +94,7 @@ fn main() -> ExitCode {
     let mut clean = true;
     for b in &suites {
         println!(
-            "{}: {} requests, {} decode pages, {} prefill pages, {} cancels, {} crashes, {} kills, {} stale writes, {:?}",
+            "{}: {} requests, {} decode pages, {} prefill pages, {} cancels, {} crashes, {} kills, {} stale writes, {:?}, {:?}",
             b.name,
             b.requests.len(),
             b.params.decode_pages,
@@ -97,7 +103,8 @@ fn main() -> ExitCode {
             b.crashes,
             b.kills,
             b.stale_writes,
-            b.network
+            b.network,
+            b.search
         );
         let r = check(b, a.threads);
         print!("{r}");
