@@ -927,6 +927,17 @@ impl Pool {
         Some(h.digest())
     }
 
+    /// Test-only: a stray write past a page's data — one byte of its
+    /// canary trailer flipped, as an out-of-bounds write from a neighbour
+    /// would (for tests that a canary check is needed where it stands).
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn scribble_trailer(&mut self, index: u32) {
+        let data = self.shape.data_bytes();
+        if index < self.pages {
+            self.page_mut(index)[data] ^= 0x5a;
+        }
+    }
+
     /// Current epoch of a page.
     pub fn epoch_of(&self, index: u32) -> Option<u64> {
         self.meta.get(index as usize).map(|m| m.epoch)

@@ -19,18 +19,10 @@
 //! ```
 //! use transfer::world::{ClientSpec, Node, World, WorldParams};
 //! let mut w = World::new(WorldParams::default(), vec![ClientSpec::new(1, vec![5, 6, 7], 2)]);
-//! // Deliver frames and run engines until nothing is left to do.
+//! // Take the first possible event until nothing is left to do.
 //! for _ in 0..200 {
-//!     if w.gateway.ready() && w.next_client().is_some() {
-//!         w.submit_next();
-//!     } else if let Some(&(conn, side, _)) = w.frames().first() {
-//!         w.deliver(conn, side, 0, None, None);
-//!     } else if w.has_dials() {
-//!         w.prefill_dial();
-//!     } else if let Some(&req) = w.jobs().first() {
-//!         w.compute(req);
-//!     } else if let Some(&req) = w.decoding().first() {
-//!         w.decode_step(req);
+//!     if !w.step_first() {
+//!         break;
 //!     }
 //!     w.check_step().expect("invariants hold after every event");
 //! }
@@ -546,6 +538,26 @@ impl World {
             .any(|c| c.end == Some(Ok(c.expected.len() as u32)) && c.tokens == c.expected)
     }
 
+    /// The first possible event, in a fixed order (submit, deliver, dial,
+    /// compute, decode): a deterministic driver for scripted tests.
+    /// Returns false when nothing can happen.
+    pub fn step_first(&mut self) -> bool {
+        if self.gateway.ready() && self.next_client().is_some() {
+            self.submit_next();
+        } else if let Some(&(conn, side, _)) = self.frames().first() {
+            self.deliver(conn, side, 0, None, None);
+        } else if self.has_dials() {
+            self.prefill_dial();
+        } else if let Some(&req) = self.jobs.keys().next() {
+            self.compute(req);
+        } else if let Some(&req) = self.decoding.keys().next() {
+            self.decode_step(req);
+        } else {
+            return false;
+        }
+        true
+    }
+
     // ------------------------------------------------------ connections
 
     fn open(&mut self, from: Node, to: Node) -> ConnId {
@@ -983,6 +995,17 @@ impl World {
                 s.tokens.len(),
                 prompt.as_ref().map(Vec::len)
             )),
+        }
+        // K7 on decode's memory: nothing wrote past a page into its canary.
+        if let Some(h) = s
+            .pages
+            .iter()
+            .find(|&&h| self.decode_pool.check_canary(h, s.owner).is_err())
+        {
+            self.violations.push(format!(
+                "K7: decode started request {} although page {} failed its canary",
+                s.req, h.index
+            ));
         }
         let mut seq = s.tokens.clone();
         seq.push(s.first_token);

@@ -10,6 +10,7 @@
 //! | pool checksum check off (K6) | `without_the_checksum_corrupted_kv_reaches_the_client` |
 //! | decode handle check off (K2 fence) | `a_page_for_a_stale_handle_is_fenced` (the canary still refuses it) |
 //! | decode frees without draining (K4) | `freeing_without_draining_breaks_k4` |
+//! | decode skips its own canary check (K7) | `without_decodes_own_canary_check_it_decodes_on_a_scribbled_page` |
 
 use transfer::decode::DecodeMutations;
 use transfer::gateway::GatewayMutations;
@@ -275,4 +276,48 @@ fn replay_scenario_seed() {
         ..quiet()
     };
     Sim::new(seed.parse().unwrap(), cfg).run().unwrap();
+}
+
+/// Drives a world by always taking the first possible event, and flips a
+/// canary byte of request 100's first decode page once it is reserved (a
+/// stray write from a neighbour).
+fn run_with_a_stray_write(m: DecodeMutations) -> Result<Vec<transfer::world::Outcome>, String> {
+    use transfer::world::{ClientSpec, World};
+    let mut w = World::new(
+        WorldParams::default(),
+        vec![ClientSpec::new(1, prompt(7, 6), 2)],
+    );
+    w.decode.set_mutations(m);
+    let mut scribbled = false;
+    for _ in 0..500 {
+        if !scribbled {
+            if let Some(&h) = w.decode.pages_of(100).and_then(|p| p.first()) {
+                w.decode_pool.scribble_trailer(h.index);
+                scribbled = true;
+            }
+        }
+        if !w.step_first() {
+            break;
+        }
+        w.check_step()?;
+    }
+    assert!(scribbled && w.quiescent(), "{}", w.summary());
+    w.check_end()
+}
+
+#[test]
+fn a_stray_write_into_a_decode_page_fails_its_canary_before_decode() {
+    let out = run_with_a_stray_write(DecodeMutations::default()).expect("invariants hold");
+    assert_eq!(out[0].end, Some(Err("canary_mismatch".into())));
+    assert!(out[0].tokens.is_empty());
+}
+
+#[test]
+fn without_decodes_own_canary_check_it_decodes_on_a_scribbled_page() {
+    let err = run_with_a_stray_write(DecodeMutations {
+        skip_own_canary_check: true,
+        ..DecodeMutations::default()
+    })
+    .expect_err("the world's K7 check sees the start");
+    assert!(err.contains("K7: decode started request 100"), "{err}");
 }

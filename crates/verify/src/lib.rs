@@ -320,8 +320,13 @@ impl Model for PdModel {
         for &(conn, side, queued) in &frames {
             for index in self.deliverable(queued) {
                 out.push(Action::Deliver { conn, side, index });
+                // Only where the rewrite changes something: the first
+                // page must have had a previous allocation.
                 let prefill = c.stale_writes < b.stale_writes
-                    && matches!(w.peek(conn, side, index), Some(Message::Prefill { .. }));
+                    && matches!(
+                        w.peek(conn, side, index),
+                        Some(Message::Prefill { pages, .. }) if pages.first().is_some_and(|p| p.epoch >= 3)
+                    );
                 if prefill {
                     out.push(Action::StaleWrite { conn, side, index });
                 }
