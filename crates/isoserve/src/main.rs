@@ -3,6 +3,7 @@
 mod disagg;
 mod fetch;
 mod generate;
+mod probe_cmd;
 mod serve;
 
 use std::path::PathBuf;
@@ -117,6 +118,13 @@ enum Cmd {
     /// decode nodes (reserve on decode, then prefill; the first refusal is
     /// the client's answer).
     Gateway(disagg::GatewayArgs),
+    /// Test any OpenAI-compatible server for cross-tenant leakage from the
+    /// outside: secrets in one tenant's prompts must never reach another's
+    /// answers, greedy output must not change under load, over-long
+    /// requests must be refused, answers must not come faster than prefill
+    /// allows, and usage must count the prompt. Exit 0 clean, 1 findings,
+    /// 2 could not run.
+    Probe(probe_cmd::ProbeArgs),
     /// Print where the model cache lives.
     ModelPath {
         #[arg(long)]
@@ -126,6 +134,9 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Cmd::Probe(args) = cli.command {
+        return probe_cmd::run(args);
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -199,6 +210,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Prefill(args) => disagg::run_node(engine::pd::PdRole::Prefill, args)?,
         Cmd::Decode(args) => disagg::run_node(engine::pd::PdRole::Decode, args)?,
         Cmd::Gateway(args) => disagg::run_gateway(args)?,
+        Cmd::Probe(_) => unreachable!("handled in main: it has its own exit codes"),
         Cmd::ModelPath { model } => {
             let p = match model {
                 Some(m) => m,

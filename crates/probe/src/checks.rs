@@ -1,0 +1,376 @@
+//! The checks as pure functions from what the server answered to findings.
+
+use crate::secrets::Secret;
+use crate::{Completion, Finding};
+
+fn finding(check: &str, kind: &str, detail: String) -> Finding {
+    Finding {
+        kind: kind.into(),
+        check: check.into(),
+        detail,
+    }
+}
+
+/// One output the markers check looks at: the index of the secret its
+/// prompt carried (if any), and the text.
+#[derive(Clone, Debug)]
+pub struct Output {
+    pub secret: Option<usize>,
+    pub text: String,
+}
+
+/// No output contains a piece of any secret but its own prompt's.
+pub fn markers(secrets: &[Secret], outputs: &[Output]) -> Vec<Finding> {
+    let mut found = Vec::new();
+    for o in outputs {
+        let own = o.secret.map(|i| &secrets[i]);
+        for (i, s) in secrets.iter().enumerate() {
+            if Some(i) == o.secret {
+                continue;
+            }
+            if let Some(piece) = s.found_in(&o.text) {
+                let kind = if own.is_some_and(|own| s.tenant == own.tenant) {
+                    "marker_cross_request"
+                } else {
+                    "marker_cross_tenant"
+                };
+                let whose = own.map_or("a secret-free prompt's answer".to_string(), |own| {
+                    format!("tenant {}'s answer", own.tenant + 1)
+                });
+                found.push(finding(
+                    "markers",
+                    kind,
+                    format!(
+                        "{whose} contains `{piece}` from tenant {}'s prompt {}: {:?}",
+                        s.tenant + 1,
+                        s.prompt + 1,
+                        clip(&o.text)
+                    ),
+                ));
+            }
+        }
+    }
+    found
+}
+
+fn clip(s: &str) -> String {
+    let mut c: String = s.chars().take(120).collect();
+    if c.len() < s.len() {
+        c += "…";
+    }
+    c
+}
+
+/// Loaded outputs against idle ones (by prompt index). Returns the
+/// agreement rate and, when the server claims determinism, a finding per
+/// difference.
+pub fn determinism(
+    idle: &[String],
+    loaded: &[(usize, String)],
+    claims_determinism: bool,
+) -> (f64, Vec<Finding>) {
+    let mut same = 0usize;
+    let mut found = Vec::new();
+    for (i, text) in loaded {
+        if idle[*i] == *text {
+            same += 1;
+        } else if claims_determinism {
+            found.push(finding(
+                "determinism",
+                "output_changed_under_load",
+                format!(
+                    "prompt {}: idle {:?}, under load {:?}",
+                    i + 1,
+                    clip(&idle[*i]),
+                    clip(text)
+                ),
+            ));
+        }
+    }
+    let rate = if loaded.is_empty() {
+        1.0
+    } else {
+        same as f64 / loaded.len() as f64
+    };
+    (rate, found)
+}
+
+/// A request near the window and what it must get.
+#[derive(Clone, Debug)]
+pub struct Boundary {
+    /// `under`, `at` or `over`.
+    pub name: &'static str,
+    /// Prompt plus `max_tokens`, as the probe computed it.
+    pub total_tokens: u64,
+    pub answer: Completion,
+}
+
+/// Under and at the window must succeed; over it must be refused with a
+/// 4xx (a 200 is the incident: the server answered a prompt it could not
+/// hold).
+pub fn over_length(window: u64, cases: &[Boundary]) -> Vec<Finding> {
+    let mut found = Vec::new();
+    for c in cases {
+        let a = &c.answer;
+        match c.name {
+            "over" if a.ok() => found.push(finding(
+                "over-length",
+                "over_length_accepted",
+                format!(
+                    "a {}-token request over the {window}-token window was answered 200 \
+                     (usage.prompt_tokens {:?}): {:?}",
+                    c.total_tokens,
+                    a.prompt_tokens,
+                    clip(&a.text)
+                ),
+            )),
+            "over" if !(400..500).contains(&a.status) => found.push(finding(
+                "over-length",
+                "over_length_not_4xx",
+                format!(
+                    "a {}-token request over the {window}-token window got {} (want a 4xx)",
+                    c.total_tokens, a.status
+                ),
+            )),
+            "under" | "at" if !a.ok() => found.push(finding(
+                "over-length",
+                "within_window_refused",
+                format!(
+                    "a {}-token request ({} the {window}-token window) got {} {:?}",
+                    c.total_tokens, c.name, a.status, a.error_code
+                ),
+            )),
+            _ => {}
+        }
+    }
+    found
+}
+
+/// How much faster than the measured prefill rate a long prompt may be
+/// answered before it is implausible. Generous: a long prompt prefills at
+/// most as fast per token as a mid-size one, and batching does not make a
+/// single prompt faster.
+pub const TIMING_SLACK: f64 = 4.0;
+
+/// One timed answer: prompt tokens (as the server counted them or as the
+/// probe estimated them) and seconds to the full answer.
+#[derive(Clone, Copy, Debug)]
+pub struct Timed {
+    pub prompt_tokens: u64,
+    pub latency_s: f64,
+}
+
+/// The prefill rate: the fastest of the mid-size samples (tokens/s).
+pub fn prefill_rate(mid: &[Timed]) -> Option<f64> {
+    mid.iter()
+        .filter(|t| t.latency_s > 0.0)
+        .map(|t| t.prompt_tokens as f64 / t.latency_s)
+        .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))))
+}
+
+/// Long prompts answered faster than `rate × TIMING_SLACK` allows.
+pub fn timing(rate: f64, long: &[Timed]) -> Vec<Finding> {
+    long.iter()
+        .filter(|t| t.latency_s < t.prompt_tokens as f64 / (rate * TIMING_SLACK))
+        .map(|t| {
+            finding(
+                "timing",
+                "answered_faster_than_prefill",
+                format!(
+                    "a {}-token prompt was answered in {:.3} s; prefilling it takes at least {:.3} s \
+                     at {:.0} tokens/s (÷{TIMING_SLACK} slack)",
+                    t.prompt_tokens,
+                    t.latency_s,
+                    t.prompt_tokens as f64 / rate,
+                    rate
+                ),
+            )
+        })
+        .collect()
+}
+
+/// A prompt the probe sent and the server's count of its tokens.
+#[derive(Clone, Debug)]
+pub struct Counted {
+    pub words: usize,
+    pub chars: usize,
+    pub prompt_tokens: Option<u64>,
+}
+
+/// `usage.prompt_tokens` must be reported, and lie between half a token
+/// per word (no tokenizer merges two English words into one token on
+/// average) and one token per character (plus a margin for a chat
+/// template or BOS); and a longer prompt must not count fewer tokens.
+pub fn accounting(samples: &[Counted]) -> Vec<Finding> {
+    let mut found = Vec::new();
+    for s in samples {
+        match s.prompt_tokens {
+            None => found.push(finding(
+                "tokens",
+                "usage_missing",
+                format!("no usage.prompt_tokens for a {}-word prompt", s.words),
+            )),
+            Some(p) if (p as usize) < s.words / 2 || p as usize > s.chars + 16 => {
+                found.push(finding(
+                    "tokens",
+                    "prompt_tokens_implausible",
+                    format!(
+                        "usage.prompt_tokens {p} for a prompt of {} words, {} characters",
+                        s.words, s.chars
+                    ),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    let mut by_len: Vec<&Counted> = samples
+        .iter()
+        .filter(|s| s.prompt_tokens.is_some())
+        .collect();
+    by_len.sort_by_key(|s| s.chars);
+    for w in by_len.windows(2) {
+        if w[1].chars > w[0].chars + 64 && w[1].prompt_tokens < w[0].prompt_tokens {
+            found.push(finding(
+                "tokens",
+                "prompt_tokens_not_monotone",
+                format!(
+                    "a {}-character prompt counted {:?} tokens, a {}-character one {:?}",
+                    w[0].chars, w[0].prompt_tokens, w[1].chars, w[1].prompt_tokens
+                ),
+            ));
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(tenant: usize, prompt: usize, piece: &str) -> Secret {
+        Secret {
+            tenant,
+            prompt,
+            pieces: vec![piece.into()],
+        }
+    }
+
+    fn answer(status: u16, prompt_tokens: Option<u64>) -> Completion {
+        Completion {
+            status,
+            text: "x".into(),
+            prompt_tokens,
+            completion_tokens: Some(1),
+            error_code: None,
+            latency_s: 0.1,
+        }
+    }
+
+    #[test]
+    fn a_foreign_piece_is_a_finding_and_its_own_is_not() {
+        let secrets = vec![
+            secret(0, 0, "lemur4821"),
+            secret(1, 0, "topaz0007"),
+            secret(0, 1, "raven1234"),
+        ];
+        let outs = vec![
+            Output {
+                secret: Some(0),
+                text: "lemur4821".into(),
+            },
+            Output {
+                secret: Some(0),
+                text: "the code is TOPAZ-0007".into(),
+            },
+            Output {
+                secret: Some(2),
+                text: "lemur 4821".into(),
+            },
+            Output {
+                secret: None,
+                text: "raven-1234".into(),
+            },
+        ];
+        let f = markers(&secrets, &outs);
+        assert_eq!(f.len(), 3, "{f:?}");
+        assert_eq!(f[0].kind, "marker_cross_tenant");
+        assert_eq!(f[1].kind, "marker_cross_request");
+        assert_eq!(f[2].kind, "marker_cross_tenant");
+    }
+
+    #[test]
+    fn determinism_counts_and_flags_only_when_claimed() {
+        let idle = vec!["a".to_string(), "b".to_string()];
+        let loaded = vec![(0, "a".to_string()), (1, "c".to_string())];
+        let (rate, f) = determinism(&idle, &loaded, false);
+        assert_eq!(rate, 0.5);
+        assert!(f.is_empty());
+        let (_, f) = determinism(&idle, &loaded, true);
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].kind, "output_changed_under_load");
+    }
+
+    #[test]
+    fn over_length_wants_success_within_and_a_4xx_beyond() {
+        let b = |name, status| Boundary {
+            name,
+            total_tokens: 10,
+            answer: answer(status, Some(9)),
+        };
+        assert!(over_length(10, &[b("under", 200), b("at", 200), b("over", 400)]).is_empty());
+        let f = over_length(10, &[b("under", 200), b("at", 400), b("over", 200)]);
+        let kinds: Vec<_> = f.iter().map(|f| f.kind.as_str()).collect();
+        assert_eq!(kinds, ["within_window_refused", "over_length_accepted"]);
+        assert_eq!(
+            over_length(10, &[b("over", 500)])[0].kind,
+            "over_length_not_4xx"
+        );
+    }
+
+    #[test]
+    fn a_long_prompt_answered_too_fast_is_flagged() {
+        let rate = prefill_rate(&[
+            Timed {
+                prompt_tokens: 1000,
+                latency_s: 2.0,
+            },
+            Timed {
+                prompt_tokens: 1000,
+                latency_s: 1.0,
+            },
+        ])
+        .unwrap();
+        assert_eq!(rate, 1000.0);
+        let ok = Timed {
+            prompt_tokens: 4000,
+            latency_s: 1.5,
+        };
+        let fast = Timed {
+            prompt_tokens: 4000,
+            latency_s: 0.5,
+        };
+        assert!(timing(rate, &[ok]).is_empty());
+        assert_eq!(
+            timing(rate, &[fast])[0].kind,
+            "answered_faster_than_prefill"
+        );
+    }
+
+    #[test]
+    fn prompt_tokens_must_fit_the_prompt() {
+        let c = |words, chars, p| Counted {
+            words,
+            chars,
+            prompt_tokens: p,
+        };
+        assert!(accounting(&[c(100, 500, Some(120)), c(400, 2000, Some(480))]).is_empty());
+        // The incident's placeholder: a long prompt counted as one token.
+        let f = accounting(&[c(100, 500, Some(120)), c(400, 2000, Some(1))]);
+        let kinds: Vec<_> = f.iter().map(|f| f.kind.as_str()).collect();
+        assert_eq!(
+            kinds,
+            ["prompt_tokens_implausible", "prompt_tokens_not_monotone"]
+        );
+        assert_eq!(accounting(&[c(10, 50, None)])[0].kind, "usage_missing");
+    }
+}

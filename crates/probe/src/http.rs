@@ -1,0 +1,117 @@
+//! The I/O edge: an [`Endpoint`] over plain HTTP (ureq). It contacts only
+//! the URL it was given.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::{Completion, Endpoint, ModelInfo, ProbeError, Request};
+
+/// An OpenAI-compatible server at `base` (e.g. `http://127.0.0.1:8080`).
+pub struct HttpEndpoint {
+    base: String,
+    model: Option<String>,
+    agent: ureq::Agent,
+}
+
+impl HttpEndpoint {
+    /// `request_timeout`: the limit on one request, connect to last byte.
+    pub fn new(url: &str, request_timeout: Duration) -> Result<HttpEndpoint, ProbeError> {
+        let base = url
+            .trim_end_matches('/')
+            .trim_end_matches("/v1")
+            .to_string();
+        if !base.starts_with("http://") {
+            return Err(ProbeError::Config(format!(
+                "--url must be an http:// URL (https needs a TLS build of the probe), got `{url}`"
+            )));
+        }
+        let agent = ureq::Agent::config_builder()
+            .timeout_global(Some(request_timeout))
+            .http_status_as_error(false)
+            .build()
+            .into();
+        Ok(HttpEndpoint {
+            base,
+            model: None,
+            agent,
+        })
+    }
+
+    /// The model id to put in requests (from `/v1/models`).
+    pub fn set_model(&mut self, id: String) {
+        self.model = Some(id);
+    }
+
+    fn unreachable(&self, e: ureq::Error) -> ProbeError {
+        ProbeError::Unreachable {
+            url: self.base.clone(),
+            why: e.to_string(),
+        }
+    }
+}
+
+fn read_json(resp: &mut ureq::http::Response<ureq::Body>) -> Option<Value> {
+    let text = resp.body_mut().read_to_string().ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+impl Endpoint for HttpEndpoint {
+    fn model(&self) -> Result<ModelInfo, ProbeError> {
+        let url = format!("{}/v1/models", self.base);
+        let mut resp = self
+            .agent
+            .get(&url)
+            .call()
+            .map_err(|e| self.unreachable(e))?;
+        let status = resp.status().as_u16();
+        let v = read_json(&mut resp).ok_or_else(|| ProbeError::NotOpenAi {
+            url: url.clone(),
+            why: format!("GET /v1/models answered {status} without JSON"),
+        })?;
+        let first = v["data"].get(0).ok_or_else(|| ProbeError::NotOpenAi {
+            url: url.clone(),
+            why: format!("GET /v1/models answered {status} with no `data[0]`"),
+        })?;
+        let id = first["id"].as_str().unwrap_or("default").to_string();
+        let context_window = first["max_model_len"]
+            .as_u64()
+            .or_else(|| first["context_length"].as_u64())
+            .or_else(|| first["context_window"].as_u64());
+        Ok(ModelInfo { id, context_window })
+    }
+
+    fn complete(&self, key: &str, req: &Request) -> Result<Completion, ProbeError> {
+        let url = format!("{}/v1/completions", self.base);
+        let body = json!({
+            "model": self.model.as_deref().unwrap_or("default"),
+            "prompt": req.prompt,
+            "max_tokens": req.max_tokens,
+            "temperature": 0,
+            "stream": false,
+        });
+        let start = Instant::now();
+        let mut resp = self
+            .agent
+            .post(&url)
+            .header("Authorization", &format!("Bearer {key}"))
+            .send_json(&body)
+            .map_err(|e| self.unreachable(e))?;
+        let status = resp.status().as_u16();
+        let v = read_json(&mut resp).unwrap_or(Value::Null);
+        let latency_s = start.elapsed().as_secs_f64();
+        let usage = &v["usage"];
+        let error = &v["error"];
+        Ok(Completion {
+            status,
+            text: v["choices"][0]["text"].as_str().unwrap_or("").to_string(),
+            prompt_tokens: usage["prompt_tokens"].as_u64(),
+            completion_tokens: usage["completion_tokens"].as_u64(),
+            error_code: error["code"]
+                .as_str()
+                .or_else(|| error["type"].as_str())
+                .map(str::to_string),
+            latency_s,
+        })
+    }
+}

@@ -1,0 +1,539 @@
+//! The probe's run: phases of bounded requests against one [`Endpoint`],
+//! then the pure checks over what came back.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use rand::seq::SliceRandom;
+
+use crate::checks::{self, Boundary, Counted, Output, Timed};
+use crate::secrets::{prompt_with_secret, unit_prompt, Secret};
+use crate::{CheckResult, Completion, Endpoint, Finding, ProbeError, Report, Request};
+
+/// What a run does; every count is a bound.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub tenant_keys: Vec<String>,
+    /// The context window, if the server does not advertise it (or to
+    /// override what it advertises).
+    pub context_window: Option<u64>,
+    /// The server claims greedy output does not depend on load: any
+    /// difference is a finding.
+    pub deterministic: bool,
+    pub prompts_per_tenant: usize,
+    /// Times each prompt is sent under load.
+    pub rounds: usize,
+    /// Requests in flight at once under load.
+    pub concurrency: usize,
+    pub max_tokens: u32,
+    /// Tokens of a long (marker) prompt; default a quarter of the window,
+    /// at most 2048.
+    pub long_prompt_tokens: Option<u64>,
+    /// The whole run's limit.
+    pub time_budget: Duration,
+    pub seed: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            tenant_keys: Vec::new(),
+            context_window: None,
+            deterministic: false,
+            prompts_per_tenant: 3,
+            rounds: 2,
+            concurrency: 8,
+            max_tokens: 16,
+            long_prompt_tokens: None,
+            time_budget: Duration::from_secs(600),
+            seed: 1,
+        }
+    }
+}
+
+/// Where a progress bar gets its news.
+pub trait Progress: Sync {
+    fn phase(&self, name: &str, requests: u64);
+    fn tick(&self);
+}
+
+/// No progress output.
+pub struct Quiet;
+impl Progress for Quiet {
+    fn phase(&self, _: &str, _: u64) {}
+    fn tick(&self) {}
+}
+
+/// Largest number of requests a run sends, whatever the flags say.
+pub const REQUESTS_MAX: usize = 10_000;
+
+struct Runner<'a> {
+    ep: &'a dyn Endpoint,
+    cfg: &'a Config,
+    progress: &'a dyn Progress,
+    start: Instant,
+    sent: AtomicU64,
+    /// Every prompt's length and the server's count of it (accounting).
+    counted: Mutex<Vec<Counted>>,
+}
+
+impl Runner<'_> {
+    fn send(&self, key: &str, req: &Request) -> Result<Completion, ProbeError> {
+        if self.start.elapsed() > self.cfg.time_budget {
+            return Err(ProbeError::OutOfTime(self.cfg.time_budget.as_secs()));
+        }
+        if self.sent.fetch_add(1, Ordering::Relaxed) as usize >= REQUESTS_MAX {
+            return Err(ProbeError::Config(format!(
+                "the run would send more than {REQUESTS_MAX} requests"
+            )));
+        }
+        let c = self.ep.complete(key, req)?;
+        self.progress.tick();
+        if c.ok() {
+            self.counted.lock().expect("not poisoned").push(Counted {
+                words: req.prompt.split_whitespace().count(),
+                chars: req.prompt.chars().count(),
+                prompt_tokens: c.prompt_tokens,
+            });
+        }
+        Ok(c)
+    }
+
+    fn key(&self, tenant: usize) -> &str {
+        &self.cfg.tenant_keys[tenant]
+    }
+}
+
+/// Tokens of `unit_prompt(_, units)` = `base + step × units` (measured).
+#[derive(Clone, Copy, Debug)]
+struct Calibration {
+    base: f64,
+    step: f64,
+}
+
+impl Calibration {
+    fn units_for(&self, tokens: u64) -> usize {
+        ((tokens as f64 - self.base) / self.step).max(1.0) as usize
+    }
+}
+
+/// Runs every check; `Err` when the probe could not run (exit 2).
+pub fn run(
+    ep: &dyn Endpoint,
+    url: &str,
+    cfg: &Config,
+    progress: &dyn Progress,
+) -> Result<Report, ProbeError> {
+    if cfg.tenant_keys.len() < 2 {
+        return Err(ProbeError::Config(
+            "give at least two --tenant-key: isolation is between tenants".into(),
+        ));
+    }
+    if cfg.prompts_per_tenant == 0 || cfg.rounds == 0 || cfg.concurrency == 0 || cfg.max_tokens == 0
+    {
+        return Err(ProbeError::Config(
+            "--prompts, --rounds, --concurrency and --max-tokens must be positive".into(),
+        ));
+    }
+    let r = Runner {
+        ep,
+        cfg,
+        progress,
+        start: Instant::now(),
+        sent: AtomicU64::new(0),
+        counted: Mutex::new(Vec::new()),
+    };
+    let info = ep.model()?;
+    let window = cfg.context_window.or(info.context_window);
+    let mut report = Report {
+        url: url.into(),
+        model: info.id.clone(),
+        context_window: window,
+        tenants: cfg.tenant_keys.len(),
+        ..Report::default()
+    };
+    let mut nonce = cfg.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut next_nonce = move || {
+        nonce = nonce.wrapping_add(1);
+        nonce
+    };
+
+    // Every key works, and the unit prompt's token count is measured.
+    progress.phase("keys and calibration", cfg.tenant_keys.len() as u64 + 2);
+    for (i, _) in cfg.tenant_keys.iter().enumerate() {
+        let c = r.send(
+            r.key(i),
+            &Request {
+                prompt: unit_prompt(next_nonce(), 4),
+                max_tokens: 1,
+            },
+        )?;
+        if c.status == 401 || c.status == 403 {
+            return Err(ProbeError::KeyRefused {
+                index: i + 1,
+                status: c.status,
+                why: c.error_code.unwrap_or_default(),
+            });
+        }
+        if !c.ok() {
+            return Err(ProbeError::NotOpenAi {
+                url: url.into(),
+                why: format!("a 4-word completion got {} {:?}", c.status, c.error_code),
+            });
+        }
+    }
+    let small = window.map_or(64, |w| (w / 16).clamp(8, 64)) as usize;
+    let large = small * 4;
+    let p1 = r.send(
+        r.key(0),
+        &Request {
+            prompt: unit_prompt(next_nonce(), small),
+            max_tokens: 1,
+        },
+    )?;
+    let p2 = r.send(
+        r.key(0),
+        &Request {
+            prompt: unit_prompt(next_nonce(), large),
+            max_tokens: 1,
+        },
+    )?;
+    let calibration = match (p1.prompt_tokens, p2.prompt_tokens) {
+        (Some(a), Some(b)) if b > a => {
+            let step = (b - a) as f64 / (large - small) as f64;
+            Some(Calibration {
+                base: a as f64 - step * small as f64,
+                step,
+            })
+        }
+        _ => None,
+    };
+
+    // Prefill rate on mid-size prompts (idle).
+    let mid_tokens = window.map_or(512, |w| (w / 8).clamp(64, 1024));
+    progress.phase("prefill rate", 3);
+    let mut mid = Vec::new();
+    for _ in 0..3 {
+        let units = calibration.map_or(mid_tokens as usize, |c| c.units_for(mid_tokens));
+        let c = r.send(
+            r.key(0),
+            &Request {
+                prompt: unit_prompt(next_nonce(), units),
+                max_tokens: 1,
+            },
+        )?;
+        if c.ok() {
+            mid.push(Timed {
+                prompt_tokens: c.prompt_tokens.unwrap_or(mid_tokens),
+                latency_s: c.latency_s,
+            });
+        }
+    }
+    let rate = checks::prefill_rate(&mid);
+    report.prefill_tokens_per_s = rate;
+
+    // Marker prompts: idle first, then under load.
+    let long_tokens = cfg
+        .long_prompt_tokens
+        .unwrap_or_else(|| window.map_or(1024, |w| (w / 4).min(2048)));
+    // Filler prose runs about 1.3 tokens a word on English tokenizers.
+    let long_words = (long_tokens as f64 / 1.3) as usize;
+    let mut rng = crate::rng(cfg.seed);
+    let mut secrets = Vec::new();
+    let mut prompts = Vec::new();
+    for tenant in 0..cfg.tenant_keys.len() {
+        for p in 0..cfg.prompts_per_tenant {
+            let s = Secret::generate(&mut rng, tenant, p);
+            prompts.push((tenant, prompt_with_secret(next_nonce(), long_words, &s)));
+            secrets.push(s);
+        }
+    }
+    progress.phase("idle baseline", prompts.len() as u64);
+    let mut idle = Vec::new();
+    let mut outputs = Vec::new();
+    let mut long_timed = Vec::new();
+    for (i, (tenant, prompt)) in prompts.iter().enumerate() {
+        let c = r.send(
+            r.key(*tenant),
+            &Request {
+                prompt: prompt.clone(),
+                max_tokens: cfg.max_tokens,
+            },
+        )?;
+        if !c.ok() {
+            return Err(ProbeError::NotOpenAi {
+                url: url.into(),
+                why: format!(
+                    "a {long_tokens}-token marker prompt on the idle server got {} {:?} (lower \
+                     --long-prompt-tokens?)",
+                    c.status, c.error_code
+                ),
+            });
+        }
+        long_timed.push(Timed {
+            prompt_tokens: c.prompt_tokens.unwrap_or(long_tokens),
+            latency_s: c.latency_s,
+        });
+        outputs.push(Output {
+            secret: Some(i),
+            text: c.text.clone(),
+        });
+        idle.push(c.text);
+    }
+    let mut order: Vec<usize> = (0..cfg.rounds).flat_map(|_| 0..prompts.len()).collect();
+    order.shuffle(&mut rng);
+    progress.phase("markers under load", order.len() as u64);
+    let next = AtomicUsize::new(0);
+    let loaded: Mutex<Vec<(usize, Completion)>> = Mutex::new(Vec::new());
+    let failure: Mutex<Option<ProbeError>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..cfg.concurrency.min(order.len()) {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&i) = order.get(k) else { break };
+                if failure.lock().expect("not poisoned").is_some() {
+                    break;
+                }
+                let (tenant, prompt) = &prompts[i];
+                match r.send(
+                    r.key(*tenant),
+                    &Request {
+                        prompt: prompt.clone(),
+                        max_tokens: cfg.max_tokens,
+                    },
+                ) {
+                    Ok(c) => loaded.lock().expect("not poisoned").push((i, c)),
+                    Err(e) => {
+                        failure.lock().expect("not poisoned").get_or_insert(e);
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = failure.into_inner().expect("threads joined") {
+        return Err(e);
+    }
+    let loaded = loaded.into_inner().expect("threads joined");
+    let refused_under_load = loaded.iter().filter(|(_, c)| !c.ok()).count();
+    let mut loaded_texts = Vec::new();
+    for (i, c) in loaded.iter().filter(|(_, c)| c.ok()) {
+        outputs.push(Output {
+            secret: Some(*i),
+            text: c.text.clone(),
+        });
+        loaded_texts.push((*i, c.text.clone()));
+        long_timed.push(Timed {
+            prompt_tokens: c.prompt_tokens.unwrap_or(long_tokens),
+            latency_s: c.latency_s,
+        });
+    }
+    let mut findings: Vec<Finding> = Vec::new();
+    // The window's edges (their answers join the markers check: a prompt
+    // without a secret must not answer with one).
+    let over_check;
+    let over_findings = match (window, calibration) {
+        (Some(w), Some(cal)) => {
+            progress.phase("over-length", 4);
+            let cases = boundaries(&r, w, cal, &mut next_nonce)?;
+            // Timed by the probe's own sizing: an over-long prompt the
+            // server answered may come with a made-up token count.
+            for c in cases.iter().filter(|c| c.answer.ok()) {
+                long_timed.push(Timed {
+                    prompt_tokens: c.total_tokens.max(c.answer.prompt_tokens.unwrap_or(0)),
+                    latency_s: c.answer.latency_s,
+                });
+            }
+            let f = checks::over_length(w, &cases);
+            let summary = cases
+                .iter()
+                .map(|c| {
+                    format!(
+                        "{} ({} tokens): {}",
+                        c.name, c.total_tokens, c.answer.status
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            over_check = result("over-length", &f, summary);
+            for c in &cases {
+                outputs.push(Output {
+                    secret: None,
+                    text: c.answer.text.clone(),
+                });
+            }
+            f
+        }
+        (None, _) => {
+            over_check = skipped(
+                "over-length",
+                "the server advertises no context window: pass --context-window",
+            );
+            Vec::new()
+        }
+        (Some(_), None) => {
+            over_check = skipped(
+                "over-length",
+                "usage.prompt_tokens missing or not growing: cannot size prompts to the window",
+            );
+            Vec::new()
+        }
+    };
+    let marker_findings = checks::markers(&secrets, &outputs);
+    report.checks.push(result(
+        "markers",
+        &marker_findings,
+        format!(
+            "{} outputs of {} secret-bearing prompts ({} tokens each, {} in flight); {} refused \
+             under load",
+            outputs.len(),
+            prompts.len(),
+            long_tokens,
+            cfg.concurrency,
+            refused_under_load
+        ),
+    ));
+    findings.extend(marker_findings);
+    let (agreement, det_findings) = checks::determinism(&idle, &loaded_texts, cfg.deterministic);
+    report.determinism_agreement = Some(agreement);
+    report.checks.push(result(
+        "determinism",
+        &det_findings,
+        format!(
+            "{:.1}% of {} outputs under load equal the idle output{}",
+            agreement * 100.0,
+            loaded_texts.len(),
+            if cfg.deterministic {
+                " (determinism claimed: every difference is a finding)"
+            } else {
+                ""
+            }
+        ),
+    ));
+    findings.extend(det_findings);
+    report.checks.push(over_check);
+    findings.extend(over_findings);
+
+    // Timing against the measured prefill rate.
+    match rate {
+        Some(rate) => {
+            let f = checks::timing(rate, &long_timed);
+            report.checks.push(result(
+                "timing",
+                &f,
+                format!(
+                    "{} long prompts against {rate:.0} prefill tokens/s",
+                    long_timed.len()
+                ),
+            ));
+            findings.extend(f);
+        }
+        None => report
+            .checks
+            .push(skipped("timing", "no mid-size prompt succeeded")),
+    }
+
+    let counted = r.counted.into_inner().expect("not poisoned");
+    let f = checks::accounting(&counted);
+    report.checks.push(result(
+        "tokens",
+        &f,
+        format!("usage.prompt_tokens of {} prompts", counted.len()),
+    ));
+    findings.extend(f);
+
+    report.findings = findings;
+    report.requests_sent = r.sent.load(Ordering::Relaxed);
+    report.seconds = r.start.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Under (half the window), exactly at, and over the window.
+fn boundaries(
+    r: &Runner<'_>,
+    window: u64,
+    cal: Calibration,
+    nonce: &mut impl FnMut() -> u64,
+) -> Result<Vec<Boundary>, ProbeError> {
+    let mut cases = Vec::new();
+    let under = unit_prompt(nonce(), cal.units_for(window / 2));
+    let a = r.send(
+        r.key(0),
+        &Request {
+            prompt: under,
+            max_tokens: 1,
+        },
+    )?;
+    cases.push(Boundary {
+        name: "under",
+        total_tokens: a.prompt_tokens.map_or(window / 2, |p| p + 1),
+        answer: a,
+    });
+    // At: learn the exact prompt length with one token to spare, then ask
+    // for exactly the rest of the window.
+    let at = unit_prompt(nonce(), cal.units_for(window.saturating_sub(8)));
+    let probe = r.send(
+        r.key(0),
+        &Request {
+            prompt: at.clone(),
+            max_tokens: 1,
+        },
+    )?;
+    match probe.prompt_tokens.filter(|&p| probe.ok() && p < window) {
+        Some(p) => {
+            let rest = (window - p) as u32;
+            let a = r.send(
+                r.key(0),
+                &Request {
+                    prompt: at,
+                    max_tokens: rest,
+                },
+            )?;
+            cases.push(Boundary {
+                name: "at",
+                total_tokens: p + rest as u64,
+                answer: a,
+            });
+        }
+        None => cases.push(Boundary {
+            name: "at",
+            total_tokens: window,
+            answer: probe,
+        }),
+    }
+    let over = unit_prompt(nonce(), cal.units_for(window + 32));
+    let a = r.send(
+        r.key(0),
+        &Request {
+            prompt: over,
+            max_tokens: 1,
+        },
+    )?;
+    cases.push(Boundary {
+        name: "over",
+        total_tokens: window + 33,
+        answer: a,
+    });
+    Ok(cases)
+}
+
+fn result(check: &str, findings: &[Finding], summary: String) -> CheckResult {
+    CheckResult {
+        check: check.into(),
+        status: if findings.is_empty() {
+            "passed"
+        } else {
+            "findings"
+        }
+        .into(),
+        summary,
+    }
+}
+
+fn skipped(check: &str, why: &str) -> CheckResult {
+    CheckResult {
+        check: check.into(),
+        status: "skipped".into(),
+        summary: why.into(),
+    }
+}

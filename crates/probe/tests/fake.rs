@@ -1,0 +1,176 @@
+//! The probe against fake servers: an honest one (no findings) and one
+//! with the incident's bugs (each check finds its own).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use probe::run::{run, Config, Quiet};
+use probe::{Completion, Endpoint, ModelInfo, ProbeError, Request};
+
+/// Tokens = words + 1; prefill at 2000 tokens/s plus 1 ms a token out;
+/// answers with the access code its prompt carries.
+struct Fake {
+    window: u64,
+    /// The incident: over-long prompts become a 1-token placeholder that
+    /// reads the pages of the previous request.
+    incident: bool,
+    last_code: Mutex<String>,
+}
+
+fn code_of(prompt: &str) -> Option<String> {
+    let i = prompt.find("exactly: ")? + "exactly: ".len();
+    let rest = &prompt[i..];
+    Some(rest[..rest.find('.')?].to_string())
+}
+
+impl Endpoint for Fake {
+    fn model(&self) -> Result<ModelInfo, ProbeError> {
+        Ok(ModelInfo {
+            id: "fake".into(),
+            context_window: Some(self.window),
+        })
+    }
+    fn complete(&self, key: &str, req: &Request) -> Result<Completion, ProbeError> {
+        if !key.starts_with("key-") {
+            return Ok(Completion {
+                status: 401,
+                text: String::new(),
+                prompt_tokens: None,
+                completion_tokens: None,
+                error_code: Some("invalid_api_key".into()),
+                latency_s: 0.001,
+            });
+        }
+        let mut tokens = req.prompt.split_whitespace().count() as u64 + 1;
+        let total = tokens + req.max_tokens as u64;
+        let mut text = code_of(&req.prompt).unwrap_or_else(|| " hello".into());
+        if total > self.window {
+            if !self.incident {
+                return Ok(Completion {
+                    status: 400,
+                    text: String::new(),
+                    prompt_tokens: None,
+                    completion_tokens: None,
+                    error_code: Some("context_length_exceeded".into()),
+                    latency_s: 0.001,
+                });
+            }
+            tokens = 1;
+            text = self.last_code.lock().unwrap().clone();
+        }
+        if let Some(c) = code_of(&req.prompt) {
+            *self.last_code.lock().unwrap() = c;
+        }
+        Ok(Completion {
+            status: 200,
+            text,
+            prompt_tokens: Some(tokens),
+            completion_tokens: Some(1),
+            error_code: None,
+            latency_s: tokens as f64 / 2000.0 + 0.001 * req.max_tokens as f64,
+        })
+    }
+}
+
+fn cfg() -> Config {
+    Config {
+        tenant_keys: vec!["key-a".into(), "key-b".into()],
+        deterministic: true,
+        prompts_per_tenant: 2,
+        rounds: 2,
+        concurrency: 4,
+        long_prompt_tokens: Some(300),
+        time_budget: Duration::from_secs(60),
+        ..Config::default()
+    }
+}
+
+fn fake(incident: bool) -> Fake {
+    Fake {
+        window: 2048,
+        incident,
+        last_code: Mutex::new(String::new()),
+    }
+}
+
+#[test]
+fn an_honest_server_has_no_findings() {
+    let r = run(&fake(false), "fake://", &cfg(), &Quiet).expect("runs");
+    assert!(r.findings.is_empty(), "{}", r.human());
+    assert_eq!(r.exit_code(), 0);
+    assert_eq!(r.determinism_agreement, Some(1.0));
+    let statuses: Vec<_> = r
+        .checks
+        .iter()
+        .map(|c| (c.check.as_str(), c.status.as_str()))
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            ("markers", "passed"),
+            ("determinism", "passed"),
+            ("over-length", "passed"),
+            ("timing", "passed"),
+            ("tokens", "passed")
+        ],
+        "{}",
+        r.human()
+    );
+    assert!(r.requests_sent > 20);
+    let rate = r.prefill_tokens_per_s.unwrap();
+    assert!((1000.0..2100.0).contains(&rate), "{rate}");
+}
+
+#[test]
+fn the_incidents_server_is_caught_by_every_check_it_breaks() {
+    let r = run(&fake(true), "fake://", &cfg(), &Quiet).expect("runs");
+    assert_eq!(r.exit_code(), 1);
+    let kinds: Vec<&str> = r.findings.iter().map(|f| f.kind.as_str()).collect();
+    // The over-long request was answered with the previous request's
+    // secret, as one token, too fast.
+    for k in [
+        "marker_cross_tenant",
+        "over_length_accepted",
+        "answered_faster_than_prefill",
+        "prompt_tokens_implausible",
+    ] {
+        assert!(
+            kinds.contains(&k),
+            "{k} missing in {kinds:?}\n{}",
+            r.human()
+        );
+    }
+    let over = r
+        .findings
+        .iter()
+        .find(|f| f.kind == "over_length_accepted")
+        .unwrap();
+    assert!(
+        over.detail.contains("prompt_tokens Some(1)"),
+        "{}",
+        over.detail
+    );
+}
+
+#[test]
+fn a_refused_key_or_a_single_tenant_cannot_run() {
+    let mut c = cfg();
+    c.tenant_keys[1] = "wrong".into();
+    let e = run(&fake(false), "fake://", &c, &Quiet).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ProbeError::KeyRefused {
+                index: 2,
+                status: 401,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    c.tenant_keys.truncate(1);
+    assert!(matches!(
+        run(&fake(false), "fake://", &c, &Quiet).unwrap_err(),
+        ProbeError::Config(_)
+    ));
+}
