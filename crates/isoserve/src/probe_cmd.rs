@@ -95,8 +95,10 @@ pub fn run(a: ProbeArgs) -> ExitCode {
         seed: a.seed,
     };
     let bar = Bar(Mutex::new(None));
-    let result =
-        HttpEndpoint::new(&a.url, Duration::from_secs(a.request_timeout_s)).and_then(|mut ep| {
+    let result = cfg
+        .validate()
+        .and_then(|()| HttpEndpoint::new(&a.url, Duration::from_secs(a.request_timeout_s)))
+        .and_then(|mut ep| {
             let info = ep.model()?;
             ep.set_model(info.id);
             probe::run::run(&ep, &a.url, &cfg, &bar)

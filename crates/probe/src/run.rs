@@ -52,6 +52,27 @@ impl Default for Config {
     }
 }
 
+impl Config {
+    /// The flags make sense (checked before anything is sent).
+    pub fn validate(&self) -> Result<(), ProbeError> {
+        if self.tenant_keys.len() < 2 {
+            return Err(ProbeError::Config(
+                "give at least two --tenant-key: isolation is between tenants".into(),
+            ));
+        }
+        if self.prompts_per_tenant == 0
+            || self.rounds == 0
+            || self.concurrency == 0
+            || self.max_tokens == 0
+        {
+            return Err(ProbeError::Config(
+                "--prompts, --rounds, --concurrency and --max-tokens must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Where a progress bar gets its news.
 pub trait Progress: Sync {
     fn phase(&self, name: &str, requests: u64);
@@ -125,17 +146,7 @@ pub fn run(
     cfg: &Config,
     progress: &dyn Progress,
 ) -> Result<Report, ProbeError> {
-    if cfg.tenant_keys.len() < 2 {
-        return Err(ProbeError::Config(
-            "give at least two --tenant-key: isolation is between tenants".into(),
-        ));
-    }
-    if cfg.prompts_per_tenant == 0 || cfg.rounds == 0 || cfg.concurrency == 0 || cfg.max_tokens == 0
-    {
-        return Err(ProbeError::Config(
-            "--prompts, --rounds, --concurrency and --max-tokens must be positive".into(),
-        ));
-    }
+    cfg.validate()?;
     let r = Runner {
         ep,
         cfg,
