@@ -24,6 +24,8 @@ import requests
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "target" / "release" / "isoserve"
+# The test-only build with the incident's bug (scripts/test builds it).
+FAULT_BIN = REPO / "target" / "release" / "isoserve-fault-incident"
 LISTEN_RE = re.compile(rb"^isoserve: listening on http://([0-9.]+):(\d+)\r?\n$")
 START_TIMEOUT_S = 60
 
@@ -54,11 +56,11 @@ def write_tenants(path: Path, tenants):
 class Server:
     """A running `isoserve serve` process."""
 
-    def __init__(self, args, tmp: Path, name: str, command: str = "serve"):
+    def __init__(self, args, tmp: Path, name: str, command: str = "serve", binary: Path = BIN):
         self.tmp = tmp
         self.stderr_path = tmp / f"{name}.stderr"
         self.request_log = tmp / f"{name}.requests.jsonl"
-        cmd = [str(BIN), command, "--host", "127.0.0.1", "--port", "0",
+        cmd = [str(binary), command, "--host", "127.0.0.1", "--port", "0",
                "--request-log", str(self.request_log)] + list(args)
         self._stderr = open(self.stderr_path, "wb")
         env = dict(os.environ)

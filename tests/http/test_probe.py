@@ -1,7 +1,9 @@
 """`isoserve probe` against our own server, from the outside: it must pass
 a correct server, unified and disaggregated, with content-level checks
-(every check ran and passed, outputs agreed with the idle ones), and exit 2
-with a one-line message when it cannot run.
+(every check ran and passed, outputs agreed with the idle ones), catch the
+test-only `fault-incident` build (the incident's placeholder path: exit 1,
+the findings named), and exit 2 with a one-line message when it cannot
+run.
 
 The KV pool is kept small (`--kv-pages`) so that the probe's concurrent
 long prompts exceed it: the markers check runs while requests queue for
@@ -12,7 +14,7 @@ import json
 import socket
 import subprocess
 
-from conftest import BIN, Server, wait_pool_idle, write_tenants
+from conftest import BIN, FAULT_BIN, Server, wait_pool_idle, write_tenants
 
 KEYS = ["sk-probe-tenant-a", "sk-probe-tenant-b"]
 # 2048-token window; 160 pages × 16 tokens = 2560 tokens for 8 requests of
@@ -83,6 +85,25 @@ def test_probe_passes_a_disaggregated_server(tmp_root):
         assert_clean(p, report)
     finally:
         assert s.terminate() == 0, s.stderr()
+
+
+def test_probe_catches_the_fault_incident_build(tmp_root):
+    assert FAULT_BIN.exists(), f"{FAULT_BIN} missing: ./scripts/test builds it"
+    s = Server(SERVE_ARGS + ["--tenants", str(tenants(tmp_root, "fault"))],
+               tmp_root, "probe-fault", binary=FAULT_BIN)
+    try:
+        assert "FAULT-INCIDENT BUILD" in s.stderr()
+        p, report = run_probe(s.url(""), tmp_root, "fault")
+        assert p.returncode == 1, p.stdout + p.stderr
+        kinds = {f["kind"] for f in report["findings"]}
+        # The over-long request was answered 200, faster than its prompt
+        # could have been prefilled.
+        assert {"over_length_accepted", "answered_faster_than_prefill"} <= kinds, report
+        checks = {c["check"]: c["status"] for c in report["checks"]}
+        assert checks["over-length"] == "findings" and checks["timing"] == "findings", checks
+        assert "FINDINGS" in p.stdout and "over_length_accepted" in p.stdout, p.stdout
+    finally:
+        s.kill()
 
 
 def test_probe_cannot_run_without_a_server(tmp_root):

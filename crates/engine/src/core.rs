@@ -362,6 +362,17 @@ impl Core {
             };
             self.local.prompt_tokens_total += sub.req.prompt.len() as u64;
             let history = sub.req.prompt.clone();
+            // The incident (test builds only): a placeholder computes only
+            // its last token and reads the rest of its pages as it finds
+            // them.
+            #[cfg(feature = "fault-incident")]
+            let prefilled = if sub.placeholder {
+                sub.req.prompt.len() - 1
+            } else {
+                0
+            };
+            #[cfg(not(feature = "fault-incident"))]
+            let prefilled = 0;
             self.running.push(Active {
                 mode: Mode::Full,
                 id: sub.id,
@@ -374,7 +385,7 @@ impl Core {
                 stops,
                 decoder: self.tokenizer.stream_decoder().skip_special(true),
                 pages,
-                prefilled: 0,
+                prefilled,
                 generated: Vec::with_capacity(sub.req.max_tokens.min(4096)),
                 history,
                 sink: Sink::Local {

@@ -370,6 +370,9 @@ pub(crate) struct Submitted {
     pub events: tmpsc::UnboundedSender<Event>,
     pub cancel: Arc<AtomicBool>,
     pub submitted_at: std::time::Instant,
+    /// `fault-incident` only: run as the incident's placeholder.
+    #[cfg(feature = "fault-incident")]
+    pub placeholder: bool,
 }
 
 /// Handle to a running engine. Cheap to share (`Arc` it).
@@ -396,7 +399,20 @@ impl Engine {
     ) -> Result<Engine, StartError> {
         let (shape, pages, capacity) = measure(&model, &cfg)?;
         let max_request = capacity.max_request_tokens;
-        let pool = kv::Pool::new(shape, pages, kv::PoolOptions { poison: cfg.poison })?;
+        #[allow(unused_mut)]
+        let mut pool = kv::Pool::new(shape, pages, kv::PoolOptions { poison: cfg.poison })?;
+        #[cfg(feature = "fault-incident")]
+        {
+            tracing::error!(
+                "FAULT-INCIDENT BUILD: over-long requests run as placeholders reading stale KV; \
+                 for testing isoserve probe only"
+            );
+            pool.set_faults(kv::Faults {
+                skip_watermark_check: true,
+                skip_poison: true,
+                ..kv::Faults::default()
+            });
+        }
         if cfg.poison == Poison::Off {
             tracing::warn!("freed KV pages will not be poisoned (--kv-poison off)");
         }
@@ -446,6 +462,8 @@ impl Engine {
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(RequestError::ShuttingDown);
         }
+        #[cfg(feature = "fault-incident")]
+        let (req, placeholder) = incident_placeholder(req, self.capacity.max_request_tokens);
         validate(&req, self.capacity.max_request_tokens, self.vocab)?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (etx, erx) = tmpsc::unbounded_channel();
@@ -456,6 +474,8 @@ impl Engine {
             events: etx,
             cancel: cancel.clone(),
             submitted_at: std::time::Instant::now(),
+            #[cfg(feature = "fault-incident")]
+            placeholder,
         };
         // Take a queue slot first (count on submit, give back when the
         // request leaves the queue), so the limit holds exactly.
@@ -589,6 +609,23 @@ pub fn measure(
 }
 
 /// The checks every node makes before anything is allocated.
+/// `fault-incident` only: the incident's placeholder path. An over-long
+/// request keeps its last tokens that fit and is marked to compute only the
+/// final one.
+#[cfg(feature = "fault-incident")]
+fn incident_placeholder(mut req: GenRequest, max_request: usize) -> (GenRequest, bool) {
+    let over = req.prompt.len() + req.max_tokens > max_request;
+    if over {
+        let keep = max_request.saturating_sub(req.max_tokens).max(1);
+        let cut = req.prompt.len().saturating_sub(keep);
+        req.prompt.drain(..cut);
+        req.max_tokens = req
+            .max_tokens
+            .min(max_request.saturating_sub(req.prompt.len()).max(1));
+    }
+    (req, over)
+}
+
 pub fn validate(req: &GenRequest, max_request: usize, vocab: usize) -> Result<(), RequestError> {
     if req.prompt.is_empty() {
         return Err(RequestError::EmptyPrompt);
