@@ -99,7 +99,7 @@ pub fn run(a: ProbeArgs) -> ExitCode {
         .validate()
         .and_then(|()| HttpEndpoint::new(&a.url, Duration::from_secs(a.request_timeout_s)))
         .and_then(|mut ep| {
-            let info = ep.model()?;
+            let info = ep.model(&cfg.tenant_keys[0])?;
             ep.set_model(info.id);
             probe::run::run(&ep, &a.url, &cfg, &bar)
         });

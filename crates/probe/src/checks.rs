@@ -223,20 +223,27 @@ pub fn accounting(samples: &[Counted]) -> Vec<Finding> {
             Some(_) => {}
         }
     }
-    let mut by_len: Vec<&Counted> = samples
+    // Against the largest count of any prompt more than 64 characters
+    // shorter (not just the neighbour in length order).
+    let mut by_len: Vec<(usize, u64)> = samples
         .iter()
-        .filter(|s| s.prompt_tokens.is_some())
+        .filter_map(|s| Some((s.chars, s.prompt_tokens?)))
         .collect();
-    by_len.sort_by_key(|s| s.chars);
-    for w in by_len.windows(2) {
-        if w[1].chars > w[0].chars + 64 && w[1].prompt_tokens < w[0].prompt_tokens {
+    by_len.sort_unstable();
+    let mut best: Option<(usize, u64)> = None;
+    let mut j = 0;
+    for &(chars, p) in &by_len {
+        while j < by_len.len() && by_len[j].0 + 64 < chars {
+            if best.is_none_or(|b| by_len[j].1 > b.1) {
+                best = Some(by_len[j]);
+            }
+            j += 1;
+        }
+        if let Some((c0, p0)) = best.filter(|b| p < b.1) {
             found.push(finding(
                 "tokens",
                 "prompt_tokens_not_monotone",
-                format!(
-                    "a {}-character prompt counted {:?} tokens, a {}-character one {:?}",
-                    w[0].chars, w[0].prompt_tokens, w[1].chars, w[1].prompt_tokens
-                ),
+                format!("a {c0}-character prompt counted {p0} tokens, a {chars}-character one {p}"),
             ));
         }
     }

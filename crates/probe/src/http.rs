@@ -57,11 +57,12 @@ fn read_json(resp: &mut ureq::http::Response<ureq::Body>) -> Option<Value> {
 }
 
 impl Endpoint for HttpEndpoint {
-    fn model(&self) -> Result<ModelInfo, ProbeError> {
+    fn model(&self, key: &str) -> Result<ModelInfo, ProbeError> {
         let url = format!("{}/v1/models", self.base);
         let mut resp = self
             .agent
             .get(&url)
+            .header("Authorization", &format!("Bearer {key}"))
             .call()
             .map_err(|e| self.unreachable(e))?;
         let status = resp.status().as_u16();

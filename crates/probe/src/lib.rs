@@ -102,7 +102,9 @@ pub enum ProbeError {
 
 /// The only door to the server under test.
 pub trait Endpoint: Sync {
-    fn model(&self) -> Result<ModelInfo, ProbeError>;
+    /// `GET /v1/models` with tenant key `key` (many servers want a key
+    /// on every route).
+    fn model(&self, key: &str) -> Result<ModelInfo, ProbeError>;
     /// A greedy completion with tenant key `key`. `Err` only when no HTTP
     /// answer came at all (an HTTP error status is a `Completion`).
     fn complete(&self, key: &str, req: &Request) -> Result<Completion, ProbeError>;

@@ -155,7 +155,7 @@ pub fn run(
         sent: AtomicU64::new(0),
         counted: Mutex::new(Vec::new()),
     };
-    let info = ep.model()?;
+    let info = ep.model(&cfg.tenant_keys[0])?;
     let window = cfg.context_window.or(info.context_window);
     let mut report = Report {
         url: url.into(),
@@ -249,16 +249,14 @@ pub fn run(
         .long_prompt_tokens
         .unwrap_or_else(|| window.map_or(1024, |w| (w / 4).min(2048)));
     // Filler prose runs about 1.3 tokens a word on English tokenizers.
+    // Each prompt is unique (its nonce) on its first send, which is the
+    // one timed; repeats under load may be served from a prefix cache.
     let long_words = (long_tokens as f64 / 1.3) as usize;
     let mut rng = crate::rng(cfg.seed);
-    let mut secrets = Vec::new();
     let mut prompts = Vec::new();
-    for tenant in 0..cfg.tenant_keys.len() {
-        for p in 0..cfg.prompts_per_tenant {
-            let s = Secret::generate(&mut rng, tenant, p);
-            prompts.push((tenant, prompt_with_secret(next_nonce(), long_words, &s)));
-            secrets.push(s);
-        }
+    let secrets = Secret::generate_unique(&mut rng, cfg.tenant_keys.len(), cfg.prompts_per_tenant);
+    for s in &secrets {
+        prompts.push((s.tenant, prompt_with_secret(next_nonce(), long_words, s)));
     }
     progress.phase("idle baseline", prompts.len() as u64);
     let mut idle = Vec::new();
@@ -333,11 +331,9 @@ pub fn run(
             secret: Some(*i),
             text: c.text.clone(),
         });
+        // Not timed: a repeat of a prompt may rightly come from a prefix
+        // cache.
         loaded_texts.push((*i, c.text.clone()));
-        long_timed.push(Timed {
-            prompt_tokens: c.prompt_tokens.unwrap_or(long_tokens),
-            latency_s: c.latency_s,
-        });
     }
     let mut findings: Vec<Finding> = Vec::new();
     // The window's edges (their answers join the markers check: a prompt
@@ -391,19 +387,33 @@ pub fn run(
         }
     };
     let marker_findings = checks::markers(&secrets, &outputs);
-    report.checks.push(result(
-        "markers",
-        &marker_findings,
-        format!(
-            "{} outputs of {} secret-bearing prompts ({} tokens each, {} in flight); {} refused \
-             under load",
-            outputs.len(),
-            prompts.len(),
-            long_tokens,
-            cfg.concurrency,
-            refused_under_load
-        ),
-    ));
+    let echoed = outputs
+        .iter()
+        .filter(|o| {
+            o.secret
+                .is_some_and(|i| secrets[i].found_in(&o.text).is_some())
+        })
+        .count();
+    let summary = format!(
+        "{} outputs of {} secret-bearing prompts ({} tokens each, {} in flight; {} echoed \
+         their own secret); {} refused under load",
+        outputs.len(),
+        prompts.len(),
+        long_tokens,
+        cfg.concurrency,
+        echoed,
+        refused_under_load
+    );
+    if marker_findings.is_empty() && loaded_texts.is_empty() {
+        report.checks.push(skipped(
+            "markers",
+            &format!("inconclusive: no request under load succeeded ({summary})"),
+        ));
+    } else {
+        report
+            .checks
+            .push(result("markers", &marker_findings, summary));
+    }
     findings.extend(marker_findings);
     let (agreement, det_findings) = checks::determinism(&idle, &loaded_texts, cfg.deterministic);
     report.determinism_agreement = Some(agreement);
@@ -482,7 +492,11 @@ fn boundaries(
     });
     // At: learn the exact prompt length with one token to spare, then ask
     // for exactly the rest of the window.
-    let at = unit_prompt(nonce(), cal.units_for(window.saturating_sub(8)));
+    let at_units = cal.units_for(window.saturating_sub(8));
+    let at = unit_prompt(nonce(), at_units);
+    // "Over" is sized from the measured length near the window, not by
+    // extrapolating the small-prompt calibration.
+    let mut over_units = cal.units_for(window + 32);
     let probe = r.send(
         r.key(0),
         &Request {
@@ -490,29 +504,25 @@ fn boundaries(
             max_tokens: 1,
         },
     )?;
-    match probe.prompt_tokens.filter(|&p| probe.ok() && p < window) {
-        Some(p) => {
-            let rest = (window - p) as u32;
-            let a = r.send(
-                r.key(0),
-                &Request {
-                    prompt: at,
-                    max_tokens: rest,
-                },
-            )?;
-            cases.push(Boundary {
-                name: "at",
-                total_tokens: p + rest as u64,
-                answer: a,
-            });
-        }
-        None => cases.push(Boundary {
+    // If the sizing probe itself was refused or not counted, "at" is not
+    // known, so not judged.
+    if let Some(p) = probe.prompt_tokens.filter(|&p| probe.ok() && p < window) {
+        over_units = at_units + ((window - p + 32) as f64 / cal.step).ceil() as usize;
+        let rest = (window - p) as u32;
+        let a = r.send(
+            r.key(0),
+            &Request {
+                prompt: at,
+                max_tokens: rest,
+            },
+        )?;
+        cases.push(Boundary {
             name: "at",
-            total_tokens: window,
-            answer: probe,
-        }),
+            total_tokens: p + rest as u64,
+            answer: a,
+        });
     }
-    let over = unit_prompt(nonce(), cal.units_for(window + 32));
+    let over = unit_prompt(nonce(), over_units);
     let a = r.send(
         r.key(0),
         &Request {

@@ -39,11 +39,44 @@ pub struct Secret {
     pub pieces: Vec<String>,
 }
 
+/// Lowercase ASCII letters and digits; every run of anything else
+/// becomes one space.
 fn normalise(s: &str) -> String {
-    s.chars()
-        .filter(char::is_ascii_alphanumeric)
-        .map(|c| c.to_ascii_lowercase())
-        .collect()
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.ends_with(' ') {
+            out.push(' ');
+        }
+    }
+    out
+}
+
+/// Whether `text` (normalised) holds `word` starting a word, then (after
+/// optional spaces, so a piece split by punctuation or tokens is still
+/// found) `digits` not followed by another digit: `lemur4821`,
+/// `LEMUR-4821`, `lemur 4821` — but not `slemur4821` or `lemur48210`.
+fn holds_piece(text: &str, word: &str, digits: &str) -> bool {
+    let b = text.as_bytes();
+    let mut from = 0;
+    while let Some(i) = text[from..].find(word).map(|i| i + from) {
+        from = i + 1;
+        if i > 0 && b[i - 1].is_ascii_alphanumeric() {
+            continue;
+        }
+        let mut j = i + word.len();
+        while j < b.len() && b[j] == b' ' {
+            j += 1;
+        }
+        if text[j..].starts_with(digits) {
+            let end = j + digits.len();
+            if end == b.len() || !b[end].is_ascii_digit() {
+                return true;
+            }
+        }
+    }
+    false
 }
 
 impl Secret {
@@ -65,13 +98,38 @@ impl Secret {
         self.pieces.join("-")
     }
 
-    /// The first piece of this secret found in `output` (normalised), if any.
+    /// The first piece of this secret found in `output`, if any (see
+    /// `holds_piece` for what counts).
     pub fn found_in(&self, output: &str) -> Option<String> {
         let out = normalise(output);
         self.pieces
             .iter()
-            .find(|p| out.contains(&normalise(p)))
+            .find(|p| {
+                let split = p.find(|c: char| c.is_ascii_digit()).unwrap_or(p.len());
+                holds_piece(&out, &p[..split], &p[split..])
+            })
             .cloned()
+    }
+
+    /// `n` secrets for each of `tenants` tenants, no piece shared by two.
+    pub fn generate_unique(rng: &mut impl Rng, tenants: usize, n: usize) -> Vec<Secret> {
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for tenant in 0..tenants {
+            for prompt in 0..n {
+                // Bounded: a collision has odds below 1 in 10 000 a piece.
+                let mut s = Secret::generate(rng, tenant, prompt);
+                for _ in 0..100 {
+                    if s.pieces.iter().all(|p| !seen.contains(p)) {
+                        break;
+                    }
+                    s = Secret::generate(rng, tenant, prompt);
+                }
+                seen.extend(s.pieces.iter().cloned());
+                out.push(s);
+            }
+        }
+        out
     }
 }
 
@@ -122,8 +180,12 @@ mod tests {
             pieces: vec!["lemur4821".into(), "topaz0007".into()],
         };
         assert_eq!(s.found_in("code: LEMUR-4821!"), Some("lemur4821".into()));
-        assert_eq!(s.found_in("to paz 00 07"), Some("topaz0007".into()));
+        assert_eq!(s.found_in("TOPAZ 0007"), Some("topaz0007".into()));
         assert_eq!(s.found_in("lemur 4822 and 4821"), None);
+        // Whole words and whole numbers only.
+        assert_eq!(s.found_in("slemur4821"), None);
+        assert_eq!(s.found_in("lemur48210"), None);
+        assert_eq!(s.found_in("(lemur)4821."), Some("lemur4821".into()));
     }
 
     #[test]

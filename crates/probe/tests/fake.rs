@@ -24,7 +24,7 @@ fn code_of(prompt: &str) -> Option<String> {
 }
 
 impl Endpoint for Fake {
-    fn model(&self) -> Result<ModelInfo, ProbeError> {
+    fn model(&self, _key: &str) -> Result<ModelInfo, ProbeError> {
         Ok(ModelInfo {
             id: "fake".into(),
             context_window: Some(self.window),

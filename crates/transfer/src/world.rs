@@ -310,6 +310,8 @@ pub struct WorldCounters {
     pub duplicates: usize,
     /// Prefill frames rewritten to name a page's previous epoch.
     pub stale_writes: usize,
+    /// Messages a driver's tamper rewrote in flight.
+    pub tampered: usize,
     /// Counters of decode instances that crashed (added at crash time).
     pub retired_checksum: u64,
     pub retired_fenced: u64,
@@ -355,12 +357,19 @@ pub struct World {
     trace: bool,
 }
 
+/// The gateway's model window in this world.
+const GATEWAY_WINDOW_TOKENS: u32 = 64;
+
 /// The first request's id; requests are numbered in submission order.
 pub const FIRST_REQUEST: u64 = 100;
 
 impl World {
     pub fn new(params: WorldParams, clients: Vec<ClientSpec>) -> World {
-        let limit = params.prefill_limit.min(params.decode_limit) as usize;
+        // The gateway's own window (64, below) is a limit too.
+        let limit = params
+            .prefill_limit
+            .min(params.decode_limit)
+            .min(GATEWAY_WINDOW_TOKENS) as usize;
         let clients = clients
             .into_iter()
             .enumerate()
@@ -383,7 +392,7 @@ impl World {
         let mut w = World {
             gateway: Gateway::new(GatewayConfig {
                 identity: identity("gateway", params.page_size, 0),
-                model_window_tokens: 64,
+                model_window_tokens: GATEWAY_WINDOW_TOKENS,
                 requests_max: 64,
                 prefill: vec![PREFILL_ADDR.into()],
                 decode: vec![DECODE_ADDR.into()],
@@ -759,6 +768,7 @@ impl World {
             Ok(Some((mut msg, _))) => {
                 if let Some(t) = tamper {
                     if t(&mut msg) {
+                        self.counters.tampered += 1;
                         self.trace(|| format!("TAMPERED a {} on conn {conn}", msg.kind_name()));
                     }
                 }
@@ -1270,10 +1280,19 @@ impl World {
     }
 
     /// K9: a request over a node's limit ends with that refusal and no
-    /// tokens (or with the loss of a node that had not refused it yet).
+    /// tokens (or with the loss of a node that had not refused it yet); a
+    /// request within every limit is never refused as too long.
     pub fn check_refusals(&self) -> Result<(), String> {
         for (&req, c) in &self.clients {
             if !c.oversize {
+                if matches!(&c.end, Some(Err(code)) if code == "context_length_exceeded") {
+                    return Err(format!(
+                        "K9: request {req} fits every limit ({} + {} tokens) but was refused as \
+                         too long",
+                        c.spec.prompt.len(),
+                        c.spec.max_tokens
+                    ));
+                }
                 continue;
             }
             let fine = match &c.end {
@@ -1407,6 +1426,13 @@ impl World {
                 None if c.cancelled => {}
                 None => return Err(format!("request {req} never ended")),
             }
+            // Without any fault, every request within the limits completes.
+            if self.fault_free() && !c.oversize && !matches!(c.end, Some(Ok(_))) {
+                return Err(format!(
+                    "request {req}: ended with {:?} although nothing went wrong",
+                    c.end
+                ));
+            }
             out.push(Outcome {
                 req,
                 tenant: c.spec.tenant,
@@ -1419,6 +1445,21 @@ impl World {
             });
         }
         Ok(out)
+    }
+
+    /// No fault of any kind happened (no cancel either).
+    pub fn fault_free(&self) -> bool {
+        let c = &self.counters;
+        c.cancels
+            + c.kills
+            + c.crashes
+            + c.corruptions
+            + c.drops
+            + c.duplicates
+            + c.reorders
+            + c.stale_writes
+            + c.tampered
+            == 0
     }
 
     /// One line per request, for traces.

@@ -293,6 +293,7 @@ fn run_with_a_stray_write(m: DecodeMutations) -> Result<Vec<transfer::world::Out
         if !scribbled {
             if let Some(&h) = w.decode.pages_of(100).and_then(|p| p.first()) {
                 w.decode_pool.scribble_trailer(h.index);
+                w.counters.corruptions += 1;
                 scribbled = true;
             }
         }

@@ -426,6 +426,10 @@ impl Model for PdModel {
                 |_: &PdModel, w: &World| w.check_pools().is_ok(),
             ),
             Property::always(
+                "K7 and every other event check: no violation recorded",
+                |_: &PdModel, w: &World| w.violations().is_empty(),
+            ),
+            Property::always(
                 "K9: a refused request ends with its original error and no tokens",
                 |_: &PdModel, w: &World| w.check_refusals().is_ok(),
             ),
