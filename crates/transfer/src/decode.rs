@@ -288,18 +288,17 @@ impl DecodeNode {
                 if self.prefill_links.get(&node) == Some(&conn) {
                     self.prefill_links.remove(&node);
                 }
-                // Transfers on this link, and those from this node that have
-                // not yet sent anything: prefill, which loses the same link,
-                // fails all of its requests for this decode node.
+                // Only transfers bound to this link. A request from this node
+                // that has not yet sent anything is not failed here: it may
+                // have been reserved after prefill gave the link up (a
+                // heartbeat timeout is seen on one side long before the
+                // other) and then travel on the next link. If prefill did
+                // lose it with this link, prefill fails it to the gateway,
+                // whose Cancel ends it here; a lost gateway cancels it too.
                 let reqs: Vec<u64> = self
                     .reqs
                     .iter()
-                    .filter(|(_, r)| {
-                        r.link == Some(conn)
-                            || (r.link.is_none()
-                                && r.prefill == node
-                                && r.phase == DecodePhase::Receiving)
-                    })
+                    .filter(|(_, r)| r.link == Some(conn))
                     .map(|(&k, _)| k)
                     .collect();
                 if !reqs.is_empty() {

@@ -6,7 +6,8 @@
 //! killed connection, a node crash, a network partition. Links have
 //! latency jitter; a partition holds frames until it heals, or past the
 //! heartbeat timeout ends the connections across it, as the TCP transport
-//! does. Every invariant of [`World::check_step`] is asserted after every
+//! does: one end gives up first, the other at a random later step unless
+//! the close reaches it before (each end runs its own timer). Every invariant of [`World::check_step`] is asserted after every
 //! step; at the end, pools must be free and every token must be the
 //! reference's. A seed replays exactly (`SimConfig::trace` prints it).
 //!
@@ -215,6 +216,9 @@ pub struct Sim {
     /// When the next frame of (connection, direction) may be delivered.
     ready_at: BTreeMap<(ConnId, usize), u64>,
     partition: Option<Partition>,
+    /// Connections one end has timed out: (conn, the other end, the step
+    /// its own timer gives up).
+    late_timeouts: Vec<(ConnId, Node, u64)>,
     report: SimReport,
 }
 
@@ -258,6 +262,7 @@ impl Sim {
             now: 0,
             ready_at: BTreeMap::new(),
             partition: None,
+            late_timeouts: Vec::new(),
             report: SimReport::default(),
         }
     }
@@ -394,15 +399,33 @@ impl Sim {
 
     /// Partitions heal, or end their connections at the heartbeat timeout.
     fn partitions(&mut self) {
+        let now = self.now;
+        let due: Vec<(ConnId, Node)> = self
+            .late_timeouts
+            .iter()
+            .filter(|l| l.2 <= now)
+            .map(|l| (l.0, l.1))
+            .collect();
+        self.late_timeouts.retain(|l| l.2 > now);
+        for (conn, node) in due {
+            // A no-op if the close reached `node` first.
+            self.world.time_out(node, conn);
+        }
         let Some(p) = self.partition else {
             return;
         };
         if self.now >= p.since + self.cfg.heartbeat_timeout_steps {
             for conn in self.world.conn_ids() {
-                if self.held(conn) {
-                    self.trace(|| format!("heartbeat timeout ends conn {conn}"));
+                if self.held(conn) && !self.late_timeouts.iter().any(|l| l.0 == conn) {
+                    let Some(ends) = self.world.conn_ends(conn) else {
+                        continue;
+                    };
+                    let first = self.rng.below(2) as usize;
+                    let at = self.now + 1 + self.rng.below(self.cfg.heartbeat_timeout_steps);
+                    self.trace(|| format!("heartbeat timeout: {:?} ends conn {conn}", ends[first]));
                     self.report.partition_timeouts += 1;
-                    self.world.kill(conn);
+                    self.world.time_out(ends[first], conn);
+                    self.late_timeouts.push((conn, ends[1 - first], at));
                 }
             }
         }

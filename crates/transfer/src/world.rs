@@ -247,10 +247,13 @@ const CODES_OF_AN_OVERSIZE_REQUEST: [&str; 4] = [
 struct Conn {
     /// (dialler, listener)
     ends: [Node; 2],
-    /// queues[i]: frames travelling from ends[i] to the other end.
+    /// queues[i]: frames travelling from ends[i] to the other end. An empty
+    /// frame is a close (FIN): it travels like data, after what was queued
+    /// before it, so the peer sees the close as late as the network makes
+    /// it, while other connections deliver meanwhile (a node that times a
+    /// link out is seen to do so only later).
     queues: [VecDeque<Vec<u8>>; 2],
-    /// An end that closed: the other end still receives what was queued
-    /// towards it, then sees the close.
+    /// An end that has closed, or seen the other end's close.
     closed: [bool; 2],
 }
 
@@ -651,8 +654,8 @@ impl World {
         c.queues[side].push_back(buf);
     }
 
-    /// `node` closes `conn`: it sees the close now; the peer after the
-    /// frames queued towards it.
+    /// `node` closes `conn`: it sees the close now; the peer when the close
+    /// frame queued behind what `node` sent arrives.
     fn close_by(&mut self, node: Node, conn: ConnId) {
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
@@ -662,29 +665,50 @@ impl World {
             return;
         }
         c.closed[side] = true;
+        // What was on its way to `node` is never read.
         c.queues[1 - side].clear();
+        if !c.closed[1 - side] {
+            c.queues[side].push_back(Vec::new());
+        }
         self.notify_closed(node, conn);
-        self.maybe_finish_close(conn);
+        self.reap(conn);
     }
 
-    fn maybe_finish_close(&mut self, conn: ConnId) {
-        for side in 0..2 {
-            let Some(c) = self.conns.get_mut(&conn) else {
-                return;
-            };
-            if c.closed[side] && !c.closed[1 - side] && c.queues[side].is_empty() {
-                let peer = c.ends[1 - side];
-                c.closed[1 - side] = true;
-                self.notify_closed(peer, conn);
-            }
-        }
+    /// A connection both ends have closed, with nothing in flight, is gone.
+    fn reap(&mut self, conn: ConnId) {
         if self
             .conns
             .get(&conn)
-            .is_some_and(|c| c.closed == [true, true])
+            .is_some_and(|c| c.closed == [true, true] && c.queues.iter().all(|q| q.is_empty()))
         {
             self.conns.remove(&conn);
         }
+    }
+
+    /// Whether frame `index` of one direction is a close.
+    fn is_fin(&self, conn: ConnId, side: usize, index: usize) -> bool {
+        self.conns
+            .get(&conn)
+            .and_then(|c| c.queues[side].get(index))
+            .is_some_and(|f| f.is_empty())
+    }
+
+    /// `node`'s heartbeat timer gives up on `conn` (the peer is stopped or
+    /// partitioned, and the connection itself still open): `node` closes
+    /// it; the peer sees that when the close arrives.
+    pub fn time_out(&mut self, node: Node, conn: ConnId) {
+        let Some(c) = self.conns.get(&conn) else {
+            return;
+        };
+        let Some(side) = c.ends.iter().position(|&e| e == node) else {
+            return;
+        };
+        if c.closed[side] || !self.up(node) {
+            return;
+        }
+        self.trace(|| format!("{node:?} times out conn {conn}"));
+        self.counters.kills += 1;
+        self.close_by(node, conn);
     }
 
     /// The network drops a connection: both ends see it at once, and every
@@ -751,11 +775,23 @@ impl World {
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
+        // A close is the last frame of its direction; it cannot overtake
+        // data (the peer would drop what is queued before it).
+        if c.queues[side].get(index).is_some_and(|f| f.is_empty()) && index > 0 {
+            return;
+        }
         let Some(mut frame) = c.queues[side].remove(index) else {
             return;
         };
-        self.counters.reorders += usize::from(index > 0);
         let to = c.ends[1 - side];
+        if frame.is_empty() {
+            c.closed[1 - side] = true;
+            c.queues = [VecDeque::new(), VecDeque::new()];
+            self.notify_closed(to, conn);
+            self.reap(conn);
+            return;
+        }
+        self.counters.reorders += usize::from(index > 0);
         if let Some((byte, bit)) = corrupt.filter(|_| frame.len() > 4) {
             // Any byte after the length prefix (a flipped length is a TCP
             // stream desync, which the heartbeat timeout ends).
@@ -778,26 +814,36 @@ impl World {
             // closes the connection (what the TCP driver does).
             _ => self.close_by(to, conn),
         }
-        self.maybe_finish_close(conn);
+        self.reap(conn);
     }
 
     /// An adversarial network loses frame `index` of a live connection
     /// (TCP cannot: see the `verify` crate for when drivers use this).
+    /// A close is never lost (the heartbeat timeout would see it anyway).
     pub fn drop_frame(&mut self, conn: ConnId, side: usize, index: usize) {
+        if self.is_fin(conn, side, index) {
+            return;
+        }
         if let Some(c) = self.conns.get_mut(&conn) {
             if c.queues[side].remove(index).is_some() {
                 self.counters.drops += 1;
                 self.trace(|| format!("DROP frame {index} on conn {conn}"));
             }
         }
-        self.maybe_finish_close(conn);
+        self.reap(conn);
     }
 
     /// An adversarial network delivers frame `index` twice (TCP cannot).
     pub fn duplicate_frame(&mut self, conn: ConnId, side: usize, index: usize) {
+        if self.is_fin(conn, side, index) {
+            return;
+        }
         if let Some(c) = self.conns.get_mut(&conn) {
             if let Some(f) = c.queues[side].get(index).cloned() {
-                c.queues[side].push_back(f);
+                // Before a trailing close: nothing follows a FIN.
+                let at = c.queues[side].len()
+                    - usize::from(c.queues[side].back().is_some_and(|l| l.is_empty()));
+                c.queues[side].insert(at, f);
                 self.counters.duplicates += 1;
                 self.trace(|| format!("DUPLICATE frame {index} on conn {conn}"));
             }

@@ -322,3 +322,87 @@ fn without_decodes_own_canary_check_it_decodes_on_a_scribbled_page() {
     .expect_err("the world's K7 check sees the start");
     assert!(err.contains("K7: decode started request 100"), "{err}");
 }
+
+/// The first possible event but a submit, leaving the frames of `skip`
+/// queued.
+fn step_without_submit(w: &mut transfer::world::World, skip: Option<u64>) -> bool {
+    if let Some(&(conn, side, _)) = w.frames().iter().find(|f| Some(f.0) != skip) {
+        w.deliver(conn, side, 0, None, None);
+    } else if w.has_dials() {
+        w.prefill_dial();
+    } else if let Some(&req) = w.jobs().first() {
+        w.compute(req);
+    } else if let Some(&req) = w.decoding().first() {
+        w.decode_step(req);
+    } else {
+        return false;
+    }
+    true
+}
+
+/// CI's heartbeat test: prefill timed its link to a stopped decode node
+/// out; the gateway paired again and sent a new request, which decode
+/// reserved before it read the old link's close. Decode used to fail every
+/// request of that prefill node not yet bound to a link ("prefill lost
+/// mid-transfer") — including the new one, which prefill would send on a
+/// new link. Prefill reports the requests it fails itself.
+#[test]
+fn a_prefill_link_seen_closed_late_spares_requests_reserved_since() {
+    use transfer::world::{ClientSpec, Node, World};
+    let mut w = World::new(
+        WorldParams::default(),
+        vec![
+            ClientSpec::new(1, prompt(3, 6), 2),
+            ClientSpec::new(2, prompt(4, 6), 2),
+        ],
+    );
+    // Request 100 runs to its end over prefill's link to decode.
+    for _ in 0..50 {
+        if w.gateway.ready() {
+            break;
+        }
+        assert!(step_without_submit(&mut w, None), "{}", w.summary());
+    }
+    w.submit_next();
+    for _ in 0..500 {
+        if w.in_flight().is_empty() {
+            break;
+        }
+        assert!(step_without_submit(&mut w, None), "{}", w.summary());
+        w.check_step().expect("invariants hold");
+    }
+    assert!(w.in_flight().is_empty(), "{}", w.summary());
+    let link = w
+        .conn_ids()
+        .into_iter()
+        .find(|&c| w.conn_ends(c) == Some([Node::Prefill, Node::Decode]))
+        .expect("prefill's link to decode is up");
+    w.time_out(Node::Prefill, link);
+    // Request 101 is reserved on decode while the close is still in
+    // flight.
+    w.submit_next();
+    let prefill_sent = |w: &World| {
+        w.frames().iter().any(|&(c, side, n)| {
+            (0..n).any(|i| matches!(w.peek(c, side, i), Some(Message::Prefill { req: 101, .. })))
+        })
+    };
+    for _ in 0..500 {
+        if prefill_sent(&w) {
+            break;
+        }
+        assert!(step_without_submit(&mut w, Some(link)), "{}", w.summary());
+        w.check_step().expect("invariants hold");
+    }
+    assert!(prefill_sent(&w), "{}", w.summary());
+    w.deliver(link, 0, 0, None, None);
+    for _ in 0..500 {
+        if !step_without_submit(&mut w, None) {
+            break;
+        }
+        w.check_step().expect("invariants hold");
+    }
+    let out = w.check_end().expect("invariants hold at the end");
+    let late = out.iter().find(|o| o.req == 101).expect("request 101 ran");
+    assert_eq!(late.end, Some(Ok(2)), "{}", w.summary());
+    assert_eq!(late.tokens, late.expected);
+}
