@@ -2,11 +2,17 @@
 keeps its TCP connections open but sends no heartbeats; the gateway declares
 it lost after the heartbeat timeout (5 s), answers 503 meanwhile, and pairs
 again once the node runs (SIGCONT) and the connection is re-made. A request
-running on the stopped node fails cleanly and prefill frees its pages."""
+running on the stopped node fails cleanly and prefill frees its pages;
+`isoserve audit` lists it as refused after allocation (decode had reserved
+its pages), from the gateway's request log."""
 
+import json
 import os
 import signal
+import subprocess
 import threading
+
+from conftest import BIN
 
 from test_disaggregated import (PROMPTS, Gateway, Node, chat, healthy, long_prompt, pool_free,
                                 wait_until)
@@ -35,6 +41,18 @@ def test_heartbeat_timeout_fails_requests_and_recovers(tmp_root):
         assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"], ok.text
         pool_free(d)
         pool_free(p)
+        recs = gw.log_records()
+        lost = [r for r in recs if r["outcome"] == "error"]
+        assert len(lost) == 1 and lost[0]["error_code"] in ("decode_lost", "prefill_lost"), recs
+        # Decode's prompt pages had gone to prefill: the request held them.
+        assert lost[0]["pages"] > 0 and lost[0]["output_tokens"] == 0, lost
+        out = tmp_root / "hb-audit.json"
+        a = subprocess.run([str(BIN), "audit", "--log", str(gw.request_log), "--json", str(out)],
+                           capture_output=True, text=True, timeout=60)
+        assert a.returncode == 1, a.stdout + a.stderr
+        audit = json.loads(out.read_text())
+        assert audit["by_rule"] == {"rejected_after_allocation": 1}, audit
+        assert audit["matches"][0]["id"] == lost[0]["id"], audit
     finally:
         gw.terminate()
         d.kill()

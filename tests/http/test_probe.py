@@ -8,8 +8,14 @@ run.
 The KV pool is kept small (`--kv-pages`) so that the probe's concurrent
 long prompts exceed it: the markers check runs while requests queue for
 pages and pages are reused across tenants.
+
+`isoserve audit` reads the request log each of these servers wrote: clean
+on the correct builds (every rule checked), the incident's signature on
+the fault build — from our JSONL and from the same log as another server's
+CSV through --map.
 """
 
+import csv
 import json
 import socket
 import subprocess
@@ -37,6 +43,43 @@ def run_probe(url, tmp_root, name):
         cmd += ["--tenant-key", k]
     p = subprocess.run(cmd + PROBE_ARGS, capture_output=True, text=True, timeout=600)
     return p, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def run_audit(log, tmp_root, name, *extra):
+    out = tmp_root / f"{name}-audit.json"
+    p = subprocess.run([str(BIN), "audit", "--log", str(log), "--json", str(out), *extra],
+                       capture_output=True, text=True, timeout=120)
+    return p, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def as_foreign_csv(records, path):
+    """The log as another server might write it: other column names, TTFT
+    in seconds, the outcome as an HTTP status."""
+    status = {"finished": 200, "cancelled": 499, "rejected": 400, "error": 502}
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["request_id", "user", "finished_at", "http_status", "n_prompt",
+                    "ttft_s", "kv_tokens", "max_len", "prefill_tps", "blocks", "err"])
+        for r in records:
+            w.writerow([r["id"], r["tenant"] or "", r["ts"], status[r["outcome"]],
+                        r["prompt_tokens"],
+                        "" if r["ttft_ms"] is None else r["ttft_ms"] / 1000,
+                        r["kv_capacity_tokens"] or "", r["context_window_tokens"],
+                        r["prefill_tokens_per_s"] or "",
+                        "" if r["pages"] is None else r["pages"], r["error_code"] or ""])
+
+
+FOREIGN_MAP = ["id=request_id", "tenant=user", "ts=finished_at", "outcome=http_status",
+               "prompt_tokens=n_prompt", "ttft_ms=ttft_s*1000", "kv_capacity_tokens=kv_tokens",
+               "context_window_tokens=max_len", "prefill_tokens_per_s=prefill_tps",
+               "pages=blocks", "error_code=err", "output_tokens=", "kv_event="]
+
+
+def foreign_audit(records, tmp_root, name):
+    path = tmp_root / f"{name}-foreign.csv"
+    as_foreign_csv(records, path)
+    args = [a for m in FOREIGN_MAP for a in ("--map", m)]
+    return run_audit(path, tmp_root, f"{name}-foreign", *args)
 
 
 def assert_clean(p, report):
@@ -72,6 +115,26 @@ def test_probe_passes_a_unified_server(tmp_root):
         assert m["isoserve_kv_pages{state=\"free\"}"] == 160, m
         assert m["isoserve_kv_allocs_total"] > 2 * 160, m
         assert m["isoserve_kv_safety_refusals_total"] == 0, m
+        # The log records what the audit needs: the pool and window at the
+        # time, the measured prefill rate, pages held by refused requests.
+        recs = s.log_records()
+        done = [r for r in recs if r["outcome"] == "finished"]
+        assert done and all(r["kv_capacity_tokens"] == 160 * 16 and
+                            r["context_window_tokens"] == 2048 and r["pages"] > 0
+                            for r in done), done[:3]
+        assert any(r["prefill_tokens_per_s"] and r["prefill_tokens_per_s"] > 50 for r in done)
+        over = [r for r in recs if r["error_code"] == "context_length_exceeded"]
+        assert len(over) == 1 and over[0]["pages"] == 0 and over[0]["outcome"] == "rejected", over
+        a, audit = run_audit(s.request_log, tmp_root, "unified")
+        assert a.returncode == 0, a.stdout + a.stderr
+        assert audit["records"] == len(recs) and audit["unreadable_total"] == 0, audit
+        assert audit["matches_total"] == 0 and audit["unchecked"] == [], audit
+        assert audit["checked"]["over_capacity"] == len(recs), audit
+        assert audit["checked"]["too_fast"] > len(done) // 2, audit
+        # The same log as another server's CSV: the same verdict.
+        f, faudit = foreign_audit(recs, tmp_root, "unified")
+        assert f.returncode == 0, f.stdout + f.stderr
+        assert faudit["records"] == len(recs) and faudit["checked"] == audit["checked"], faudit
     finally:
         assert s.terminate() == 0, s.stderr()
 
@@ -83,6 +146,17 @@ def test_probe_passes_a_disaggregated_server(tmp_root):
     try:
         p, report = run_probe(s.url(""), tmp_root, "disagg")
         assert_clean(p, report)
+        # The gateway has no pool or prefill rate of its own: the window
+        # from the log, the rate the probe measured.
+        recs = s.log_records()
+        assert all(r["kv_capacity_tokens"] is None and r["context_window_tokens"] == 2048
+                   for r in recs), recs[:3]
+        a, audit = run_audit(s.request_log, tmp_root, "disagg",
+                             "--prefill-tokens-per-s", str(report["prefill_tokens_per_s"]))
+        assert a.returncode == 0, a.stdout + a.stderr
+        assert audit["matches_total"] == 0 and audit["unchecked"] == [], audit
+        timed = [r for r in recs if r["ttft_ms"] is not None]
+        assert audit["records"] == len(recs) and audit["checked"]["too_fast"] == len(timed), audit
     finally:
         assert s.terminate() == 0, s.stderr()
 
@@ -102,6 +176,21 @@ def test_probe_catches_the_fault_incident_build(tmp_root):
         checks = {c["check"]: c["status"] for c in report["checks"]}
         assert checks["over-length"] == "findings" and checks["timing"] == "findings", checks
         assert "FINDINGS" in p.stdout and "over_length_accepted" in p.stdout, p.stdout
+        # The log shows the signature: the over-long prompt answered, its
+        # first token faster than prefill allows, under the probe's tenant.
+        recs = s.log_records()
+        a, audit = run_audit(s.request_log, tmp_root, "fault")
+        assert a.returncode == 1, a.stdout + a.stderr
+        assert audit["by_rule"].get("over_capacity", 0) >= 1, audit
+        assert audit["by_rule"].get("too_fast", 0) >= 1, audit
+        over = next(m for m in audit["matches"] if m["rule"] == "over_capacity")
+        rec = next(r for r in recs if r["id"] == over["id"])
+        assert rec["prompt_tokens"] > 2048 and rec["outcome"] == "finished", rec
+        assert over["tenant"] in audit["by_tenant"] and over["tenant"] in ("t0", "t1"), audit
+        assert "over_capacity" in a.stdout and over["id"] in a.stdout, a.stdout
+        f, faudit = foreign_audit(recs, tmp_root, "fault")
+        assert f.returncode == 1, f.stdout + f.stderr
+        assert faudit["by_rule"] == audit["by_rule"], (faudit, audit)
     finally:
         s.kill()
 
@@ -126,3 +215,18 @@ def test_probe_refuses_a_single_tenant_and_an_https_url(tmp_root):
                         "--tenant-key", "a", "--tenant-key", "b"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "http:// URL" in p.stderr, p.stderr
+
+
+def test_audit_exits_2_with_a_one_line_message_when_it_cannot(tmp_root):
+    missing = tmp_root / "no-such.jsonl"
+    p, report = run_audit(missing, tmp_root, "missing")
+    assert p.returncode == 2 and report is None, p.stdout + p.stderr
+    assert p.stderr.count("\n") == 1 and "cannot open" in p.stderr, p.stderr
+    junk = tmp_root / "junk.jsonl"
+    junk.write_text("{\"unrelated\": true}\nnot a log\n")
+    p, report = run_audit(junk, tmp_root, "junk")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert report["records"] == 1 and report["unreadable_total"] == 1, report
+    assert "no record carries the fields of any rule" in p.stderr, p.stderr
+    p, _ = run_audit(junk, tmp_root, "badmap", "--map", "latency=x")
+    assert p.returncode == 2 and "unknown field `latency`" in p.stderr, p.stderr

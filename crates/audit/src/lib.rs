@@ -153,9 +153,13 @@ pub fn check(r: &Record, sig: &Signature) -> (Vec<(Rule, String)>, Vec<Rule>) {
             found.push((
                 Rule::OverCapacity,
                 format!(
-                    "a prompt of {p} tokens was answered ({}); the server held at most {limit} \
-                     tokens of KV for it",
-                    r.outcome.as_str()
+                    "a prompt of {p} tokens was answered ({}); the server could hold {limit} \
+                     (KV pool {}, window {})",
+                    r.outcome.as_str(),
+                    r.kv_capacity_tokens
+                        .map_or("unknown".into(), |n| n.to_string()),
+                    r.context_window_tokens
+                        .map_or("unknown".into(), |n| n.to_string()),
                 ),
             ));
         }

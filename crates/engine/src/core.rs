@@ -30,7 +30,16 @@ pub struct EngineStats {
     /// Requests refused by the engine thread's own re-check (the submit-side
     /// check should have caught them first; non-zero means a bug upstream).
     pub requests_refused_total: u64,
+    /// Forward rows per second over steps of at least
+    /// [`PREFILL_RATE_ROWS_MIN`] rows (an average weighted to recent
+    /// steps; 0 until one ran): what prefill achieves at best, so no prompt
+    /// can be prefilled much faster (the audit's `too_fast` rule).
+    pub prefill_tokens_per_s: f64,
 }
+
+/// Steps with fewer rows are dominated by per-step overhead and would
+/// understate the rate.
+pub const PREFILL_RATE_ROWS_MIN: usize = 64;
 
 impl EngineStats {
     pub(crate) fn new(pool: PoolStats) -> EngineStats {
@@ -346,6 +355,8 @@ impl Core {
                 self.local.requests_failed_total += 1;
                 continue;
             }
+            // Paired with the request log's read when the request ends.
+            sub.pages.store(pages.len() as u64, Ordering::Release);
             let stops = match StopStrings::new(sub.req.stop.clone()) {
                 Ok(s) => s,
                 Err(e) => {
@@ -446,11 +457,22 @@ impl Core {
                 pages: &a.pages,
             })
             .collect();
+        let started = Instant::now();
         let result = self
             .model
             .forward(&mut self.pool, &seqs, &self.rows, &mut self.scratch);
         drop(seqs);
         self.local.steps_total += 1;
+        let secs = started.elapsed().as_secs_f64();
+        if result.is_ok() && self.rows.len() >= PREFILL_RATE_ROWS_MIN && secs > 0.0 {
+            let rate = self.rows.len() as f64 / secs;
+            let old = self.local.prefill_tokens_per_s;
+            self.local.prefill_tokens_per_s = if old == 0.0 {
+                rate
+            } else {
+                0.8 * old + 0.2 * rate
+            };
+        }
         if let Err(e) = result {
             // A refused KV access or a bad batch: fail every request in the
             // batch with the error; never serve what was computed.

@@ -277,7 +277,14 @@ pub struct RequestHandle {
     /// Called once on the first cancel (a backend that must be told, e.g.
     /// the PD gateway, rather than poll the flag).
     on_cancel: Option<Box<dyn Fn() + Send + Sync>>,
+    /// KV pages allocated to the request so far ([`PAGES_UNKNOWN`] until
+    /// the backend says), for the request log: a request refused while it
+    /// held pages is part of the incident's signature.
+    pages: Arc<AtomicU64>,
 }
+
+/// [`RequestHandle::pages_cell`] before the backend has said.
+pub const PAGES_UNKNOWN: u64 = u64::MAX;
 
 /// Something that runs requests: the unified [`Engine`], or a PD gateway.
 /// The HTTP layer serves any backend.
@@ -289,6 +296,11 @@ pub trait Backend: Send + Sync {
     fn max_request_tokens(&self) -> usize;
     /// Occupancy and counters.
     fn stats(&self) -> EngineStats;
+    /// The KV pool's capacity in tokens, where one pool serves the
+    /// requests (the unified engine; a PD gateway has none of its own).
+    fn kv_capacity_tokens(&self) -> Option<usize> {
+        None
+    }
     /// Stops admitting; `drain`: let running requests finish.
     fn shutdown(&self, drain: bool);
     /// Whether requests can be served now (a PD gateway: a pair is up).
@@ -310,6 +322,9 @@ impl Backend for Engine {
     }
     fn stats(&self) -> EngineStats {
         Engine::stats(self)
+    }
+    fn kv_capacity_tokens(&self) -> Option<usize> {
+        Some(self.capacity.pool_tokens as usize)
     }
     fn shutdown(&self, drain: bool) {
         Engine::shutdown(self, drain)
@@ -349,7 +364,29 @@ impl RequestHandle {
             events,
             cancel: Arc::new(AtomicBool::new(false)),
             on_cancel: Some(on_cancel),
+            pages: Arc::new(AtomicU64::new(PAGES_UNKNOWN)),
         }
+    }
+
+    /// KV pages allocated to the request so far (`None`: the backend does
+    /// not know, or has not said).
+    pub fn pages_allocated(&self) -> Option<usize> {
+        match self.pages.load(Ordering::Acquire) {
+            PAGES_UNKNOWN => None,
+            n => Some(n as usize),
+        }
+    }
+
+    /// The page count, for a reader that outlives the handle (the request
+    /// log writes after the handle is gone).
+    pub fn pages_cell(&self) -> Arc<AtomicU64> {
+        self.pages.clone()
+    }
+
+    /// A handle whose page count the backend keeps in `cell`.
+    pub fn with_pages_cell(mut self, cell: Arc<AtomicU64>) -> RequestHandle {
+        self.pages = cell;
+        self
     }
 }
 
@@ -369,6 +406,8 @@ pub(crate) struct Submitted {
     pub req: GenRequest,
     pub events: tmpsc::UnboundedSender<Event>,
     pub cancel: Arc<AtomicBool>,
+    /// The handle's page count, set on admission.
+    pub pages: Arc<AtomicU64>,
     pub submitted_at: std::time::Instant,
     /// `fault-incident` only: run as the incident's placeholder.
     #[cfg(feature = "fault-incident")]
@@ -468,11 +507,14 @@ impl Engine {
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (etx, erx) = tmpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
+        // Nothing allocated until the engine admits it.
+        let pages = Arc::new(AtomicU64::new(0));
         let sub = Submitted {
             id,
             req,
             events: etx,
             cancel: cancel.clone(),
+            pages: pages.clone(),
             submitted_at: std::time::Instant::now(),
             #[cfg(feature = "fault-incident")]
             placeholder,
@@ -493,6 +535,7 @@ impl Engine {
                 events: erx,
                 cancel,
                 on_cancel: None,
+                pages,
             }),
             Err(TrySendError::Full(_)) => {
                 self.waiting.fetch_sub(1, Ordering::AcqRel);

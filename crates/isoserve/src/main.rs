@@ -1,5 +1,6 @@
 //! `isoserve` — the command-line entry point. See README.md.
 
+mod audit_cmd;
 mod disagg;
 mod fetch;
 mod generate;
@@ -125,6 +126,12 @@ enum Cmd {
     /// allows, and usage must count the prompt. Exit 0 clean, 1 findings,
     /// 2 could not run.
     Probe(probe_cmd::ProbeArgs),
+    /// Search a request log (ours, or any server's JSONL/CSV with --map)
+    /// for the incident's signature: prompts longer than the KV pool held,
+    /// first tokens faster than prefill allows, refusals of requests that
+    /// held KV pages, KV safety checks firing; counted per tenant and time
+    /// window. Exit 0 none, 1 matches, 2 could not audit.
+    Audit(audit_cmd::AuditArgs),
     /// Print where the model cache lives.
     ModelPath {
         #[arg(long)]
@@ -134,8 +141,10 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Cmd::Probe(args) = cli.command {
-        return probe_cmd::run(args);
+    match cli.command {
+        Cmd::Probe(args) => return probe_cmd::run(args),
+        Cmd::Audit(args) => return audit_cmd::run(args),
+        _ => {}
     }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -210,7 +219,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Prefill(args) => disagg::run_node(engine::pd::PdRole::Prefill, args)?,
         Cmd::Decode(args) => disagg::run_node(engine::pd::PdRole::Decode, args)?,
         Cmd::Gateway(args) => disagg::run_gateway(args)?,
-        Cmd::Probe(_) => unreachable!("handled in main: it has its own exit codes"),
+        Cmd::Probe(_) | Cmd::Audit(_) => {
+            unreachable!("handled in main: they have their own exit codes")
+        }
         Cmd::ModelPath { model } => {
             let p = match model {
                 Some(m) => m,

@@ -23,7 +23,7 @@ use kv::RequestId;
 use model::sample::FinishReason;
 use tokio::sync::{mpsc, Notify};
 use transfer::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
-use transfer::wire::{Refusal, ROLE_DECODE};
+use transfer::wire::{Message, Refusal, ROLE_DECODE};
 use transfer::Identity;
 
 use crate::transport::{Transport, TransportConfig, TransportEvent};
@@ -75,6 +75,9 @@ struct Client {
     submitted_at: Instant,
     first_token_at: Option<Instant>,
     prompt_tokens: usize,
+    /// The handle's page count: decode's pages for the prompt, once the
+    /// gateway hands them to prefill.
+    pages: Arc<AtomicU64>,
 }
 
 struct State {
@@ -113,7 +116,14 @@ impl Inner {
     fn execute(&self, st: &mut State, actions: Vec<GatewayAction>) {
         for a in actions {
             match a {
-                GatewayAction::Send { conn, msg } => self.transport.send(conn, &msg),
+                GatewayAction::Send { conn, msg } => {
+                    if let Message::Prefill { req, pages, .. } = &msg {
+                        if let Some(c) = st.clients.get(req) {
+                            c.pages.store(pages.len() as u64, Ordering::Release);
+                        }
+                    }
+                    self.transport.send(conn, &msg)
+                }
                 GatewayAction::Close { conn } => self.transport.close(conn),
                 GatewayAction::Deliver { req, event } => {
                     let Some(c) = st.clients.get_mut(&req) else {
@@ -162,7 +172,10 @@ impl Inner {
                                 queue_ms: 0.0,
                                 ttft_ms: ms(c.first_token_at.unwrap_or(now) - c.submitted_at),
                                 total_ms: ms(now - c.submitted_at),
-                                pages: 0,
+                                pages: match c.pages.load(Ordering::Acquire) {
+                                    engine::PAGES_UNKNOWN => 0,
+                                    n => n as usize,
+                                },
                             }));
                             debug_assert_eq!(c.prompt_tokens, prompt_tokens as usize);
                         }
@@ -358,6 +371,7 @@ impl Backend for GatewayBackend {
         let n = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         let id = (self.inner.nonce << 40) | n;
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
+        let pages = Arc::new(AtomicU64::new(engine::PAGES_UNKNOWN));
         {
             let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
             let st = &mut *st;
@@ -369,6 +383,7 @@ impl Backend for GatewayBackend {
                     submitted_at: Instant::now(),
                     first_token_at: None,
                     prompt_tokens: req.prompt.len(),
+                    pages: pages.clone(),
                 },
             );
             let spec = gen_spec(&req);
@@ -394,7 +409,8 @@ impl Backend for GatewayBackend {
                     i.cancel(id);
                 }
             }),
-        ))
+        )
+        .with_pages_cell(pages))
     }
 
     fn max_request_tokens(&self) -> usize {

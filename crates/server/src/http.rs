@@ -178,6 +178,8 @@ struct Tracker {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     done: bool,
+    /// The engine's count of pages allocated to the request, once admitted.
+    pages: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 impl Tracker {
@@ -193,6 +195,7 @@ impl Tracker {
             first_token: None,
             last_token: None,
             done: false,
+            pages: None,
         }
     }
 
@@ -225,6 +228,20 @@ impl Tracker {
         self.rec.ttft_ms = self.first_token.map(|t| ms(t - self.start));
         self.rec.queue_ms = self.rec.queue_ms.map(|q| (q * 1e3).round() / 1e3);
         self.rec.ts = rfc3339(SystemTime::now());
+        if self.rec.pages.is_none() {
+            // Refused before admission: nothing was allocated.
+            self.rec.pages = match &self.pages {
+                None => Some(0),
+                Some(cell) => match cell.load(std::sync::atomic::Ordering::Acquire) {
+                    engine::PAGES_UNKNOWN => None,
+                    n => Some(n as usize),
+                },
+            };
+        }
+        self.rec.kv_capacity_tokens = self.st.engine.kv_capacity_tokens();
+        self.rec.context_window_tokens = self.st.max_request();
+        let rate = self.st.engine.stats().prefill_tokens_per_s;
+        self.rec.prefill_tokens_per_s = (rate > 0.0).then(|| rate.round());
         self.st.metrics.request(outcome);
         if let Some(log) = &self.st.reqlog {
             log.write(&self.rec);
@@ -234,11 +251,13 @@ impl Tracker {
     fn reject(&mut self, e: &ApiError) {
         self.st.metrics.rejection(e.reason);
         self.rec.error_kind = Some(e.reason.as_str());
+        self.rec.error_code = e.code;
         self.write("rejected");
     }
 
     fn failed(&mut self, e: &ApiError) {
         self.rec.error_kind = Some(e.reason.as_str());
+        self.rec.error_code = e.code;
         self.write("error");
     }
 
@@ -247,7 +266,12 @@ impl Tracker {
         m.queue_time.observe(d.queue_ms / 1e3);
         m.e2e.observe(self.start.elapsed().as_secs_f64());
         m.tokens(d.usage.prompt_tokens, d.usage.completion_tokens);
-        self.rec.prompt_tokens = d.usage.prompt_tokens;
+        // The prompt as the client sent it (tokenised here), not as the
+        // backend says it ran it: the two differ only on a server that cut
+        // the prompt, which is what the log must show.
+        if self.rec.prompt_tokens == 0 {
+            self.rec.prompt_tokens = d.usage.prompt_tokens;
+        }
         self.rec.output_tokens = d.usage.completion_tokens;
         self.rec.queue_ms = Some(d.queue_ms);
         self.rec.pages = Some(d.pages);
@@ -485,6 +509,7 @@ async fn admit(
             return Err(engine_err(&e));
         }
     };
+    tr.pages = Some(handle.pages_cell());
     Ok(Admitted {
         handle,
         params,

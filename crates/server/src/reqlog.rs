@@ -24,13 +24,24 @@ pub struct LogRecord {
     pub queue_ms: Option<f64>,
     pub ttft_ms: Option<f64>,
     pub total_ms: f64,
-    /// KV pages the request held (`null` unless it finished: the engine
-    /// reports them with the result).
+    /// KV pages allocated to the request when it ended: for a refused or
+    /// failed one, what it held at the refusal (0: refused before any
+    /// allocation; `null`: the backend cannot tell).
     pub pages: Option<usize>,
     /// `finished`, `cancelled`, `rejected` or `error`.
     pub outcome: &'static str,
     pub finish_reason: Option<&'static str>,
     pub error_kind: Option<&'static str>,
+    /// OpenAI's `error.code` of the answer (e.g. `checksum_mismatch`).
+    pub error_code: Option<&'static str>,
+    /// The KV pool's capacity in tokens at the time (`null` for a PD
+    /// gateway, which has no pool of its own).
+    pub kv_capacity_tokens: Option<usize>,
+    /// The largest request (prompt + completion) accepted at the time.
+    pub context_window_tokens: usize,
+    /// The engine's measured prefill rate at the time (`null` before any
+    /// large step ran, and on a PD gateway).
+    pub prefill_tokens_per_s: Option<f64>,
     /// RFC 3339 UTC time of the request's end.
     pub ts: String,
     #[serde(skip_serializing_if = "Option::is_none")]
