@@ -96,8 +96,8 @@ def assert_clean(p, report):
     assert report["context_window"] == 2048
     assert report["prefill_tokens_per_s"] > 50
     assert report["tenants"] == 2
-    # 2 keys + 2 calibration + 3 rate + 6 idle + 12 loaded + 4 window edges.
-    assert report["requests_sent"] == 29, report
+    # 2 keys + 2 calibration + 3 rate + 6 idle + 12 loaded + 5 window edges.
+    assert report["requests_sent"] == 30, report
     over = next(c for c in report["checks"] if c["check"] == "over-length")
     assert "under" in over["summary"] and ": 400" in over["summary"], over
 
@@ -124,7 +124,9 @@ def test_probe_passes_a_unified_server(tmp_root):
                             for r in done), done[:3]
         assert any(r["prefill_tokens_per_s"] and r["prefill_tokens_per_s"] > 50 for r in done)
         over = [r for r in recs if r["error_code"] == "context_length_exceeded"]
-        assert len(over) == 1 and over[0]["pages"] == 0 and over[0]["outcome"] == "rejected", over
+        # "over" and "over-recall", refused before any page was allocated.
+        assert len(over) == 2 and all(r["pages"] == 0 and r["outcome"] == "rejected" and
+                                      r["prompt_tokens"] > 2048 for r in over), over
         a, audit = run_audit(s.request_log, tmp_root, "unified")
         assert a.returncode == 0, a.stdout + a.stderr
         assert audit["records"] == len(recs) and audit["unreadable_total"] == 0, audit

@@ -98,7 +98,7 @@ pub fn determinism(
 /// A request near the window and what it must get.
 #[derive(Clone, Debug)]
 pub struct Boundary {
-    /// `under`, `at` or `over`.
+    /// `under`, `at`, `over` or `over-recall` (over, asking for a code).
     pub name: &'static str,
     /// Prompt plus `max_tokens`, as the probe computed it.
     pub total_tokens: u64,
@@ -113,7 +113,7 @@ pub fn over_length(window: u64, cases: &[Boundary]) -> Vec<Finding> {
     for c in cases {
         let a = &c.answer;
         match c.name {
-            "over" if a.ok() => found.push(finding(
+            "over" | "over-recall" if a.ok() => found.push(finding(
                 "over-length",
                 "over_length_accepted",
                 format!(
@@ -124,7 +124,7 @@ pub fn over_length(window: u64, cases: &[Boundary]) -> Vec<Finding> {
                     clip(&a.text)
                 ),
             )),
-            "over" if !(400..500).contains(&a.status) => found.push(finding(
+            "over" | "over-recall" if !(400..500).contains(&a.status) => found.push(finding(
                 "over-length",
                 "over_length_not_4xx",
                 format!(

@@ -341,7 +341,7 @@ pub fn run(
     let over_check;
     let over_findings = match (window, calibration) {
         (Some(w), Some(cal)) => {
-            progress.phase("over-length", 4);
+            progress.phase("over-length", 5);
             let cases = boundaries(&r, w, cal, &mut next_nonce)?;
             // Timed by the probe's own sizing: an over-long prompt the
             // server answered may come with a made-up token count.
@@ -470,6 +470,9 @@ pub fn run(
 }
 
 /// Under (half the window), exactly at, and over the window.
+/// The end of the over-long prompt that asks for a code back.
+const RECALL_SUFFIX: &str = " Repeat the access code: ";
+
 fn boundaries(
     r: &Runner<'_>,
     window: u64,
@@ -477,6 +480,27 @@ fn boundaries(
     nonce: &mut impl FnMut() -> u64,
 ) -> Result<Vec<Boundary>, ProbeError> {
     let mut cases = Vec::new();
+    // First, right after the load (the pool's free pages hold the marker
+    // prompts' KV): over the window by an eighth, from the last tenant,
+    // asking for an access code like the marker prompts do, with room to
+    // answer. A server that answers it from pages it never wrote (the
+    // incident) recites whatever stale KV they hold; the markers check
+    // reads the answer. The margin keeps it over the window even if the
+    // small-prompt calibration is off by that much.
+    let recall_tokens = window + (window / 8).max(64);
+    let recall = unit_prompt(nonce(), cal.units_for(recall_tokens)) + RECALL_SUFFIX;
+    let a = r.send(
+        r.key(r.cfg.tenant_keys.len() - 1),
+        &Request {
+            prompt: recall,
+            max_tokens: r.cfg.max_tokens,
+        },
+    )?;
+    cases.push(Boundary {
+        name: "over-recall",
+        total_tokens: recall_tokens + u64::from(r.cfg.max_tokens),
+        answer: a,
+    });
     let under = unit_prompt(nonce(), cal.units_for(window / 2));
     let a = r.send(
         r.key(0),

@@ -135,15 +135,34 @@ impl Secret {
 
 /// A prompt of about `words` words of filler that carries `secret` and
 /// asks for it back; `nonce` makes it unique.
+/// The secret is stated after every [`SECRET_EVERY_WORDS`] words of
+/// filler, not only at the end: its KV then lies in most of the prompt's
+/// pages, so a server that hands those pages to another request unwritten
+/// (the incident) hands over the secret with whichever pages it reuses.
 pub fn prompt_with_secret(nonce: u64, words: usize, secret: &Secret) -> String {
+    let code = secret.text();
     let mut s = format!("Note {nonce:016x}. ");
-    s += &filler(nonce, words);
-    s += &format!(
-        " Remember this access code exactly: {}. Repeat the access code: ",
-        secret.text()
+    // A statement of the code costs about as many tokens as 23 words of
+    // prose: keep the whole prompt near `words` words' worth.
+    let body = filler(
+        nonce,
+        words * SECRET_EVERY_WORDS / (SECRET_EVERY_WORDS + 23),
     );
+    let mut n = 0;
+    for w in body.split(' ') {
+        s += w;
+        s.push(' ');
+        n += 1;
+        if n % SECRET_EVERY_WORDS == 0 {
+            s += &format!("The access code is {code}. ");
+        }
+    }
+    s += &format!("Remember this access code exactly: {code}. Repeat the access code: ");
     s
 }
+
+/// Filler words between two statements of a prompt's secret.
+pub const SECRET_EVERY_WORDS: usize = 40;
 
 /// About `words` words of filler prose, in an order `nonce` picks.
 pub fn filler(nonce: u64, words: usize) -> String {
@@ -196,7 +215,14 @@ mod tests {
         let b = prompt_with_secret(2, 200, &s);
         assert!(s.found_in(&a).is_some());
         assert_ne!(a, b);
+        // 200 words' worth: 126 of prose, the code after every 40 of them
+        // and at the end.
+        assert_eq!(
+            a.matches(&s.text()).count(),
+            126 / SECRET_EVERY_WORDS + 1,
+            "{a}"
+        );
         let words = a.split_whitespace().count();
-        assert!((200..260).contains(&words), "{words}");
+        assert!((130..200).contains(&words), "{words}");
     }
 }
