@@ -280,6 +280,26 @@ impl Stack {
     }
 }
 
+/// Reads a node's counters until `ok` holds (bounded: 20 s), then returns
+/// them. Stats are a snapshot each node publishes after a loop iteration, and
+/// a node sends a request's end before that iteration's publish: a client can
+/// see the end before the counter that records it (CI flake: prefill's
+/// `prefills_refused_total` read as 0 right after its refusal arrived).
+fn settled<T: std::fmt::Debug>(what: &str, read: impl Fn() -> T, ok: impl Fn(&T) -> bool) -> T {
+    let t0 = Instant::now();
+    loop {
+        let v = read();
+        if ok(&v) {
+            return v;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{what} never settled: {v:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn greedy(tok: &Tokenizer, tenant: u64, text: &str, max_tokens: usize) -> GenRequest {
     GenRequest::greedy(
         TenantId(tenant),
@@ -366,13 +386,21 @@ fn pd_output_equals_unified_token_for_token() {
     }
     let (p, d) = stack.pools_free();
     assert_eq!(p.safety_refusals() + d.safety_refusals(), 0);
-    let ds = stack.decode.node.stats().decode.unwrap();
+    let ds = settled(
+        "decode's completed transfers",
+        || stack.decode.node.stats().decode.unwrap(),
+        |d| d.transfers_completed_total >= 24,
+    );
     assert_eq!(ds.transfers_completed_total, 24);
     assert_eq!(
         ds.checksum_failures_total + ds.canary_failures_total + ds.pages_fenced_total,
         0
     );
-    let ps = stack.prefill.node.stats().prefill.unwrap();
+    let ps = settled(
+        "prefill's pages sent",
+        || stack.prefill.node.stats().prefill.unwrap(),
+        |p| p.pages_sent_total >= ds.pages_received_total,
+    );
     assert_eq!(ps.pages_sent_total, ds.pages_received_total);
 }
 
@@ -409,7 +437,13 @@ fn incident_placeholder_request_never_decodes() {
     // Stats are published after each step: wait for the first request's end
     // to show (its pages free) before reading the counter.
     stack.pools_free();
-    let gen_before = stack.decode.node.stats().engine.generated_tokens_total;
+    let gen_before = settled(
+        "decode's end of the first request",
+        || stack.decode.node.stats(),
+        |s| s.engine.running == 0 && s.decode.as_ref().unwrap().transfers_completed_total >= 1,
+    )
+    .engine
+    .generated_tokens_total;
     let err = stack.run(req).expect_err("prefill must refuse it");
     match &err {
         RequestError::Remote {
@@ -433,16 +467,12 @@ fn incident_placeholder_request_never_decodes() {
         "decode generated tokens for it"
     );
     assert_eq!(ds.decode.unwrap().transfers_completed_total, 1);
-    assert_eq!(
-        stack
-            .prefill
-            .node
-            .stats()
-            .prefill
-            .unwrap()
-            .prefills_refused_total,
-        1
+    let ps = settled(
+        "prefill's refusals",
+        || stack.prefill.node.stats().prefill.unwrap(),
+        |p| p.prefills_refused_total >= 1,
     );
+    assert_eq!(ps.prefills_refused_total, 1);
     // A later request of tenant 2 never sees tenant 1's secret.
     let (_, text2) = stack
         .run(greedy(&stack.tok, 2, "Repeat the vault code:", 16))
@@ -505,7 +535,11 @@ fn corrupted_page_bytes_fail_the_checksum_with_zero_tokens() {
         "{err:?}"
     );
     assert_eq!(flipped.load(Ordering::SeqCst), 1);
-    let d = stack.decode.node.stats().decode.unwrap();
+    let d = settled(
+        "decode's checksum failures",
+        || stack.decode.node.stats().decode.unwrap(),
+        |d| d.checksum_failures_total >= 1,
+    );
     assert_eq!(d.checksum_failures_total, 1);
     // The link survives a KV corruption (the frame check passed): the next
     // request runs on it.
@@ -588,7 +622,11 @@ fn a_page_for_a_stale_handle_is_fenced() {
         matches!(&err, RequestError::Remote { code, .. } if code == "transfer_fenced"),
         "{err:?}"
     );
-    let d = stack.decode.node.stats().decode.unwrap();
+    let d = settled(
+        "decode's fenced pages",
+        || stack.decode.node.stats().decode.unwrap(),
+        |d| d.pages_fenced_total >= 1,
+    );
     assert!(d.pages_fenced_total >= 1);
     let (_, dp) = stack.pools_free();
     assert_eq!(
