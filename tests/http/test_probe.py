@@ -96,8 +96,16 @@ def assert_clean(p, report):
     assert report["context_window"] == 2048
     assert report["prefill_tokens_per_s"] > 50
     assert report["tenants"] == 2
-    # 2 keys + 2 calibration + 3 rate + 6 idle + 12 loaded + 5 window edges.
-    assert report["requests_sent"] == 30, report
+    # 2 keys + 2 calibration + 3 rate + 6 idle + 12 loaded + 8 flood + 5
+    # window edges.
+    assert report["requests_sent"] == 38, report
+    # 6 idle + 12 loaded + 8 flood + 4 window edges (over-recall, under,
+    # at, over) read; every answer but the two refused over-long ones came
+    # with its tokens (logprobs) and was matched on both.
+    markers = next(c for c in report["checks"] if c["check"] == "markers")
+    assert "6 secret-bearing prompts and 8 flooding" in markers["summary"], markers
+    assert "30 outputs" in markers["summary"], markers
+    assert "28 matched on text and tokens" in markers["summary"], markers
     over = next(c for c in report["checks"] if c["check"] == "over-length")
     assert "under" in over["summary"] and ": 400" in over["summary"], over
 
@@ -173,10 +181,18 @@ def test_probe_catches_the_fault_incident_build(tmp_root):
         assert p.returncode == 1, p.stdout + p.stderr
         kinds = {f["kind"] for f in report["findings"]}
         # The over-long request was answered 200, faster than its prompt
-        # could have been prefilled.
-        assert {"over_length_accepted", "answered_faster_than_prefill"} <= kinds, report
+        # could have been prefilled, and with the first tenant's secret:
+        # the placeholder read the KV the flood left in the pool.
+        assert {"marker_cross_tenant", "over_length_accepted",
+                "answered_faster_than_prefill"} <= kinds, report
         checks = {c["check"]: c["status"] for c in report["checks"]}
         assert checks["over-length"] == "findings" and checks["timing"] == "findings", checks
+        assert checks["markers"] == "findings", checks
+        leak = next(f for f in report["findings"] if f["kind"] == "marker_cross_tenant")
+        # The over-recall (tenant 2, secret-free) recited the flood's secret
+        # (tenant 1's fourth).
+        assert leak["detail"].startswith("tenant 2's answer to a secret-free prompt"), leak
+        assert "from tenant 1's prompt 4" in leak["detail"], leak
         assert "FINDINGS" in p.stdout and "over_length_accepted" in p.stdout, p.stdout
         # The log shows the signature: the over-long prompt answered, its
         # first token faster than prefill allows, under the probe's tenant.

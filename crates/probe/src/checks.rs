@@ -12,14 +12,30 @@ fn finding(check: &str, kind: &str, detail: String) -> Finding {
 }
 
 /// One output the markers check looks at: the index of the secret its
-/// prompt carried (if any), and the text.
+/// prompt carried (if any), its text and the tokens the server said it
+/// was made of.
 #[derive(Clone, Debug)]
 pub struct Output {
     pub secret: Option<usize>,
+    /// Whose key asked.
+    pub tenant: usize,
     pub text: String,
+    pub tokens: Option<Vec<String>>,
 }
 
-/// No output contains a piece of any secret but its own prompt's.
+impl Output {
+    pub fn of(secret: Option<usize>, tenant: usize, c: &Completion) -> Output {
+        Output {
+            secret,
+            tenant,
+            text: c.text.clone(),
+            tokens: c.tokens.clone(),
+        }
+    }
+}
+
+/// No output contains a piece of any secret but its own prompt's, in its
+/// text or in its tokens.
 pub fn markers(secrets: &[Secret], outputs: &[Output]) -> Vec<Finding> {
     let mut found = Vec::new();
     for o in outputs {
@@ -28,20 +44,34 @@ pub fn markers(secrets: &[Secret], outputs: &[Output]) -> Vec<Finding> {
             if Some(i) == o.secret {
                 continue;
             }
-            if let Some(piece) = s.found_in(&o.text) {
-                let kind = if own.is_some_and(|own| s.tenant == own.tenant) {
+            let in_text = s.found_in(&o.text).map(|p| (p, "text"));
+            let hit = in_text.or_else(|| {
+                o.tokens
+                    .as_deref()
+                    .and_then(|t| s.found_in_tokens(t))
+                    .map(|p| (p, "tokens"))
+            });
+            if let Some((piece, seen_in)) = hit {
+                let kind = if s.tenant == o.tenant {
                     "marker_cross_request"
                 } else {
                     "marker_cross_tenant"
                 };
-                let whose = own.map_or("a secret-free prompt's answer".to_string(), |own| {
-                    format!("tenant {}'s answer", own.tenant + 1)
-                });
+                let whose = format!(
+                    "tenant {}'s answer{}",
+                    o.tenant + 1,
+                    if own.is_none() {
+                        " to a secret-free prompt"
+                    } else {
+                        ""
+                    }
+                );
                 found.push(finding(
                     "markers",
                     kind,
                     format!(
-                        "{whose} contains `{piece}` from tenant {}'s prompt {}: {:?}",
+                        "{whose} contains `{piece}` (in its {seen_in}) from tenant {}'s prompt \
+                         {}: {:?}",
                         s.tenant + 1,
                         s.prompt + 1,
                         clip(&o.text)
@@ -102,6 +132,8 @@ pub struct Boundary {
     pub name: &'static str,
     /// Prompt plus `max_tokens`, as the probe computed it.
     pub total_tokens: u64,
+    /// Whose key sent it.
+    pub tenant: usize,
     pub answer: Completion,
 }
 
@@ -276,6 +308,7 @@ mod tests {
             text: "x".into(),
             prompt_tokens,
             completion_tokens: Some(1),
+            tokens: None,
             error_code: None,
             latency_s: 0.1,
         }
@@ -288,29 +321,56 @@ mod tests {
             secret(1, 0, "topaz0007"),
             secret(0, 1, "raven1234"),
         ];
+        let out = |secret: Option<usize>, text: &str| Output {
+            secret,
+            tenant: secret.map_or(1, |i| secrets[i].tenant),
+            text: text.into(),
+            tokens: None,
+        };
         let outs = vec![
-            Output {
-                secret: Some(0),
-                text: "lemur4821".into(),
-            },
-            Output {
-                secret: Some(0),
-                text: "the code is TOPAZ-0007".into(),
-            },
-            Output {
-                secret: Some(2),
-                text: "lemur 4821".into(),
-            },
-            Output {
-                secret: None,
-                text: "raven-1234".into(),
-            },
+            out(Some(0), "lemur4821"),
+            out(Some(0), "the code is TOPAZ-0007"),
+            out(Some(2), "lemur 4821"),
+            out(None, "raven-1234"),
         ];
         let f = markers(&secrets, &outs);
         assert_eq!(f.len(), 3, "{f:?}");
         assert_eq!(f[0].kind, "marker_cross_tenant");
         assert_eq!(f[1].kind, "marker_cross_request");
         assert_eq!(f[2].kind, "marker_cross_tenant");
+        assert!(
+            f[0].detail.contains("`topaz0007` (in its text)"),
+            "{}",
+            f[0].detail
+        );
+    }
+
+    #[test]
+    fn a_piece_only_the_tokens_show_is_a_finding() {
+        // The server's text dropped it (or rendered it otherwise); the
+        // tokens it reports still spell it.
+        let secrets = vec![secret(0, 0, "lemur4821"), secret(1, 0, "topaz0007")];
+        let toks = ["Ġthe", "Ġcode", "Ġis", "Ġtop", "az", "0", "0", "0", "7"];
+        let leak = Output {
+            secret: Some(0),
+            tenant: 0,
+            text: "the code is".into(),
+            tokens: Some(toks.iter().map(|t| t.to_string()).collect()),
+        };
+        let f = markers(&secrets, std::slice::from_ref(&leak));
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].kind, "marker_cross_tenant");
+        assert!(
+            f[0].detail.contains("`topaz0007` (in its tokens)"),
+            "{}",
+            f[0].detail
+        );
+        // Without the tokens the text alone shows nothing.
+        let blind = Output {
+            tokens: None,
+            ..leak
+        };
+        assert!(markers(&secrets, &[blind]).is_empty());
     }
 
     #[test]
@@ -329,6 +389,7 @@ mod tests {
     fn over_length_wants_success_within_and_a_4xx_beyond() {
         let b = |name, status| Boundary {
             name,
+            tenant: 0,
             total_tokens: 10,
             answer: answer(status, Some(9)),
         };

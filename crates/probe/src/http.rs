@@ -1,6 +1,7 @@
 //! The I/O edge: an [`Endpoint`] over plain HTTP (ureq). It contacts only
 //! the URL it was given.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -12,6 +13,9 @@ pub struct HttpEndpoint {
     base: String,
     model: Option<String>,
     agent: ureq::Agent,
+    /// Ask for `logprobs: 0` (the tokens of each answer, for the markers
+    /// check); cleared, once, if the server refuses the parameter.
+    tokens: AtomicBool,
 }
 
 impl HttpEndpoint {
@@ -35,12 +39,47 @@ impl HttpEndpoint {
             base,
             model: None,
             agent,
+            tokens: AtomicBool::new(true),
         })
     }
 
     /// The model id to put in requests (from `/v1/models`).
     pub fn set_model(&mut self, id: String) {
         self.model = Some(id);
+    }
+
+    /// Whether answers come with their tokens (the server took `logprobs`).
+    pub fn reports_tokens(&self) -> bool {
+        self.tokens.load(Ordering::Relaxed)
+    }
+
+    fn post(
+        &self,
+        key: &str,
+        req: &Request,
+        tokens: bool,
+    ) -> Result<(u16, Value, f64), ProbeError> {
+        let url = format!("{}/v1/completions", self.base);
+        let mut body = json!({
+            "model": self.model.as_deref().unwrap_or("default"),
+            "prompt": req.prompt,
+            "max_tokens": req.max_tokens,
+            "temperature": 0,
+            "stream": false,
+        });
+        if tokens {
+            body["logprobs"] = json!(0);
+        }
+        let start = Instant::now();
+        let mut resp = self
+            .agent
+            .post(&url)
+            .header("Authorization", &format!("Bearer {key}"))
+            .send_json(&body)
+            .map_err(|e| self.unreachable(e))?;
+        let status = resp.status().as_u16();
+        let v = read_json(&mut resp).unwrap_or(Value::Null);
+        Ok((status, v, start.elapsed().as_secs_f64()))
     }
 
     fn unreachable(&self, e: ureq::Error) -> ProbeError {
@@ -83,24 +122,15 @@ impl Endpoint for HttpEndpoint {
     }
 
     fn complete(&self, key: &str, req: &Request) -> Result<Completion, ProbeError> {
-        let url = format!("{}/v1/completions", self.base);
-        let body = json!({
-            "model": self.model.as_deref().unwrap_or("default"),
-            "prompt": req.prompt,
-            "max_tokens": req.max_tokens,
-            "temperature": 0,
-            "stream": false,
-        });
-        let start = Instant::now();
-        let mut resp = self
-            .agent
-            .post(&url)
-            .header("Authorization", &format!("Bearer {key}"))
-            .send_json(&body)
-            .map_err(|e| self.unreachable(e))?;
-        let status = resp.status().as_u16();
-        let v = read_json(&mut resp).unwrap_or(Value::Null);
-        let latency_s = start.elapsed().as_secs_f64();
+        let mut tokens = self.reports_tokens();
+        let (mut status, mut v, mut latency_s) = self.post(key, req, tokens)?;
+        // A server without logprobs refuses the parameter: ask once more
+        // without it, and from then on never.
+        if tokens && (400..500).contains(&status) && refuses_logprobs(&v) {
+            self.tokens.store(false, Ordering::Relaxed);
+            tokens = false;
+            (status, v, latency_s) = self.post(key, req, false)?;
+        }
         let usage = &v["usage"];
         let error = &v["error"];
         Ok(Completion {
@@ -108,6 +138,14 @@ impl Endpoint for HttpEndpoint {
             text: v["choices"][0]["text"].as_str().unwrap_or("").to_string(),
             prompt_tokens: usage["prompt_tokens"].as_u64(),
             completion_tokens: usage["completion_tokens"].as_u64(),
+            tokens: tokens
+                .then(|| v["choices"][0]["logprobs"]["tokens"].as_array())
+                .flatten()
+                .map(|t| {
+                    t.iter()
+                        .map(|x| x.as_str().unwrap_or("").to_string())
+                        .collect()
+                }),
             error_code: error["code"]
                 .as_str()
                 .or_else(|| error["type"].as_str())
@@ -115,4 +153,13 @@ impl Endpoint for HttpEndpoint {
             latency_s,
         })
     }
+}
+
+/// An error answer that names `logprobs` as the parameter at fault.
+fn refuses_logprobs(v: &Value) -> bool {
+    let e = &v["error"];
+    e["param"].as_str() == Some("logprobs")
+        || e["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("logprobs"))
 }

@@ -8,9 +8,15 @@
 //! 1. **markers** — every probe prompt carries its own random secret; under
 //!    concurrent load with long prompts, no output may contain a piece of
 //!    another request's secret (another tenant's: `marker_cross_tenant`;
-//!    the same tenant's other request: `marker_cross_request`). Matching is
-//!    on normalised text (case, spaces and punctuation ignored), so a piece
-//!    split across tokens is still found.
+//!    the same tenant's other request: `marker_cross_request`). A piece is
+//!    matched on the output's normalised text (case, spaces and punctuation
+//!    ignored) and on the tokens the server reports it was made of
+//!    (`logprobs.tokens`, asked for when the server offers them), so neither
+//!    a token split nor a server's rendering of its text hides one. Right
+//!    before the window checks, the first tenant floods the server with
+//!    long prompts all stating one secret, and the last tenant sends an
+//!    over-long prompt asking for an access code: a server that answers it
+//!    from KV it never wrote (the incident) recites that secret.
 //! 2. **determinism** — each prompt's greedy output under load against its
 //!    output on the idle server: for a server claiming determinism every
 //!    difference is a finding; otherwise the agreement rate is reported.
@@ -70,6 +76,9 @@ pub struct Completion {
     pub text: String,
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
+    /// The tokens of `text` as the server reports them
+    /// (`choices[0].logprobs.tokens`), if it does.
+    pub tokens: Option<Vec<String>>,
     /// `error.code` (or `error.type`) of an error answer.
     pub error_code: Option<String>,
     pub latency_s: f64,

@@ -254,15 +254,28 @@ pub fn run(
     let long_words = (long_tokens as f64 / 1.3) as usize;
     let mut rng = crate::rng(cfg.seed);
     let mut prompts = Vec::new();
-    let secrets = Secret::generate_unique(&mut rng, cfg.tenant_keys.len(), cfg.prompts_per_tenant);
-    for s in &secrets {
-        prompts.push((s.tenant, prompt_with_secret(next_nonce(), long_words, s)));
+    // The first tenant has one more secret: the flood's (see `flood`).
+    let mut counts = vec![cfg.prompts_per_tenant; cfg.tenant_keys.len()];
+    counts[0] += 1;
+    let secrets = Secret::generate_unique(&mut rng, &counts);
+    let flood_secret = cfg.prompts_per_tenant;
+    debug_assert_eq!(
+        (secrets[flood_secret].tenant, secrets[flood_secret].prompt),
+        (0, cfg.prompts_per_tenant)
+    );
+    // Marker prompts, by index into `secrets` (all but the flood's).
+    for (i, s) in secrets
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != flood_secret)
+    {
+        prompts.push((i, s.tenant, prompt_with_secret(next_nonce(), long_words, s)));
     }
     progress.phase("idle baseline", prompts.len() as u64);
     let mut idle = Vec::new();
     let mut outputs = Vec::new();
     let mut long_timed = Vec::new();
-    for (i, (tenant, prompt)) in prompts.iter().enumerate() {
+    for (secret, tenant, prompt) in &prompts {
         let c = r.send(
             r.key(*tenant),
             &Request {
@@ -284,53 +297,24 @@ pub fn run(
             prompt_tokens: c.prompt_tokens.unwrap_or(long_tokens),
             latency_s: c.latency_s,
         });
-        outputs.push(Output {
-            secret: Some(i),
-            text: c.text.clone(),
-        });
+        outputs.push(Output::of(Some(*secret), *tenant, &c));
         idle.push(c.text);
     }
+    // Tokens the server counts per word of `prompt_with_secret`, from the
+    // idle answers (sizes the flood's prompts to the window).
+    let tokens_per_word = {
+        let counted: Vec<u64> = long_timed.iter().map(|t| t.prompt_tokens).collect();
+        counted.iter().sum::<u64>() as f64 / (counted.len().max(1) * long_words.max(1)) as f64
+    };
     let mut order: Vec<usize> = (0..cfg.rounds).flat_map(|_| 0..prompts.len()).collect();
     order.shuffle(&mut rng);
     progress.phase("markers under load", order.len() as u64);
-    let next = AtomicUsize::new(0);
-    let loaded: Mutex<Vec<(usize, Completion)>> = Mutex::new(Vec::new());
-    let failure: Mutex<Option<ProbeError>> = Mutex::new(None);
-    std::thread::scope(|s| {
-        for _ in 0..cfg.concurrency.min(order.len()) {
-            s.spawn(|| loop {
-                let k = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&i) = order.get(k) else { break };
-                if failure.lock().expect("not poisoned").is_some() {
-                    break;
-                }
-                let (tenant, prompt) = &prompts[i];
-                match r.send(
-                    r.key(*tenant),
-                    &Request {
-                        prompt: prompt.clone(),
-                        max_tokens: cfg.max_tokens,
-                    },
-                ) {
-                    Ok(c) => loaded.lock().expect("not poisoned").push((i, c)),
-                    Err(e) => {
-                        failure.lock().expect("not poisoned").get_or_insert(e);
-                    }
-                }
-            });
-        }
-    });
-    if let Some(e) = failure.into_inner().expect("threads joined") {
-        return Err(e);
-    }
-    let loaded = loaded.into_inner().expect("threads joined");
+    let jobs: Vec<(usize, &str)> = prompts.iter().map(|(_, t, p)| (*t, p.as_str())).collect();
+    let loaded = send_all(&r, &jobs, &order)?;
     let refused_under_load = loaded.iter().filter(|(_, c)| !c.ok()).count();
     let mut loaded_texts = Vec::new();
     for (i, c) in loaded.iter().filter(|(_, c)| c.ok()) {
-        outputs.push(Output {
-            secret: Some(*i),
-            text: c.text.clone(),
-        });
+        outputs.push(Output::of(Some(prompts[*i].0), prompts[*i].1, c));
         // Not timed: a repeat of a prompt may rightly come from a prefix
         // cache.
         loaded_texts.push((*i, c.text.clone()));
@@ -339,8 +323,30 @@ pub fn run(
     // The window's edges (their answers join the markers check: a prompt
     // without a secret must not answer with one).
     let over_check;
+    let mut flood_sent = 0;
     let over_findings = match (window, calibration) {
         (Some(w), Some(cal)) => {
+            // The flood, then at once the over-recall (the first of the
+            // window's edges): see `flood`.
+            // Each flood prompt ends a 32nd of the window short of the
+            // longest prompt the window leaves room for.
+            let flood_tokens = w
+                .saturating_sub(u64::from(cfg.max_tokens) + w / 32)
+                .max(long_tokens);
+            let flood_words = (flood_tokens as f64 / tokens_per_word.max(0.1)) as usize;
+            let flood_count = flood_prompts(w, flood_tokens, cfg.concurrency);
+            progress.phase("flood", flood_count as u64);
+            let flooded = flood(
+                &r,
+                &secrets[flood_secret],
+                flood_count,
+                flood_words,
+                &mut next_nonce,
+            )?;
+            flood_sent = flooded.len();
+            for c in flooded.iter().filter(|c| c.ok()) {
+                outputs.push(Output::of(Some(flood_secret), 0, c));
+            }
             progress.phase("over-length", 5);
             let cases = boundaries(&r, w, cal, &mut next_nonce)?;
             // Timed by the probe's own sizing: an over-long prompt the
@@ -364,10 +370,7 @@ pub fn run(
                 .join(", ");
             over_check = result("over-length", &f, summary);
             for c in &cases {
-                outputs.push(Output {
-                    secret: None,
-                    text: c.answer.text.clone(),
-                });
+                outputs.push(Output::of(None, c.tenant, &c.answer));
             }
             f
         }
@@ -394,14 +397,18 @@ pub fn run(
                 .is_some_and(|i| secrets[i].found_in(&o.text).is_some())
         })
         .count();
+    let with_tokens = outputs.iter().filter(|o| o.tokens.is_some()).count();
     let summary = format!(
-        "{} outputs of {} secret-bearing prompts ({} tokens each, {} in flight; {} echoed \
-         their own secret); {} refused under load",
+        "{} outputs of {} secret-bearing prompts and {} flooding with one secret ({} tokens \
+         each, {} in flight; {} echoed their own secret; {} matched on text and tokens, the rest \
+         on text); {} refused under load",
         outputs.len(),
         prompts.len(),
+        flood_sent,
         long_tokens,
         cfg.concurrency,
         echoed,
+        with_tokens,
         refused_under_load
     );
     if marker_findings.is_empty() && loaded_texts.is_empty() {
@@ -469,10 +476,89 @@ pub fn run(
     Ok(report)
 }
 
-/// Under (half the window), exactly at, and over the window.
+/// Sends `jobs[i]` (tenant, prompt) for each `i` of `order`, at most
+/// `concurrency` at once; the answers with their job index.
+fn send_all(
+    r: &Runner<'_>,
+    jobs: &[(usize, &str)],
+    order: &[usize],
+) -> Result<Vec<(usize, Completion)>, ProbeError> {
+    let next = AtomicUsize::new(0);
+    let answers: Mutex<Vec<(usize, Completion)>> = Mutex::new(Vec::new());
+    let failure: Mutex<Option<ProbeError>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..r.cfg.concurrency.min(order.len()) {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&i) = order.get(k) else { break };
+                if failure.lock().expect("not poisoned").is_some() {
+                    break;
+                }
+                let (tenant, prompt) = jobs[i];
+                match r.send(
+                    r.key(tenant),
+                    &Request {
+                        prompt: prompt.to_string(),
+                        max_tokens: r.cfg.max_tokens,
+                    },
+                ) {
+                    Ok(c) => answers.lock().expect("not poisoned").push((i, c)),
+                    Err(e) => {
+                        failure.lock().expect("not poisoned").get_or_insert(e);
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = failure.into_inner().expect("threads joined") {
+        return Err(e);
+    }
+    Ok(answers.into_inner().expect("threads joined"))
+}
+
+/// Flood prompts: enough to hold an over-recall's worth of KV (a window
+/// and a quarter), at least one a connection, at most 64.
+fn flood_prompts(window: u64, long_tokens: u64, concurrency: usize) -> usize {
+    let cover = (window + window / 4).div_ceil(long_tokens.max(1)) as usize;
+    cover.max(concurrency).min(64)
+}
+
+/// The first tenant's flood: `count` prompts nearly as long as the window
+/// allows, concurrent, every one stating the same secret and ending in a
+/// request for it. When they end, the KV a server frees (and a server
+/// with the incident's bug hands to the next request unwritten) holds that
+/// one secret wherever it is read, rather than a blend of many, at every
+/// position up to near the window: a placeholder's last token, near the
+/// window's end, finds in the stale KV just behind it (by position, which
+/// attention sees, not by page) a request for that secret. The
+/// over-recall that follows reads it back. Each prompt is new (its nonce),
+/// so no prefix cache answers for it.
+fn flood(
+    r: &Runner<'_>,
+    secret: &Secret,
+    count: usize,
+    words: usize,
+    nonce: &mut impl FnMut() -> u64,
+) -> Result<Vec<Completion>, ProbeError> {
+    let prompts: Vec<String> = (0..count)
+        .map(|_| prompt_with_secret(nonce(), words, secret))
+        .collect();
+    let jobs: Vec<(usize, &str)> = prompts
+        .iter()
+        .map(|p| (secret.tenant, p.as_str()))
+        .collect();
+    let order: Vec<usize> = (0..count).collect();
+    Ok(send_all(r, &jobs, &order)?
+        .into_iter()
+        .map(|(_, c)| c)
+        .collect())
+}
+
 /// The end of the over-long prompt that asks for a code back.
 const RECALL_SUFFIX: &str = " Repeat the access code: ";
 
+/// The over-recall (right after the flood), then under (half the
+/// window), exactly at, and over the window.
 fn boundaries(
     r: &Runner<'_>,
     window: u64,
@@ -499,6 +585,7 @@ fn boundaries(
     cases.push(Boundary {
         name: "over-recall",
         total_tokens: recall_tokens + u64::from(r.cfg.max_tokens),
+        tenant: r.cfg.tenant_keys.len() - 1,
         answer: a,
     });
     let under = unit_prompt(nonce(), cal.units_for(window / 2));
@@ -511,6 +598,7 @@ fn boundaries(
     )?;
     cases.push(Boundary {
         name: "under",
+        tenant: 0,
         total_tokens: a.prompt_tokens.map_or(window / 2, |p| p + 1),
         answer: a,
     });
@@ -542,6 +630,7 @@ fn boundaries(
         )?;
         cases.push(Boundary {
             name: "at",
+            tenant: 0,
             total_tokens: p + rest as u64,
             answer: a,
         });
@@ -556,6 +645,7 @@ fn boundaries(
     )?;
     cases.push(Boundary {
         name: "over",
+        tenant: 0,
         total_tokens: window + 33,
         answer: a,
     });

@@ -111,11 +111,19 @@ impl Secret {
             .cloned()
     }
 
-    /// `n` secrets for each of `tenants` tenants, no piece shared by two.
-    pub fn generate_unique(rng: &mut impl Rng, tenants: usize, n: usize) -> Vec<Secret> {
+    /// The first piece of this secret found in the tokens an output was
+    /// made of (as the server reports them, `logprobs.tokens`), read as the
+    /// text they spell: a piece split over several tokens is found, and so
+    /// is one the server's `text` left out or rendered differently.
+    pub fn found_in_tokens(&self, tokens: &[String]) -> Option<String> {
+        self.found_in(&spelled(tokens))
+    }
+
+    /// `counts[t]` secrets for tenant `t`, no piece shared by two.
+    pub fn generate_unique(rng: &mut impl Rng, counts: &[usize]) -> Vec<Secret> {
         let mut seen = std::collections::HashSet::new();
         let mut out = Vec::new();
-        for tenant in 0..tenants {
+        for (tenant, &n) in counts.iter().enumerate() {
             for prompt in 0..n {
                 // Bounded: a collision has odds below 1 in 10 000 a piece.
                 let mut s = Secret::generate(rng, tenant, prompt);
@@ -131,6 +139,23 @@ impl Secret {
         }
         out
     }
+}
+
+/// The text a token sequence spells. Byte-level BPE vocabularies show a
+/// leading space as `Ġ` and a newline as `Ċ`, SentencePiece a space as `▁`;
+/// servers differ in whether they map these back, so both are read.
+pub fn spelled(tokens: &[String]) -> String {
+    let mut s = String::new();
+    for t in tokens {
+        for c in t.chars() {
+            s.push(match c {
+                'Ġ' | '▁' => ' ',
+                'Ċ' => '\n',
+                c => c,
+            });
+        }
+    }
+    s
 }
 
 /// A prompt of about `words` words of filler that carries `secret` and
@@ -205,6 +230,39 @@ mod tests {
         assert_eq!(s.found_in("slemur4821"), None);
         assert_eq!(s.found_in("lemur48210"), None);
         assert_eq!(s.found_in("(lemur)4821."), Some("lemur4821".into()));
+    }
+
+    #[test]
+    fn a_piece_is_found_across_tokens_in_either_spelling() {
+        let s = Secret {
+            tenant: 0,
+            prompt: 0,
+            pieces: vec!["lemur4821".into()],
+        };
+        let toks = |t: &[&str]| t.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        for t in [
+            toks(&[" the", " le", "mur", "4", "8", "2", "1"]),
+            toks(&["Ġthe", "Ġle", "mur", "-", "4", "8", "21"]),
+            toks(&["▁LEM", "UR", "▁", "4821", "."]),
+        ] {
+            assert_eq!(s.found_in_tokens(&t), Some("lemur4821".into()), "{t:?}");
+        }
+        assert_eq!(
+            s.found_in_tokens(&toks(&["Ġle", "mur", "4", "8", "2"])),
+            None
+        );
+        assert_eq!(s.found_in_tokens(&[]), None);
+    }
+
+    #[test]
+    fn unique_secrets_share_no_piece_and_count_per_tenant() {
+        let mut r = crate::rng(3);
+        let all = Secret::generate_unique(&mut r, &[3, 1]);
+        assert_eq!(all.iter().filter(|s| s.tenant == 0).count(), 3);
+        assert_eq!((all[3].tenant, all[3].prompt), (1, 0));
+        let pieces: Vec<_> = all.iter().flat_map(|s| s.pieces.iter()).collect();
+        let set: std::collections::HashSet<_> = pieces.iter().collect();
+        assert_eq!(set.len(), pieces.len());
     }
 
     #[test]

@@ -23,6 +23,12 @@ fn code_of(prompt: &str) -> Option<String> {
     Some(rest[..rest.find('.')?].to_string())
 }
 
+/// The text as tokens of up to three characters.
+fn chunks(text: &str) -> Vec<String> {
+    let c: Vec<char> = text.chars().collect();
+    c.chunks(3).map(|t| t.iter().collect()).collect()
+}
+
 impl Endpoint for Fake {
     fn model(&self, _key: &str) -> Result<ModelInfo, ProbeError> {
         Ok(ModelInfo {
@@ -37,6 +43,7 @@ impl Endpoint for Fake {
                 text: String::new(),
                 prompt_tokens: None,
                 completion_tokens: None,
+                tokens: None,
                 error_code: Some("invalid_api_key".into()),
                 latency_s: 0.001,
             });
@@ -51,6 +58,7 @@ impl Endpoint for Fake {
                     text: String::new(),
                     prompt_tokens: None,
                     completion_tokens: None,
+                    tokens: None,
                     error_code: Some("context_length_exceeded".into()),
                     latency_s: 0.001,
                 });
@@ -61,11 +69,13 @@ impl Endpoint for Fake {
         if let Some(c) = code_of(&req.prompt) {
             *self.last_code.lock().unwrap() = c;
         }
+        let tokens_out = chunks(&text);
         Ok(Completion {
             status: 200,
             text,
             prompt_tokens: Some(tokens),
             completion_tokens: Some(1),
+            tokens: Some(tokens_out),
             error_code: None,
             latency_s: tokens as f64 / 2000.0 + 0.001 * req.max_tokens as f64,
         })
