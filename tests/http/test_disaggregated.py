@@ -48,11 +48,12 @@ PROMPTS = [
 class Node:
     """A running `isoserve prefill|decode` process."""
 
-    def __init__(self, role, tmp: Path, name: str, port=0, model=None):
+    def __init__(self, role, tmp: Path, name: str, port=0, model=None, args=NODE_ARGS,
+                 binary: Path = BIN):
         self.role, self.tmp, self.name = role, tmp, name
         self.stderr_path = tmp / f"{name}.stderr"
-        cmd = [str(BIN), role, "--host", "127.0.0.1", "--port", str(port),
-               "--metrics-port", "0", "--node", name] + NODE_ARGS
+        cmd = [str(binary), role, "--host", "127.0.0.1", "--port", str(port),
+               "--metrics-port", "0", "--node", name] + list(args)
         if model:
             cmd += ["--model", str(model)]
         self._stderr = open(self.stderr_path, "ab")
@@ -105,9 +106,9 @@ class Node:
 class Gateway(Server):
     """A running `isoserve gateway`."""
 
-    def __init__(self, prefill, decode, tmp, name, extra=()):
+    def __init__(self, prefill, decode, tmp, name, extra=(), binary: Path = BIN):
         super().__init__(["--prefill", prefill, "--decode", decode] + list(extra), tmp, name,
-                         command="gateway")
+                         command="gateway", binary=binary)
 
 
 def wait_until(pred, timeout=30.0, what="condition"):

@@ -21,6 +21,7 @@ import socket
 import subprocess
 
 from conftest import BIN, FAULT_BIN, Server, wait_pool_idle, write_tenants
+from test_disaggregated import Gateway, Node, healthy, wait_until
 
 KEYS = ["sk-probe-tenant-a", "sk-probe-tenant-b"]
 # 2048-token window; 160 pages × 16 tokens = 2560 tokens for 8 requests of
@@ -96,16 +97,17 @@ def assert_clean(p, report):
     assert report["context_window"] == 2048
     assert report["prefill_tokens_per_s"] > 50
     assert report["tenants"] == 2
-    # 2 keys + 2 calibration + 3 rate + 6 idle + 12 loaded + 8 flood + 5
-    # window edges.
-    assert report["requests_sent"] == 38, report
-    # 6 idle + 12 loaded + 8 flood + 4 window edges (over-recall, under,
-    # at, over) read; every answer but the two refused over-long ones came
-    # with its tokens (logprobs) and was matched on both.
+    # 2 keys + 2 calibration + 3 rate + 6 idle + 12 loaded + 17 flood (a
+    # sizing prompt, a wave of 8 short ones, 8 near the window) + 7 window
+    # edges (3 over-recalls, under, at's sizing and at, over).
+    assert report["requests_sent"] == 49, report
+    # 6 idle + 12 loaded + 17 flood + 6 window edges (3 over-recalls,
+    # under, at, over) read; every answer but the four refused over-long
+    # ones came with its tokens (logprobs) and was matched on both.
     markers = next(c for c in report["checks"] if c["check"] == "markers")
-    assert "6 secret-bearing prompts and 8 flooding" in markers["summary"], markers
-    assert "30 outputs" in markers["summary"], markers
-    assert "28 matched on text and tokens" in markers["summary"], markers
+    assert "6 secret-bearing prompts and 17 flooding" in markers["summary"], markers
+    assert "41 outputs" in markers["summary"], markers
+    assert "37 matched on text and tokens" in markers["summary"], markers
     over = next(c for c in report["checks"] if c["check"] == "over-length")
     assert "under" in over["summary"] and ": 400" in over["summary"], over
 
@@ -132,8 +134,9 @@ def test_probe_passes_a_unified_server(tmp_root):
                             for r in done), done[:3]
         assert any(r["prefill_tokens_per_s"] and r["prefill_tokens_per_s"] > 50 for r in done)
         over = [r for r in recs if r["error_code"] == "context_length_exceeded"]
-        # "over" and "over-recall", refused before any page was allocated.
-        assert len(over) == 2 and all(r["pages"] == 0 and r["outcome"] == "rejected" and
+        # "over" and the three "over-recall"s, refused before any page was
+        # allocated.
+        assert len(over) == 4 and all(r["pages"] == 0 and r["outcome"] == "rejected" and
                                       r["prompt_tokens"] > 2048 for r in over), over
         a, audit = run_audit(s.request_log, tmp_root, "unified")
         assert a.returncode == 0, a.stdout + a.stderr
@@ -211,6 +214,64 @@ def test_probe_catches_the_fault_incident_build(tmp_root):
         assert faudit["by_rule"] == audit["by_rule"], (faudit, audit)
     finally:
         s.kill()
+
+
+def test_probe_catches_the_fault_incident_build_disaggregated(tmp_root):
+    """The incident as it happened: disaggregated, the prefill node's pool
+    smaller than the decode node's. The fault build's gateway routes an
+    over-long prompt on; decode reserves its pages; prefill turns it into
+    a one-token placeholder and reports the transfer complete; decode
+    starts without checking that every page arrived and reads pages that
+    hold the flood's KV.
+
+    The probe's window and timing checks catch it every time. Its markers
+    check catches it in about half the runs, so it is not asserted here:
+    the placeholder's first token comes from a one-token prompt, and this
+    135M model, decoding from that over the flood's stale KV, recites the
+    flood's secret or only its words ("-The-Access-Code-The-Access-…"); the
+    unified fault build's placeholder (its last token computed in place)
+    recites the secret."""
+    assert FAULT_BIN.exists(), f"{FAULT_BIN} missing: ./scripts/test builds it"
+    d = Node("decode", tmp_root, "fault-decode", binary=FAULT_BIN,
+             args=["--max-context", "4096", "--kv-pages", "320"])
+    p = Node("prefill", tmp_root, "fault-prefill", binary=FAULT_BIN, args=SERVE_ARGS)
+    gw = Gateway(p.addr, d.addr, tmp_root, "fault-gateway", binary=FAULT_BIN,
+                 extra=["--tenants", str(tenants(tmp_root, "fault-pd"))])
+    try:
+        wait_until(lambda: healthy(gw), what="gateway to pair")
+        for n in (d, p):
+            assert "FAULT-INCIDENT BUILD" in n.stderr_path.read_text()
+        probe, report = run_probe(gw.url(""), tmp_root, "fault-pd")
+        assert probe.returncode == 1, probe.stdout + probe.stderr
+        # The window is prefill's (the smaller): what the gateway advertises.
+        assert report["context_window"] == 2048, report
+        kinds = {f["kind"] for f in report["findings"]}
+        assert {"over_length_accepted", "answered_faster_than_prefill"} <= kinds, report
+        checks = {c["check"]: c["status"] for c in report["checks"]}
+        assert checks["over-length"] == "findings" and checks["timing"] == "findings", checks
+        # Every over-long prompt (3 over-recalls and over) was answered 200.
+        accepted = [f for f in report["findings"] if f["kind"] == "over_length_accepted"]
+        assert len(accepted) == 4, accepted
+        # Nothing on the nodes noticed: prefill refused no prompt (it made
+        # placeholders) and decode counted no incomplete transfer (it did
+        # not check), though the over-long prompts' pages were never sent.
+        dm, pm = d.metrics(), p.metrics()
+        assert pm["isoserve_node_prefill_prefills_refused_total"] == 0, pm
+        assert dm["isoserve_node_decode_incomplete_transfers_total"] == 0, dm
+        assert dm["isoserve_node_decode_transfers_completed_total"] == \
+            pm["isoserve_node_prefill_transfers_done_total"], (dm, pm)
+        recs = gw.log_records()
+        over = [r for r in recs if r["prompt_tokens"] > 2048]
+        assert len(over) == 4 and all(r["outcome"] == "finished" for r in over), over
+        a, audit = run_audit(gw.request_log, tmp_root, "fault-pd",
+                             "--prefill-tokens-per-s", str(report["prefill_tokens_per_s"]))
+        assert a.returncode == 1, a.stdout + a.stderr
+        assert audit["by_rule"].get("over_capacity", 0) >= 1, audit
+        assert audit["by_rule"].get("too_fast", 0) >= 1, audit
+    finally:
+        gw.kill()
+        p.kill()
+        d.kill()
 
 
 def test_probe_cannot_run_without_a_server(tmp_root):

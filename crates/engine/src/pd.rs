@@ -178,7 +178,8 @@ impl PdNode {
             max_request_tokens: capacity.max_request_tokens.min(u32::MAX as usize) as u32,
         };
         let vocab = model.config.vocab as u32;
-        let machine = match role {
+        #[allow(unused_mut)]
+        let mut machine = match role {
             PdRole::Prefill => Machine::Prefill(PrefillNode::new(PrefillConfig {
                 identity,
                 vocab,
@@ -195,7 +196,10 @@ impl PdNode {
                 ack_every_pages: pd.window_pages.div_ceil(2).max(1),
             })),
         };
-        let pool = kv::Pool::new(shape, pages, kv::PoolOptions { poison: cfg.poison })?;
+        #[allow(unused_mut)]
+        let mut pool = kv::Pool::new(shape, pages, kv::PoolOptions { poison: cfg.poison })?;
+        #[cfg(feature = "fault-incident")]
+        incident_faults(&mut machine, &mut pool);
         let stats = Arc::new(Mutex::new(PdStats::default()));
         let waiting = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let max_request = capacity.max_request_tokens;
@@ -273,6 +277,33 @@ impl Drop for PdNode {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// `fault-incident` only: the incident on a PD node. Prefill answers a
+/// prompt over its limit with a one-token placeholder reported complete;
+/// decode starts on `Done` without checking that every reserved page
+/// arrived, and reads the pages nobody wrote as the last owner left them
+/// (watermark check and poisoning off).
+#[cfg(feature = "fault-incident")]
+fn incident_faults(machine: &mut Machine, pool: &mut kv::Pool) {
+    tracing::error!(
+        "FAULT-INCIDENT BUILD: over-long prompts become one-token placeholders and decode reads \
+         pages nobody wrote; for testing isoserve probe only"
+    );
+    match machine {
+        Machine::Prefill(m) => {
+            m.set_mutations(transfer::prefill::PrefillMutations { placeholder: true })
+        }
+        Machine::Decode(m) => m.set_mutations(transfer::decode::DecodeMutations {
+            skip_completeness_check: true,
+            ..Default::default()
+        }),
+    }
+    pool.set_faults(kv::Faults {
+        skip_watermark_check: true,
+        skip_poison: true,
+        ..kv::Faults::default()
+    });
 }
 
 /// Transfers being timed at once (beyond it the oldest timings are

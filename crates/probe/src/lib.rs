@@ -14,9 +14,10 @@
 //!    (`logprobs.tokens`, asked for when the server offers them), so neither
 //!    a token split nor a server's rendering of its text hides one. Right
 //!    before the window checks, the first tenant floods the server with
-//!    long prompts all stating one secret, and the last tenant sends an
-//!    over-long prompt asking for an access code: a server that answers it
-//!    from KV it never wrote (the incident) recites that secret.
+//!    prompts stating one secret every few words, and the last tenant
+//!    sends three over-long prompts asking for an access code: a server
+//!    that answers them from KV it never wrote (the incident) recites that
+//!    secret.
 //! 2. **determinism** — each prompt's greedy output under load against its
 //!    output on the idle server: for a server claiming determinism every
 //!    difference is a finding; otherwise the agreement rate is reported.

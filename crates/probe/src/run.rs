@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use rand::seq::SliceRandom;
 
 use crate::checks::{self, Boundary, Counted, Output, Timed};
-use crate::secrets::{prompt_with_secret, unit_prompt, Secret};
+use crate::secrets::{flood_prompt, prompt_with_secret, unit_prompt, Secret};
 use crate::{CheckResult, Completion, Endpoint, Finding, ProbeError, Report, Request};
 
 /// What a run does; every count is a bound.
@@ -300,12 +300,6 @@ pub fn run(
         outputs.push(Output::of(Some(*secret), *tenant, &c));
         idle.push(c.text);
     }
-    // Tokens the server counts per word of `prompt_with_secret`, from the
-    // idle answers (sizes the flood's prompts to the window).
-    let tokens_per_word = {
-        let counted: Vec<u64> = long_timed.iter().map(|t| t.prompt_tokens).collect();
-        counted.iter().sum::<u64>() as f64 / (counted.len().max(1) * long_words.max(1)) as f64
-    };
     let mut order: Vec<usize> = (0..cfg.rounds).flat_map(|_| 0..prompts.len()).collect();
     order.shuffle(&mut rng);
     progress.phase("markers under load", order.len() as u64);
@@ -333,21 +327,20 @@ pub fn run(
             let flood_tokens = w
                 .saturating_sub(u64::from(cfg.max_tokens) + w / 32)
                 .max(long_tokens);
-            let flood_words = (flood_tokens as f64 / tokens_per_word.max(0.1)) as usize;
             let flood_count = flood_prompts(w, flood_tokens, cfg.concurrency);
-            progress.phase("flood", flood_count as u64);
+            progress.phase("flood", (1 + cfg.concurrency + flood_count) as u64);
             let flooded = flood(
                 &r,
                 &secrets[flood_secret],
                 flood_count,
-                flood_words,
+                flood_tokens,
                 &mut next_nonce,
             )?;
             flood_sent = flooded.len();
             for c in flooded.iter().filter(|c| c.ok()) {
                 outputs.push(Output::of(Some(flood_secret), 0, c));
             }
-            progress.phase("over-length", 5);
+            progress.phase("over-length", 4 + RECALL_MAX_TOKENS.len() as u64);
             let cases = boundaries(&r, w, cal, &mut next_nonce)?;
             // Timed by the probe's own sizing: an over-long prompt the
             // server answered may come with a made-up token count.
@@ -523,39 +516,77 @@ fn flood_prompts(window: u64, long_tokens: u64, concurrency: usize) -> usize {
     cover.max(concurrency).min(64)
 }
 
-/// The first tenant's flood: `count` prompts nearly as long as the window
-/// allows, concurrent, every one stating the same secret and ending in a
-/// request for it. When they end, the KV a server frees (and a server
+/// Words in the flood's sizing prompt: enough that its fixed part (nonce,
+/// closing request) is a small share of its token count.
+const FLOOD_SIZING_WORDS: usize = 400;
+
+/// The first tenant's flood: `count` prompts of about `tokens` tokens
+/// (nearly as long as the window allows), concurrent, each stating one
+/// secret every few words and ending in a request for it
+/// ([`flood_prompt`]). When they end, the KV a server frees (and a server
 /// with the incident's bug hands to the next request unwritten) holds that
-/// one secret wherever it is read, rather than a blend of many, at every
-/// position up to near the window: a placeholder's last token, near the
-/// window's end, finds in the stale KV just behind it (by position, which
-/// attention sees, not by page) a request for that secret. The
-/// over-recall that follows reads it back. Each prompt is new (its nonce),
-/// so no prefix cache answers for it.
+/// one secret wherever it is read, at every position up to near the
+/// window, rather than a blend of many. The over-recall that follows reads
+/// it back. One sizing prompt goes first: its token count as the server
+/// reports it gives the words per prompt (without a count: a token per 3
+/// characters). Each prompt is new (its nonce), so no prefix cache answers
+/// for it.
 fn flood(
     r: &Runner<'_>,
     secret: &Secret,
     count: usize,
-    words: usize,
+    tokens: u64,
     nonce: &mut impl FnMut() -> u64,
 ) -> Result<Vec<Completion>, ProbeError> {
-    let prompts: Vec<String> = (0..count)
-        .map(|_| prompt_with_secret(nonce(), words, secret))
-        .collect();
-    let jobs: Vec<(usize, &str)> = prompts
-        .iter()
-        .map(|p| (secret.tenant, p.as_str()))
-        .collect();
-    let order: Vec<usize> = (0..count).collect();
-    Ok(send_all(r, &jobs, &order)?
-        .into_iter()
-        .map(|(_, c)| c)
-        .collect())
+    let sizing = flood_prompt(nonce(), FLOOD_SIZING_WORDS, secret);
+    let sized = r.send(
+        r.key(secret.tenant),
+        &Request {
+            prompt: sizing.clone(),
+            max_tokens: 1,
+        },
+    )?;
+    // An over-estimate of tokens per word (the fixed part counts as
+    // words): the flood's prompts come out a little short of `tokens`,
+    // never over the window.
+    let counted = sized
+        .prompt_tokens
+        .filter(|_| sized.ok())
+        .unwrap_or(sizing.chars().count() as u64 / 3)
+        .max(1);
+    let words = (tokens * FLOOD_SIZING_WORDS as u64 / counted).max(1) as usize;
+    // Two waves. First one prompt a connection at a quarter of the size:
+    // together they ask for more KV than most pools hold at once, so every
+    // page gets the secret. Then the near-window ones, one after another
+    // on a pool that holds only one: a pool that reuses the pages freed
+    // last (a stack) keeps handing them the same pages, and the wave
+    // before has filled the rest.
+    let mut answers = vec![sized];
+    for (n, w) in [(r.cfg.concurrency, words / 4), (count, words)] {
+        let prompts: Vec<String> = (0..n)
+            .map(|_| flood_prompt(nonce(), w.max(1), secret))
+            .collect();
+        let jobs: Vec<(usize, &str)> = prompts
+            .iter()
+            .map(|p| (secret.tenant, p.as_str()))
+            .collect();
+        let order: Vec<usize> = (0..n).collect();
+        answers.extend(send_all(r, &jobs, &order)?.into_iter().map(|(_, c)| c));
+    }
+    Ok(answers)
 }
 
 /// The end of the over-long prompt that asks for a code back.
 const RECALL_SUFFIX: &str = " Repeat the access code: ";
+
+/// The over-recalls' room to answer: a sentence that leads up to a code
+/// and the code itself (the fault-incident build's answer, cut at 16
+/// tokens, was "1910. The library opened a new wing The access code is
+/// k"). Three sizes, each a separate request: a server that makes room for
+/// the answer by cutting the prompt (as the fault-incident build does)
+/// reads the stale KV from another position each time; one in five single
+/// tries of that build recited prose rather than the secret.
+const RECALL_MAX_TOKENS: [u32; 3] = [48, 56, 64];
 
 /// The over-recall (right after the flood), then under (half the
 /// window), exactly at, and over the window.
@@ -574,20 +605,23 @@ fn boundaries(
     // reads the answer. The margin keeps it over the window even if the
     // small-prompt calibration is off by that much.
     let recall_tokens = window + (window / 8).max(64);
-    let recall = unit_prompt(nonce(), cal.units_for(recall_tokens)) + RECALL_SUFFIX;
-    let a = r.send(
-        r.key(r.cfg.tenant_keys.len() - 1),
-        &Request {
-            prompt: recall,
-            max_tokens: r.cfg.max_tokens,
-        },
-    )?;
-    cases.push(Boundary {
-        name: "over-recall",
-        total_tokens: recall_tokens + u64::from(r.cfg.max_tokens),
-        tenant: r.cfg.tenant_keys.len() - 1,
-        answer: a,
-    });
+    for room in RECALL_MAX_TOKENS {
+        let recall = unit_prompt(nonce(), cal.units_for(recall_tokens)) + RECALL_SUFFIX;
+        let recall_max_tokens = r.cfg.max_tokens.max(room);
+        let a = r.send(
+            r.key(r.cfg.tenant_keys.len() - 1),
+            &Request {
+                prompt: recall,
+                max_tokens: recall_max_tokens,
+            },
+        )?;
+        cases.push(Boundary {
+            name: "over-recall",
+            total_tokens: recall_tokens + u64::from(recall_max_tokens),
+            tenant: r.cfg.tenant_keys.len() - 1,
+            answer: a,
+        });
+    }
     let under = unit_prompt(nonce(), cal.units_for(window / 2));
     let a = r.send(
         r.key(0),

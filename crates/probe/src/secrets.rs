@@ -165,26 +165,44 @@ pub fn spelled(tokens: &[String]) -> String {
 /// pages, so a server that hands those pages to another request unwritten
 /// (the incident) hands over the secret with whichever pages it reuses.
 pub fn prompt_with_secret(nonce: u64, words: usize, secret: &Secret) -> String {
+    secret_every(nonce, words, secret, SECRET_EVERY_WORDS)
+}
+
+/// Like [`prompt_with_secret`], the secret stated after every `every`
+/// words of filler.
+pub fn secret_every(nonce: u64, words: usize, secret: &Secret, every: usize) -> String {
+    let every = every.max(1);
     let code = secret.text();
     let mut s = format!("Note {nonce:016x}. ");
     // A statement of the code costs about as many tokens as 23 words of
     // prose: keep the whole prompt near `words` words' worth.
-    let body = filler(
-        nonce,
-        words * SECRET_EVERY_WORDS / (SECRET_EVERY_WORDS + 23),
-    );
+    let body = filler(nonce, words * every / (every + 23));
     let mut n = 0;
     for w in body.split(' ') {
         s += w;
         s.push(' ');
         n += 1;
-        if n % SECRET_EVERY_WORDS == 0 {
+        if n % every == 0 {
             s += &format!("The access code is {code}. ");
         }
     }
     s += &format!("Remember this access code exactly: {code}. Repeat the access code: ");
     s
 }
+
+/// A flood prompt of about `words` words: the secret stated after every
+/// [`FLOOD_SECRET_EVERY_WORDS`] words of filler, ending in a request for
+/// it. KV left behind by it holds that secret every few words wherever it
+/// is read, so a server that serves another request from it (the
+/// incident) soon recites the secret: over prose with the secret every 40
+/// words, the fault-incident build recited the prose; over nothing but
+/// statements of the secret, a date.
+pub fn flood_prompt(nonce: u64, words: usize, secret: &Secret) -> String {
+    secret_every(nonce, words, secret, FLOOD_SECRET_EVERY_WORDS)
+}
+
+/// Filler words between two statements of a flood prompt's secret.
+pub const FLOOD_SECRET_EVERY_WORDS: usize = 4;
 
 /// Filler words between two statements of a prompt's secret.
 pub const SECRET_EVERY_WORDS: usize = 40;
@@ -252,6 +270,26 @@ mod tests {
             None
         );
         assert_eq!(s.found_in_tokens(&[]), None);
+    }
+
+    #[test]
+    fn a_flood_prompt_states_its_secret_every_few_words() {
+        let mut r = crate::rng(5);
+        let s = Secret::generate(&mut r, 0, 0);
+        let p = flood_prompt(9, 400, &s);
+        assert!(p.starts_with("Note 0000000000000009. "), "{p}");
+        let stated = p.matches(&s.text()).count();
+        let words = p.split_whitespace().count();
+        // A statement (5 words) after every few words of filler, about 400
+        // words' worth of tokens in all (a statement costs as many as 23).
+        let per_statement = FLOOD_SECRET_EVERY_WORDS + 5;
+        assert!(
+            stated + 1 >= words / per_statement,
+            "{stated} statements in {words} words"
+        );
+        assert!((100..400).contains(&words), "{words}");
+        assert!(p.ends_with("Repeat the access code: "), "{p}");
+        assert_ne!(flood_prompt(10, 400, &s), p);
     }
 
     #[test]
