@@ -225,7 +225,7 @@ def test_probe_catches_the_fault_incident_build_disaggregated(tmp_root):
     hold the flood's KV.
 
     The probe's window and timing checks catch it every time. Its markers
-    check catches it in about half the runs, so it is not asserted here:
+    check caught it in 1 of 2 runs by hand, so it is not asserted here:
     the placeholder's first token comes from a one-token prompt, and this
     135M model, decoding from that over the flood's stale KV, recites the
     flood's secret or only its words ("-The-Access-Code-The-Access-…"); the

@@ -163,3 +163,19 @@ fn refuses_logprobs(v: &Value) -> bool {
             .as_str()
             .is_some_and(|m| m.contains("logprobs"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_naming_logprobs_is_told_from_other_errors() {
+        let param = json!({"error": {"message": "unsupported", "param": "logprobs"}});
+        let message = json!({"error": {"message": "logprobs is not supported"}});
+        let other = json!({"error": {"message": "max_tokens too large", "param": "max_tokens"}});
+        assert!(refuses_logprobs(&param));
+        assert!(refuses_logprobs(&message));
+        assert!(!refuses_logprobs(&other));
+        assert!(!refuses_logprobs(&Value::Null));
+    }
+}

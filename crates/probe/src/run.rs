@@ -337,8 +337,9 @@ pub fn run(
                 &mut next_nonce,
             )?;
             flood_sent = flooded.len();
+            let flood_tenant = secrets[flood_secret].tenant;
             for c in flooded.iter().filter(|c| c.ok()) {
-                outputs.push(Output::of(Some(flood_secret), 0, c));
+                outputs.push(Output::of(Some(flood_secret), flood_tenant, c));
             }
             progress.phase("over-length", 4 + RECALL_MAX_TOKENS.len() as u64);
             let cases = boundaries(&r, w, cal, &mut next_nonce)?;
@@ -509,10 +510,11 @@ fn send_all(
     Ok(answers.into_inner().expect("threads joined"))
 }
 
-/// Flood prompts: enough to hold an over-recall's worth of KV (a window
-/// and a quarter), at least one a connection, at most 64.
-fn flood_prompts(window: u64, long_tokens: u64, concurrency: usize) -> usize {
-    let cover = (window + window / 4).div_ceil(long_tokens.max(1)) as usize;
+/// Near-window flood prompts of `prompt_tokens` each: enough to hold an
+/// over-recall's worth of KV (a window and a quarter), at least one a
+/// connection, at most 64.
+fn flood_prompts(window: u64, prompt_tokens: u64, concurrency: usize) -> usize {
+    let cover = (window + window / 4).div_ceil(prompt_tokens.max(1)) as usize;
     cover.max(concurrency).min(64)
 }
 
@@ -521,12 +523,13 @@ fn flood_prompts(window: u64, long_tokens: u64, concurrency: usize) -> usize {
 const FLOOD_SIZING_WORDS: usize = 400;
 
 /// The first tenant's flood: `count` prompts of about `tokens` tokens
-/// (nearly as long as the window allows), concurrent, each stating one
+/// (nearly as long as the window allows), after a wave of short ones
+/// (below), each stating one
 /// secret every few words and ending in a request for it
 /// ([`flood_prompt`]). When they end, the KV a server frees (and a server
 /// with the incident's bug hands to the next request unwritten) holds that
 /// one secret wherever it is read, at every position up to near the
-/// window, rather than a blend of many. The over-recall that follows reads
+/// window, rather than a blend of many. The over-recalls that follow read
 /// it back. One sizing prompt goes first: its token count as the server
 /// reports it gives the words per prompt (without a count: a token per 3
 /// characters). Each prompt is new (its nonce), so no prefix cache answers
@@ -584,8 +587,9 @@ const RECALL_SUFFIX: &str = " Repeat the access code: ";
 /// tokens, was "1910. The library opened a new wing The access code is
 /// k"). Three sizes, each a separate request: a server that makes room for
 /// the answer by cutting the prompt (as the fault-incident build does)
-/// reads the stale KV from another position each time; one in five single
-/// tries of that build recited prose rather than the secret.
+/// reads the stale KV from another position each time (with a one-wave
+/// flood, one of five single 48-token tries of that build recited prose
+/// rather than the secret).
 const RECALL_MAX_TOKENS: [u32; 3] = [48, 56, 64];
 
 /// The over-recall (right after the flood), then under (half the
@@ -597,12 +601,12 @@ fn boundaries(
     nonce: &mut impl FnMut() -> u64,
 ) -> Result<Vec<Boundary>, ProbeError> {
     let mut cases = Vec::new();
-    // First, right after the load (the pool's free pages hold the marker
-    // prompts' KV): over the window by an eighth, from the last tenant,
-    // asking for an access code like the marker prompts do, with room to
-    // answer. A server that answers it from pages it never wrote (the
-    // incident) recites whatever stale KV they hold; the markers check
-    // reads the answer. The margin keeps it over the window even if the
+    // First, right after the flood (the pool's free pages hold its one
+    // secret): over the window by an eighth, from the last tenant, asking
+    // for an access code like the flood's prompts do, with room to answer
+    // (three sizes of it). A server that answers them from pages it never
+    // wrote (the incident) recites whatever stale KV they hold; the
+    // markers check reads the answers. The margin keeps it over the window even if the
     // small-prompt calibration is off by that much.
     let recall_tokens = window + (window / 8).max(64);
     for room in RECALL_MAX_TOKENS {

@@ -144,7 +144,7 @@ impl Secret {
 /// The text a token sequence spells. Byte-level BPE vocabularies show a
 /// leading space as `Ġ` and a newline as `Ċ`, SentencePiece a space as `▁`;
 /// servers differ in whether they map these back, so both are read.
-pub fn spelled(tokens: &[String]) -> String {
+fn spelled(tokens: &[String]) -> String {
     let mut s = String::new();
     for t in tokens {
         for c in t.chars() {
@@ -170,7 +170,7 @@ pub fn prompt_with_secret(nonce: u64, words: usize, secret: &Secret) -> String {
 
 /// Like [`prompt_with_secret`], the secret stated after every `every`
 /// words of filler.
-pub fn secret_every(nonce: u64, words: usize, secret: &Secret, every: usize) -> String {
+fn secret_every(nonce: u64, words: usize, secret: &Secret, every: usize) -> String {
     let every = every.max(1);
     let code = secret.text();
     let mut s = format!("Note {nonce:016x}. ");
