@@ -97,17 +97,18 @@ def assert_clean(p, report):
     assert report["context_window"] == 2048
     assert report["prefill_tokens_per_s"] > 50
     assert report["tenants"] == 2
-    # 2 keys + 2 calibration + 3 rate + 6 idle + 12 loaded + 17 flood (a
-    # sizing prompt, a wave of 8 short ones, 8 near the window) + 7 window
-    # edges (3 over-recalls, under, at's sizing and at, over).
-    assert report["requests_sent"] == 49, report
-    # 6 idle + 12 loaded + 17 flood + 6 window edges (3 over-recalls,
+    # 2 keys + 2 calibration + 3 rate + 6 idle + 12 loaded + 20 flood (a
+    # sizing prompt, a wave of 8 short ones, 8 near the window, and one
+    # alone before each over-recall) + 7 window edges (3 over-recalls,
+    # under, at's sizing and at, over).
+    assert report["requests_sent"] == 52, report
+    # 6 idle + 12 loaded + 20 flood + 6 window edges (3 over-recalls,
     # under, at, over) read; every answer but the four refused over-long
     # ones came with its tokens (logprobs) and was matched on both.
     markers = next(c for c in report["checks"] if c["check"] == "markers")
-    assert "6 secret-bearing prompts and 17 flooding" in markers["summary"], markers
-    assert "41 outputs" in markers["summary"], markers
-    assert "37 matched on text and tokens" in markers["summary"], markers
+    assert "6 secret-bearing prompts and 20 flooding" in markers["summary"], markers
+    assert "44 outputs" in markers["summary"], markers
+    assert "40 matched on text and tokens" in markers["summary"], markers
     over = next(c for c in report["checks"] if c["check"] == "over-length")
     assert "under" in over["summary"] and ": 400" in over["summary"], over
 
@@ -186,8 +187,11 @@ def test_probe_catches_the_fault_incident_build(tmp_root):
         # The over-long request was answered 200, faster than its prompt
         # could have been prefilled, and with the first tenant's secret:
         # the placeholder read the KV the flood left in the pool.
+        # (The findings' details name the over-recalls' answers: what the
+        # placeholder recited, should it not be the secret.)
         assert {"marker_cross_tenant", "over_length_accepted",
-                "answered_faster_than_prefill"} <= kinds, report
+                "answered_faster_than_prefill"} <= kinds, \
+            [(f["kind"], f["detail"]) for f in report["findings"]]
         checks = {c["check"]: c["status"] for c in report["checks"]}
         assert checks["over-length"] == "findings" and checks["timing"] == "findings", checks
         assert checks["markers"] == "findings", checks

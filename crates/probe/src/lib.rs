@@ -15,9 +15,9 @@
 //!    a token split nor a server's rendering of its text hides one. Right
 //!    before the window checks, the first tenant floods the server with
 //!    prompts stating one secret every few words, and the last tenant
-//!    sends three over-long prompts asking for an access code: a server
-//!    that answers them from KV it never wrote (the incident) recites that
-//!    secret.
+//!    sends three over-long prompts asking for an access code, each right
+//!    after one more flood prompt sent alone: a server that answers them
+//!    from KV it never wrote (the incident) recites that secret.
 //! 2. **determinism** — each prompt's greedy output under load against its
 //!    output on the idle server: for a server claiming determinism every
 //!    difference is a finding; otherwise the agreement rate is reported.

@@ -329,20 +329,29 @@ pub fn run(
                 .max(long_tokens);
             let flood_count = flood_prompts(w, flood_tokens, cfg.concurrency);
             progress.phase("flood", (1 + cfg.concurrency + flood_count) as u64);
-            let flooded = flood(
+            let (mut flooded, flood_words) = flood(
                 &r,
                 &secrets[flood_secret],
                 flood_count,
                 flood_tokens,
                 &mut next_nonce,
             )?;
+            progress.phase("over-length", 4 + 2 * RECALL_BACK_TOKENS.len() as u64);
+            let (lone, mut cases) = over_recalls(
+                &r,
+                w,
+                cal,
+                &secrets[flood_secret],
+                flood_words,
+                &mut next_nonce,
+            )?;
+            flooded.extend(lone);
             flood_sent = flooded.len();
             let flood_tenant = secrets[flood_secret].tenant;
             for c in flooded.iter().filter(|c| c.ok()) {
                 outputs.push(Output::of(Some(flood_secret), flood_tenant, c));
             }
-            progress.phase("over-length", 4 + RECALL_MAX_TOKENS.len() as u64);
-            let cases = boundaries(&r, w, cal, &mut next_nonce)?;
+            cases.extend(boundaries(&r, w, cal, &mut next_nonce)?);
             // Timed by the probe's own sizing: an over-long prompt the
             // server answered may come with a made-up token count.
             for c in cases.iter().filter(|c| c.answer.ok()) {
@@ -524,8 +533,8 @@ const FLOOD_SIZING_WORDS: usize = 400;
 
 /// The first tenant's flood: `count` prompts of about `tokens` tokens
 /// (nearly as long as the window allows), after a wave of short ones
-/// (below), each stating one
-/// secret every few words and ending in a request for it
+/// (below), each
+/// stating one secret every few words and ending in a request for it
 /// ([`flood_prompt`]). When they end, the KV a server frees (and a server
 /// with the incident's bug hands to the next request unwritten) holds that
 /// one secret wherever it is read, at every position up to near the
@@ -540,7 +549,7 @@ fn flood(
     count: usize,
     tokens: u64,
     nonce: &mut impl FnMut() -> u64,
-) -> Result<Vec<Completion>, ProbeError> {
+) -> Result<(Vec<Completion>, usize), ProbeError> {
     let sizing = flood_prompt(nonce(), FLOOD_SIZING_WORDS, secret);
     let sized = r.send(
         r.key(secret.tenant),
@@ -576,24 +585,97 @@ fn flood(
         let order: Vec<usize> = (0..n).collect();
         answers.extend(send_all(r, &jobs, &order)?.into_iter().map(|(_, c)| c));
     }
-    Ok(answers)
+    Ok((answers, words))
 }
 
 /// The end of the over-long prompt that asks for a code back.
 const RECALL_SUFFIX: &str = " Repeat the access code: ";
 
-/// The over-recalls' room to answer: a sentence that leads up to a code
-/// and the code itself (the fault-incident build's answer, cut at 16
-/// tokens, was "1910. The library opened a new wing The access code is
-/// k"). Three sizes, each a separate request: a server that makes room for
-/// the answer by cutting the prompt (as the fault-incident build does)
-/// reads the stale KV from another position each time (with a one-wave
-/// flood, one of five single 48-token tries of that build recited prose
-/// rather than the secret).
+/// How far back from the end of the flood prompt sent right before it
+/// each over-recall cuts its prompt (see [`over_recalls`]).
+const RECALL_BACK_TOKENS: [u64; 3] = [16, 32, 48];
+
+/// The over-recalls' room to answer (`max_tokens`) when the flood prompt
+/// before them came back without a token count.
 const RECALL_MAX_TOKENS: [u32; 3] = [48, 56, 64];
 
-/// The over-recall (right after the flood), then under (half the
-/// window), exactly at, and over the window.
+/// The room an over-recall asks for (`max_tokens`). A server that makes
+/// room for the answer by cutting the prompt (as the fault-incident build
+/// does) computes a prompt of `window - room` tokens and, with the
+/// incident's bug, reads the stale KV at those positions: a room reaching
+/// `back` tokens further back than the end of the flood prompt freed last
+/// (`flood_tokens` long, as the server counted them) keeps every position
+/// it reads inside what that one prompt wrote, which states the secret
+/// every few words. Without a count that fits the window: `fixed`.
+fn recall_room(window: u64, flood_tokens: Option<u64>, back: u64, fixed: u32) -> u32 {
+    match flood_tokens {
+        Some(p) if p < window => u32::try_from(window - p + back).unwrap_or(u32::MAX),
+        _ => fixed,
+    }
+}
+
+/// The over-recalls, right after the flood: each an eighth over the
+/// window, from the last tenant, asking for an access code like the
+/// flood's prompts do, and each right after one more flood prompt of
+/// `words` words sent alone, so that the KV the server freed last is that
+/// one prompt's, whatever the waves before left and whatever the
+/// over-recall before it wrote. A server that answers them from pages it
+/// never wrote (the incident) recites what that KV holds; the markers
+/// check reads the answers. Returns the lone flood prompts' answers and
+/// the over-recalls.
+///
+/// Measured on the fault-incident build (`tests/http/test_probe.py`'s
+/// server flags and probe command, by hand): 14 of 15 over-recalls
+/// recited the secret, at least 2 of 3 in each of 5 runs (seeds 1, 1, 3,
+/// 4, 6). Before, over-recalls sent one after another without a flood
+/// prompt between them read the one before's answer and went on with it
+/// ("1. The answers. The answers. …", "0000…"), and over-recalls whose
+/// prompt reached past the flood's end (fixed rooms of 48 to 64 tokens)
+/// read whatever else the pages held there: all three recited the secret
+/// in 10 of 11 runs, none in one CI run.
+fn over_recalls(
+    r: &Runner<'_>,
+    window: u64,
+    cal: Calibration,
+    secret: &Secret,
+    words: usize,
+    nonce: &mut impl FnMut() -> u64,
+) -> Result<(Vec<Completion>, Vec<Boundary>), ProbeError> {
+    let mut lone = Vec::new();
+    let mut cases = Vec::new();
+    // The margin keeps it over the window even if the small-prompt
+    // calibration is off by that much.
+    let recall_tokens = window + (window / 8).max(64);
+    for (back, fixed) in RECALL_BACK_TOKENS.into_iter().zip(RECALL_MAX_TOKENS) {
+        let f = r.send(
+            r.key(secret.tenant),
+            &Request {
+                prompt: flood_prompt(nonce(), words, secret),
+                max_tokens: r.cfg.max_tokens,
+            },
+        )?;
+        let room = recall_room(window, f.prompt_tokens.filter(|_| f.ok()), back, fixed);
+        lone.push(f);
+        let recall = unit_prompt(nonce(), cal.units_for(recall_tokens)) + RECALL_SUFFIX;
+        let max_tokens = r.cfg.max_tokens.max(room);
+        let a = r.send(
+            r.key(r.cfg.tenant_keys.len() - 1),
+            &Request {
+                prompt: recall,
+                max_tokens,
+            },
+        )?;
+        cases.push(Boundary {
+            name: "over-recall",
+            total_tokens: recall_tokens + u64::from(max_tokens),
+            tenant: r.cfg.tenant_keys.len() - 1,
+            answer: a,
+        });
+    }
+    Ok((lone, cases))
+}
+
+/// Under (half the window), exactly at, and over the window.
 fn boundaries(
     r: &Runner<'_>,
     window: u64,
@@ -601,31 +683,6 @@ fn boundaries(
     nonce: &mut impl FnMut() -> u64,
 ) -> Result<Vec<Boundary>, ProbeError> {
     let mut cases = Vec::new();
-    // First, right after the flood (the pool's free pages hold its one
-    // secret): over the window by an eighth, from the last tenant, asking
-    // for an access code like the flood's prompts do, with room to answer
-    // (three sizes of it). A server that answers them from pages it never
-    // wrote (the incident) recites whatever stale KV they hold; the
-    // markers check reads the answers. The margin keeps it over the window even if the
-    // small-prompt calibration is off by that much.
-    let recall_tokens = window + (window / 8).max(64);
-    for room in RECALL_MAX_TOKENS {
-        let recall = unit_prompt(nonce(), cal.units_for(recall_tokens)) + RECALL_SUFFIX;
-        let recall_max_tokens = r.cfg.max_tokens.max(room);
-        let a = r.send(
-            r.key(r.cfg.tenant_keys.len() - 1),
-            &Request {
-                prompt: recall,
-                max_tokens: recall_max_tokens,
-            },
-        )?;
-        cases.push(Boundary {
-            name: "over-recall",
-            total_tokens: recall_tokens + u64::from(recall_max_tokens),
-            tenant: r.cfg.tenant_keys.len() - 1,
-            answer: a,
-        });
-    }
     let under = unit_prompt(nonce(), cal.units_for(window / 2));
     let a = r.send(
         r.key(0),
@@ -708,5 +765,22 @@ fn skipped(check: &str, why: &str) -> CheckResult {
         check: check.into(),
         status: "skipped".into(),
         summary: why.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_over_recall_reads_only_what_the_flood_prompt_before_it_wrote() {
+        // A 1940-token flood prompt in a 2048-token window: the over-recall
+        // asks for 124 tokens, so a server that cuts its prompt to make
+        // room computes 1924 tokens, all inside what the flood wrote.
+        assert_eq!(recall_room(2048, Some(1940), 16, 48), 124);
+        assert!(2048 - u64::from(recall_room(2048, Some(1940), 48, 64)) < 1940);
+        // No count, or a count the window cannot hold: the fixed room.
+        assert_eq!(recall_room(2048, None, 16, 48), 48);
+        assert_eq!(recall_room(2048, Some(2048), 16, 56), 56);
     }
 }
