@@ -533,9 +533,8 @@ const FLOOD_SIZING_WORDS: usize = 400;
 
 /// The first tenant's flood: `count` prompts of about `tokens` tokens
 /// (nearly as long as the window allows), after a wave of short ones
-/// (below), each
-/// stating one secret every few words and ending in a request for it
-/// ([`flood_prompt`]). When they end, the KV a server frees (and a server
+/// (below), each stating one secret every few words and ending in a
+/// request for it ([`flood_prompt`]). When they end, the KV a server frees (and a server
 /// with the incident's bug hands to the next request unwritten) holds that
 /// one secret wherever it is read, at every position up to near the
 /// window, rather than a blend of many. The over-recalls that follow read
