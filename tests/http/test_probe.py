@@ -229,12 +229,12 @@ def test_probe_catches_the_fault_incident_build_disaggregated(tmp_root):
     hold the flood's KV.
 
     The probe's window and timing checks catch it every time. Its markers
-    check caught it in 1 of 2 runs by hand, so it is not asserted here:
-    the placeholder's first token comes from a one-token prompt, and this
-    135M model, decoding from that over the flood's stale KV, recites the
-    flood's secret or only its words ("-The-Access-Code-The-Access-…"); the
-    unified fault build's placeholder (its last token computed in place)
-    recites the secret."""
+    check caught it in 3 of the 4 latest runs by hand (seeds 1, 1, 3; not
+    with seed 4), so it is not asserted here: the placeholder's first token
+    comes from a one-token prompt ("-"), and this 135M model, decoding from
+    that over the flood's stale KV, recites the flood's secret or only its
+    words ("-The-Access-Code-The-Access-…"); the unified fault build's
+    placeholder (its last token computed in place) recites the secret."""
     assert FAULT_BIN.exists(), f"{FAULT_BIN} missing: ./scripts/test builds it"
     d = Node("decode", tmp_root, "fault-decode", binary=FAULT_BIN,
              args=["--max-context", "4096", "--kv-pages", "320"])
