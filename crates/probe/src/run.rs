@@ -630,8 +630,8 @@ fn recall_room(window: u64, flood_tokens: Option<u64>, back: u64, fixed: u32) ->
 /// prompt between them read the one before's answer and went on with it
 /// ("1. The answers. The answers. …", "0000…"), and over-recalls whose
 /// prompt reached past the flood's end (fixed rooms of 48 to 64 tokens)
-/// read whatever else the pages held there: all three recited the secret
-/// in 10 of 11 runs, none in one CI run.
+/// read whatever else the pages held there: they recited the secret in
+/// 10 runs by hand and 2 CI runs, and none of the three did in one CI run.
 fn over_recalls(
     r: &Runner<'_>,
     window: u64,
