@@ -253,6 +253,14 @@ impl DecodeNode {
         self.reqs.get(&req).map(|r| r.owner)
     }
 
+    /// A request as the gateway asked for it: (gateway connection, prompt,
+    /// max_tokens, sampling).
+    pub fn request_of(&self, req: u64) -> Option<(ConnId, &[u32], u32, &GenSpec)> {
+        self.reqs
+            .get(&req)
+            .map(|r| (r.gateway, r.tokens.as_slice(), r.max_tokens, &r.gen))
+    }
+
     // ------------------------------------------------------------ links
 
     /// A connection opened (either side dialled): say hello.

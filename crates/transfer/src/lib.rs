@@ -52,6 +52,7 @@ macro_rules! mutated {
 mod common;
 pub mod decode;
 pub mod gateway;
+pub mod node;
 pub mod prefill;
 pub mod sim;
 pub mod wire;

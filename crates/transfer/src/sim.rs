@@ -269,19 +269,23 @@ impl Sim {
 
     /// Mutable access for tests that set mutations or inspect state.
     pub fn decode_mut(&mut self) -> &mut DecodeNode {
+        &mut self.world.decode.machine
+    }
+    /// The decode node's glue (for its test-only mutations).
+    pub fn decode_glue_mut(&mut self) -> &mut crate::node::Decode<crate::world::StandInDecode> {
         &mut self.world.decode
     }
     pub fn gateway_mut(&mut self) -> &mut Gateway {
         &mut self.world.gateway
     }
     pub fn prefill_mut(&mut self) -> &mut PrefillNode {
-        &mut self.world.prefill
+        &mut self.world.prefill.machine
     }
     pub fn decode_pool_mut(&mut self) -> &mut kv::Pool {
-        &mut self.world.decode_pool
+        &mut self.world.decode.engine.pool
     }
     pub fn prefill_pool_mut(&mut self) -> &mut kv::Pool {
-        &mut self.world.prefill_pool
+        &mut self.world.prefill.engine.pool
     }
     pub fn set_tamper(&mut self, t: Tamper) {
         self.tamper = Some(t);
@@ -550,11 +554,11 @@ impl Sim {
         }
         self.report.outcomes = outcomes;
         self.report.tokens_delivered = w.counters.tokens_delivered;
-        self.report.prefill_pool = w.prefill_pool.stats();
-        self.report.decode_pool = w.decode_pool.stats();
-        self.report.decode_stats = w.decode.stats();
-        self.report.prefill_stats = w.prefill.stats();
-        let s = w.decode.stats();
+        self.report.prefill_pool = w.prefill.engine.pool.stats();
+        self.report.decode_pool = w.decode.engine.pool.stats();
+        self.report.decode_stats = w.decode.machine.stats();
+        self.report.prefill_stats = w.prefill.machine.stats();
+        let s = w.decode.machine.stats();
         let c = &w.counters;
         self.report.checksum_failures = c.retired_checksum + s.checksum_failures_total;
         self.report.pages_fenced = c.retired_fenced + s.pages_fenced_total;

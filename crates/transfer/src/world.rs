@@ -37,10 +37,14 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use kv::{LayerView, Owner, PageRef, Pool, PoolOptions};
 
 use crate::common::ConnId;
-use crate::decode::{DecodeAction, DecodeConfig, DecodeNode, DecodeStart};
+use crate::decode::{DecodeConfig, DecodeNode, DecodeStart};
 use crate::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
-use crate::prefill::{ComputeJob, PrefillAction, PrefillConfig, PrefillNode};
-use crate::wire::{GenSpec, Message};
+use crate::node::{
+    self, DecodeEngine, DecodeReport, NetCommand, NetEvent, NodeEngine, PrefillEngine,
+    PrefillReport,
+};
+use crate::prefill::{ComputeJob, PrefillConfig, PrefillNode};
+use crate::wire::{GenSpec, Message, Refusal};
 
 // ------------------------------------------------------------- the model
 
@@ -176,6 +180,244 @@ pub fn identity(node: &str, ps: u32, limit: u32) -> crate::Identity {
     }
 }
 
+// ------------------------------------------------- the stand-in engines
+
+/// Prefill's engine over the stand-in model: a job waits until the driver
+/// runs it ([`World::compute`]).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct StandInPrefill {
+    pub pool: Pool,
+    page_size: usize,
+    pub jobs: BTreeMap<u64, ComputeJob>,
+    reports: Vec<PrefillReport>,
+}
+
+impl StandInPrefill {
+    pub fn new(pool: Pool, page_size: u32) -> StandInPrefill {
+        StandInPrefill {
+            pool,
+            page_size: page_size as usize,
+            jobs: BTreeMap::new(),
+            reports: Vec::new(),
+        }
+    }
+
+    /// Runs one job: writes the prompt's KV, reads it back for the first
+    /// token.
+    pub fn run(&mut self, req: u64) {
+        let Some(job) = self.jobs.remove(&req) else {
+            return;
+        };
+        let ps = self.page_size;
+        let mut result = Ok(());
+        for (pos, &t) in job.tokens.iter().enumerate() {
+            result =
+                result.and_then(|()| write_kv(&mut self.pool, &job.pages, job.owner, ps, pos, t));
+        }
+        let first = result
+            .and_then(|()| next_from_pool(&self.pool, &job.pages, job.owner, ps, job.tokens.len()));
+        self.reports.push(match first {
+            Ok(t) => PrefillReport::Computed {
+                req,
+                first: t,
+                logprobs: None,
+                sampler_state: 0,
+            },
+            Err(e) => PrefillReport::Failed {
+                req,
+                error: crate::refusal::internal(e.to_string()),
+            },
+        });
+    }
+}
+
+/// The stand-in's parameter checks (the real engine checks far more; a
+/// refusal here takes the same path through the glue).
+fn stand_in_check(tokens: &[u32], max_tokens: u32) -> Result<(), Refusal> {
+    if tokens.is_empty() || max_tokens == 0 {
+        return Err(crate::refusal::bad_request(
+            "invalid_parameter",
+            "the prompt and max_tokens must not be empty",
+        ));
+    }
+    Ok(())
+}
+
+impl NodeEngine for StandInPrefill {
+    fn pool(&mut self) -> &mut Pool {
+        &mut self.pool
+    }
+    fn check(
+        &mut self,
+        _: u64,
+        tokens: &[u32],
+        max_tokens: u32,
+        _: &GenSpec,
+    ) -> Result<(), Refusal> {
+        stand_in_check(tokens, max_tokens)
+    }
+    fn stop(&mut self, req: u64) {
+        self.jobs.remove(&req);
+    }
+}
+
+impl PrefillEngine for StandInPrefill {
+    fn compute(&mut self, job: ComputeJob) {
+        self.jobs.insert(job.req, job);
+    }
+    fn take_reports(&mut self, out: &mut Vec<PrefillReport>) {
+        out.append(&mut self.reports);
+    }
+}
+
+/// What decode's stand-in engine saw when it started a request: the
+/// world checks it against the client's prompt (K3/K10) and canaries (K7).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Start {
+    pub req: u64,
+    pub tokens: Vec<u32>,
+    /// The next token read from the pages through the pool.
+    pub read: Result<u32, String>,
+    /// A page whose canary failed, if any.
+    pub canary_failed: Option<u32>,
+}
+
+/// Decode's engine over the stand-in model: a request decodes one token
+/// each time the driver steps it ([`World::decode_step`]).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct StandInDecode {
+    pub pool: Pool,
+    page_size: usize,
+    pub decoding: BTreeMap<u64, Decoding>,
+    reports: Vec<DecodeReport>,
+    /// Starts since the world last looked.
+    pub starts: Vec<Start>,
+}
+
+impl StandInDecode {
+    pub fn new(pool: Pool, page_size: u32) -> StandInDecode {
+        StandInDecode {
+            pool,
+            page_size: page_size as usize,
+            decoding: BTreeMap::new(),
+            reports: Vec::new(),
+            starts: Vec::new(),
+        }
+    }
+
+    /// One decode step of one request.
+    pub fn step(&mut self, req: u64) {
+        let ps = self.page_size;
+        let Some(d) = self.decoding.get_mut(&req) else {
+            return;
+        };
+        let n = d.seq.len();
+        let last = *d.seq.last().expect("non-empty");
+        let next = write_kv(&mut self.pool, &d.pages, d.owner, ps, n - 1, last)
+            .and_then(|()| next_from_pool(&self.pool, &d.pages, d.owner, ps, n));
+        match next {
+            Ok(t) => {
+                d.seq.push(t);
+                d.generated += 1;
+                let conn = d.conn;
+                let done = d.generated >= d.max_tokens;
+                let generated = d.generated;
+                self.reports.push(DecodeReport::Token {
+                    req,
+                    conn,
+                    id: t,
+                    text: String::new(),
+                    logprobs: None,
+                });
+                if done {
+                    self.decoding.remove(&req);
+                    self.reports.push(DecodeReport::Finished {
+                        req,
+                        finish: 1,
+                        completion_tokens: generated,
+                        tail_text: String::new(),
+                    });
+                }
+            }
+            Err(e) => {
+                self.decoding.remove(&req);
+                self.reports.push(DecodeReport::Failed {
+                    req,
+                    error: crate::refusal::internal(e.to_string()),
+                });
+            }
+        }
+    }
+}
+
+impl NodeEngine for StandInDecode {
+    fn pool(&mut self) -> &mut Pool {
+        &mut self.pool
+    }
+    fn check(
+        &mut self,
+        _: u64,
+        tokens: &[u32],
+        max_tokens: u32,
+        _: &GenSpec,
+    ) -> Result<(), Refusal> {
+        stand_in_check(tokens, max_tokens)
+    }
+    fn stop(&mut self, req: u64) {
+        self.decoding.remove(&req);
+    }
+}
+
+impl DecodeEngine for StandInDecode {
+    fn start_decode(&mut self, s: DecodeStart) -> Result<(), Refusal> {
+        let ps = self.page_size;
+        self.starts.push(Start {
+            req: s.req,
+            tokens: s.tokens.clone(),
+            read: next_from_pool(&self.pool, &s.pages, s.owner, ps, s.tokens.len())
+                .map_err(|e| e.to_string()),
+            canary_failed: s
+                .pages
+                .iter()
+                .find(|&&h| self.pool.check_canary(h, s.owner).is_err())
+                .map(|h| h.index),
+        });
+        let mut seq = s.tokens.clone();
+        seq.push(s.first_token);
+        self.reports.push(DecodeReport::Token {
+            req: s.req,
+            conn: s.conn,
+            id: s.first_token,
+            text: String::new(),
+            logprobs: None,
+        });
+        if s.max_tokens <= 1 {
+            self.reports.push(DecodeReport::Finished {
+                req: s.req,
+                finish: 1,
+                completion_tokens: 1,
+                tail_text: String::new(),
+            });
+        } else {
+            self.decoding.insert(
+                s.req,
+                Decoding {
+                    owner: s.owner,
+                    conn: s.conn,
+                    pages: s.pages,
+                    seq,
+                    generated: 1,
+                    max_tokens: s.max_tokens,
+                },
+            );
+        }
+        Ok(())
+    }
+    fn take_reports(&mut self, out: &mut Vec<DecodeReport>) {
+        out.append(&mut self.reports);
+    }
+}
+
 // ----------------------------------------------------------- parameters
 
 /// Sizes and limits of the nodes; every count is a bound.
@@ -258,7 +500,7 @@ struct Conn {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct Decoding {
+pub struct Decoding {
     owner: Owner,
     conn: ConnId,
     pages: Vec<PageRef>,
@@ -333,10 +575,10 @@ pub type Tamper<'a> = &'a mut dyn FnMut(&mut Message) -> bool;
 pub struct World {
     params: WorldParams,
     pub gateway: Gateway,
-    pub prefill: PrefillNode,
-    pub decode: DecodeNode,
-    pub prefill_pool: Pool,
-    pub decode_pool: Pool,
+    /// Prefill and decode run the production glue ([`crate::node`]) over
+    /// the stand-in engines.
+    pub prefill: node::Prefill<StandInPrefill>,
+    pub decode: node::Decode<StandInDecode>,
     prefill_up: bool,
     decode_up: bool,
     conns: BTreeMap<ConnId, Conn>,
@@ -345,8 +587,6 @@ pub struct World {
     gw_links: [Option<ConnId>; 2],
     /// Dials prefill has asked for.
     dials: VecDeque<String>,
-    jobs: BTreeMap<u64, ComputeJob>,
-    decoding: BTreeMap<u64, Decoding>,
     clients: BTreeMap<u64, Client>,
     next_req: u64,
     pub counters: WorldCounters,
@@ -400,18 +640,14 @@ impl World {
                 prefill: vec![PREFILL_ADDR.into()],
                 decode: vec![DECODE_ADDR.into()],
             }),
-            prefill: Self::new_prefill(&params),
-            decode: Self::new_decode(&params),
-            prefill_pool: pool(params.prefill_pages),
-            decode_pool: pool(params.decode_pages),
+            prefill: Self::new_prefill(&params, pool(params.prefill_pages)),
+            decode: Self::new_decode(&params, pool(params.decode_pages)),
             prefill_up: true,
             decode_up: true,
             conns: BTreeMap::new(),
             next_conn: 1,
             gw_links: [None, None],
             dials: VecDeque::new(),
-            jobs: BTreeMap::new(),
-            decoding: BTreeMap::new(),
             clients,
             next_req: FIRST_REQUEST,
             counters: WorldCounters::default(),
@@ -425,25 +661,27 @@ impl World {
         w
     }
 
-    fn new_prefill(p: &WorldParams) -> PrefillNode {
-        PrefillNode::new(PrefillConfig {
+    fn new_prefill(p: &WorldParams, pool: Pool) -> node::Prefill<StandInPrefill> {
+        let machine = PrefillNode::new(PrefillConfig {
             identity: identity("prefill-0", p.page_size, p.prefill_limit),
             vocab: VOCAB,
             requests_max: 32,
             queue_max: 32,
             window_pages: p.window_pages,
             tombstones_max: 64,
-        })
+        });
+        node::Prefill::new(machine, StandInPrefill::new(pool, p.page_size))
     }
 
-    fn new_decode(p: &WorldParams) -> DecodeNode {
-        DecodeNode::new(DecodeConfig {
+    fn new_decode(p: &WorldParams, pool: Pool) -> node::Decode<StandInDecode> {
+        let machine = DecodeNode::new(DecodeConfig {
             identity: identity("decode-0", p.page_size, p.decode_limit),
             vocab: VOCAB,
             requests_max: 32,
             waiting_max: 32,
             ack_every_pages: p.window_pages,
-        })
+        });
+        node::Decode::new(machine, StandInDecode::new(pool, p.page_size))
     }
 
     pub fn params(&self) -> &WorldParams {
@@ -510,10 +748,10 @@ impl World {
         !self.dials.is_empty()
     }
     pub fn jobs(&self) -> Vec<u64> {
-        self.jobs.keys().copied().collect()
+        self.prefill.engine.jobs.keys().copied().collect()
     }
     pub fn decoding(&self) -> Vec<u64> {
-        self.decoding.keys().copied().collect()
+        self.decode.engine.decoding.keys().copied().collect()
     }
     /// Whether the gateway has no link to prefill (0) or decode (1) while
     /// that node is up (its connection manager would dial).
@@ -560,9 +798,9 @@ impl World {
             self.deliver(conn, side, 0, None, None);
         } else if self.has_dials() {
             self.prefill_dial();
-        } else if let Some(&req) = self.jobs.keys().next() {
+        } else if let Some(&req) = self.prefill.engine.jobs.keys().next() {
             self.compute(req);
-        } else if let Some(&req) = self.decoding.keys().next() {
+        } else if let Some(&req) = self.decode.engine.decoding.keys().next() {
             self.decode_step(req);
         } else {
             return false;
@@ -603,15 +841,7 @@ impl World {
         let mut ga = Vec::new();
         self.gateway.connected(which, conn, &mut ga);
         self.gateway_actions(ga);
-        if to == Node::Prefill {
-            let mut pa = Vec::new();
-            self.prefill.accepted(conn, &mut pa);
-            self.prefill_actions(pa);
-        } else {
-            let mut da = Vec::new();
-            self.decode.connected(conn, &mut da);
-            self.decode_actions(da);
-        }
+        self.node_event(to, NetEvent::Accepted { conn });
     }
 
     /// Prefill's oldest dial completes (or fails if decode is down).
@@ -621,24 +851,19 @@ impl World {
         };
         if !self.decode_up || addr != DECODE_ADDR {
             self.trace(|| format!("prefill's dial to {addr} fails"));
-            let mut pa = Vec::new();
-            self.prefill.connect_failed(
-                &mut self.prefill_pool,
-                &addr,
-                "connection refused",
-                &mut pa,
+            self.node_event(
+                Node::Prefill,
+                NetEvent::DialFailed {
+                    addr,
+                    why: "connection refused".into(),
+                },
             );
-            self.prefill_actions(pa);
             return;
         }
         let conn = self.open(Node::Prefill, Node::Decode);
         self.trace(|| format!("prefill dials decode: conn {conn}"));
-        let mut pa = Vec::new();
-        self.prefill.connected(conn, &addr, &mut pa);
-        self.prefill_actions(pa);
-        let mut da = Vec::new();
-        self.decode.connected(conn, &mut da);
-        self.decode_actions(da);
+        self.node_event(Node::Prefill, NetEvent::Dialled { conn, addr });
+        self.node_event(Node::Decode, NetEvent::Accepted { conn });
     }
 
     fn send(&mut self, from: Node, conn: ConnId, msg: &Message) {
@@ -743,18 +968,9 @@ impl World {
                 self.gateway.closed(conn, &mut ga);
                 self.gateway_actions(ga);
             }
-            Node::Prefill => {
-                if self.prefill_up {
-                    let mut pa = Vec::new();
-                    self.prefill.closed(&mut self.prefill_pool, conn, &mut pa);
-                    self.prefill_actions(pa);
-                }
-            }
-            Node::Decode => {
-                if self.decode_up {
-                    let mut da = Vec::new();
-                    self.decode.closed(&mut self.decode_pool, conn, &mut da);
-                    self.decode_actions(da);
+            Node::Prefill | Node::Decode => {
+                if self.up(node) {
+                    self.node_event(node, NetEvent::Closed { conn });
                 }
             }
         }
@@ -862,12 +1078,7 @@ impl World {
                 self.gateway.message(conn, msg, &mut ga);
                 self.gateway_actions(ga);
             }
-            Node::Prefill => {
-                let mut pa = Vec::new();
-                self.prefill
-                    .message(&mut self.prefill_pool, conn, msg, &mut pa);
-                self.prefill_actions(pa);
-            }
+            Node::Prefill => self.node_event(Node::Prefill, NetEvent::Message { conn, msg }),
             Node::Decode => {
                 // K2 as an event: a page may change decode's memory only
                 // through the live reservation it names.
@@ -877,30 +1088,32 @@ impl World {
                     } => {
                         let reserved = self
                             .decode
+                            .machine
                             .pages_of(*req)
                             .and_then(|p| p.get(*position as usize).copied());
-                        let before = (
-                            self.decode_pool.epoch_of(dst.index),
-                            self.decode_pool.page_fingerprint(dst.index),
-                        );
+                        let pool = &self.decode.engine.pool;
+                        let before = (pool.epoch_of(dst.index), pool.page_fingerprint(dst.index));
                         Some((*req, *dst, reserved, before))
                     }
                     _ => None,
                 };
                 if let Message::Cancel { req } = &msg {
-                    if self.decode.phase_of(*req) == Some(crate::decode::DecodePhase::Receiving) {
+                    if self.decode.machine.phase_of(*req)
+                        == Some(crate::decode::DecodePhase::Receiving)
+                    {
                         self.counters.cancels_mid_transfer += 1;
                     }
                 }
-                let mut da = Vec::new();
+                let mut cmds = Vec::new();
                 self.decode
-                    .message(&mut self.decode_pool, conn, msg, &mut da);
+                    .event(NetEvent::Message { conn, msg }, &mut cmds);
                 if let Some((req, dst, reserved, (epoch, before))) = page {
                     // A page freed or reallocated by the event (a failed
                     // transfer's pages are poisoned, a waiting request's get
                     // canaries) changed for other reasons: K1/K4 judge those.
-                    let same_epoch = self.decode_pool.epoch_of(dst.index) == epoch;
-                    let written = before != self.decode_pool.page_fingerprint(dst.index);
+                    let pool = &self.decode.engine.pool;
+                    let same_epoch = pool.epoch_of(dst.index) == epoch;
+                    let written = before != pool.page_fingerprint(dst.index);
                     let named_live = reserved
                         == Some(PageRef {
                             index: dst.index,
@@ -916,12 +1129,62 @@ impl World {
                         ));
                     }
                 }
-                self.decode_actions(da);
+                self.commands(Node::Decode, cmds);
             }
         }
     }
 
     // ---------------------------------------------------------- actions
+
+    /// A transport event at a node, through the production glue
+    /// ([`crate::node`]); its commands go onto the world's connections.
+    fn node_event(&mut self, node: Node, ev: NetEvent) {
+        let mut cmds = Vec::new();
+        match node {
+            Node::Prefill => self.prefill.event(ev, &mut cmds),
+            Node::Decode => self.decode.event(ev, &mut cmds),
+            Node::Gateway => unreachable!("the gateway is not a node with an engine"),
+        }
+        self.commands(node, cmds);
+    }
+
+    /// Carries out a node's commands, then checks what its engine started.
+    fn commands(&mut self, node: Node, cmds: Vec<NetCommand>) {
+        for c in cmds {
+            match c {
+                NetCommand::Send { conn, msg } => self.send(node, conn, &msg),
+                NetCommand::Close { conn } => self.close_by(node, conn),
+                NetCommand::Dial { addr } => self.dials.push_back(addr),
+            }
+        }
+        self.check_starts();
+    }
+
+    /// K3/K10 and K7 as events: decode started only on pages that hold
+    /// exactly this request's prompt, written in their current epoch, with
+    /// every canary intact (the stand-in engine read them when it started).
+    fn check_starts(&mut self) {
+        for st in std::mem::take(&mut self.decode.engine.starts) {
+            let prompt = self.clients.get(&st.req).map(|c| c.spec.prompt.clone());
+            match (&prompt, &st.read) {
+                (Some(p), Ok(t)) if *p == st.tokens && *t == reference_next(p) => {}
+                _ => self.violations.push(format!(
+                    "K3/K10: decode started request {} on pages that do not hold its prompt \
+                     (decode has {} tokens, the client sent {:?}; reading them: {:?})",
+                    st.req,
+                    st.tokens.len(),
+                    prompt.as_ref().map(Vec::len),
+                    st.read
+                )),
+            }
+            if let Some(index) = st.canary_failed {
+                self.violations.push(format!(
+                    "K7: decode started request {} although page {index} failed its canary",
+                    st.req
+                ));
+            }
+        }
+    }
 
     fn gateway_actions(&mut self, actions: Vec<GatewayAction>) {
         for a in actions {
@@ -929,35 +1192,6 @@ impl World {
                 GatewayAction::Send { conn, msg } => self.send(Node::Gateway, conn, &msg),
                 GatewayAction::Close { conn } => self.close_by(Node::Gateway, conn),
                 GatewayAction::Deliver { req, event } => self.client_event(req, event),
-            }
-        }
-    }
-
-    fn prefill_actions(&mut self, actions: Vec<PrefillAction>) {
-        for a in actions {
-            match a {
-                PrefillAction::Send { conn, msg } => self.send(Node::Prefill, conn, &msg),
-                PrefillAction::Close { conn } => self.close_by(Node::Prefill, conn),
-                PrefillAction::Connect { addr } => self.dials.push_back(addr),
-                PrefillAction::Compute(job) => {
-                    self.jobs.insert(job.req, *job);
-                }
-                PrefillAction::StopCompute { req } => {
-                    self.jobs.remove(&req);
-                }
-            }
-        }
-    }
-
-    fn decode_actions(&mut self, actions: Vec<DecodeAction>) {
-        for a in actions {
-            match a {
-                DecodeAction::Send { conn, msg } => self.send(Node::Decode, conn, &msg),
-                DecodeAction::Close { conn } => self.close_by(Node::Decode, conn),
-                DecodeAction::StartDecode(start) => self.start_decode(*start),
-                DecodeAction::StopDecode { req } => {
-                    self.decoding.remove(&req);
-                }
             }
         }
     }
@@ -1002,132 +1236,22 @@ impl World {
     /// Prefill's engine runs one job: writes the prompt's KV, reads it
     /// back for the first token.
     pub fn compute(&mut self, req: u64) {
-        let Some(job) = self.jobs.remove(&req) else {
+        if !self.prefill.engine.jobs.contains_key(&req) {
             return;
-        };
+        }
         self.trace(|| format!("prefill computes request {req}"));
-        let ps = self.params.page_size as usize;
-        let mut result = Ok(());
-        for (pos, &t) in job.tokens.iter().enumerate() {
-            result = result
-                .and_then(|()| write_kv(&mut self.prefill_pool, &job.pages, job.owner, ps, pos, t));
-        }
-        let first = result.and_then(|()| {
-            next_from_pool(
-                &self.prefill_pool,
-                &job.pages,
-                job.owner,
-                ps,
-                job.tokens.len(),
-            )
-        });
-        let mut pa = Vec::new();
-        match first {
-            Ok(t) => self
-                .prefill
-                .computed(&mut self.prefill_pool, req, t, None, 0, &mut pa),
-            Err(e) => self.prefill.compute_failed(
-                &mut self.prefill_pool,
-                req,
-                crate::refusal::internal(e.to_string()),
-                &mut pa,
-            ),
-        }
-        self.prefill_actions(pa);
-    }
-
-    fn start_decode(&mut self, s: DecodeStart) {
-        // K3/K10 as an event: decode starts only on pages that hold exactly
-        // this request's prompt, written in their current epoch.
-        let ps = self.params.page_size as usize;
-        let prompt = self.clients.get(&s.req).map(|c| c.spec.prompt.clone());
-        let read = next_from_pool(&self.decode_pool, &s.pages, s.owner, ps, s.tokens.len());
-        match (&prompt, &read) {
-            (Some(p), Ok(t)) if *p == s.tokens && *t == reference_next(p) => {}
-            _ => self.violations.push(format!(
-                "K3/K10: decode started request {} on pages that do not hold its prompt \
-                 (decode has {} tokens, the client sent {:?}; reading them: {read:?})",
-                s.req,
-                s.tokens.len(),
-                prompt.as_ref().map(Vec::len)
-            )),
-        }
-        // K7 on decode's memory: nothing wrote past a page into its canary.
-        if let Some(h) = s
-            .pages
-            .iter()
-            .find(|&&h| self.decode_pool.check_canary(h, s.owner).is_err())
-        {
-            self.violations.push(format!(
-                "K7: decode started request {} although page {} failed its canary",
-                s.req, h.index
-            ));
-        }
-        let mut seq = s.tokens.clone();
-        seq.push(s.first_token);
-        let mut da = Vec::new();
-        self.decode
-            .stream_token(s.req, s.conn, s.first_token, String::new(), None, &mut da);
-        let d = Decoding {
-            owner: s.owner,
-            conn: s.conn,
-            pages: s.pages,
-            seq,
-            generated: 1,
-            max_tokens: s.max_tokens,
-        };
-        if d.generated >= d.max_tokens {
-            self.decode
-                .decode_finished(&mut self.decode_pool, s.req, 1, 1, String::new(), &mut da);
-        } else {
-            self.decoding.insert(s.req, d);
-        }
-        self.decode_actions(da);
+        self.prefill.engine.run(req);
+        let mut cmds = Vec::new();
+        self.prefill.reports(&mut cmds);
+        self.commands(Node::Prefill, cmds);
     }
 
     /// Decode's engine runs one step of one request.
     pub fn decode_step(&mut self, req: u64) {
-        let ps = self.params.page_size as usize;
-        let Some(d) = self.decoding.get_mut(&req) else {
-            return;
-        };
-        let n = d.seq.len();
-        let last = *d.seq.last().expect("non-empty");
-        let next = write_kv(&mut self.decode_pool, &d.pages, d.owner, ps, n - 1, last)
-            .and_then(|()| next_from_pool(&self.decode_pool, &d.pages, d.owner, ps, n));
-        let mut da = Vec::new();
-        match next {
-            Ok(t) => {
-                d.seq.push(t);
-                d.generated += 1;
-                let conn = d.conn;
-                let done = d.generated >= d.max_tokens;
-                let generated = d.generated;
-                self.decode
-                    .stream_token(req, conn, t, String::new(), None, &mut da);
-                if done {
-                    self.decoding.remove(&req);
-                    self.decode.decode_finished(
-                        &mut self.decode_pool,
-                        req,
-                        1,
-                        generated,
-                        String::new(),
-                        &mut da,
-                    );
-                }
-            }
-            Err(e) => {
-                self.decoding.remove(&req);
-                self.decode.decode_failed(
-                    &mut self.decode_pool,
-                    req,
-                    crate::refusal::internal(e.to_string()),
-                    &mut da,
-                );
-            }
-        }
-        self.decode_actions(da);
+        self.decode.engine.step(req);
+        let mut cmds = Vec::new();
+        self.decode.reports(&mut cmds);
+        self.commands(Node::Decode, cmds);
     }
 
     // ----------------------------------------------------------- faults
@@ -1146,18 +1270,18 @@ impl World {
         match node {
             Node::Prefill => {
                 self.prefill_up = false;
-                self.jobs.clear();
+                self.prefill.engine.jobs.clear();
                 self.dials.clear();
             }
             Node::Decode => {
-                let s = self.decode.stats();
+                let s = self.decode.machine.stats();
                 self.counters.retired_checksum += s.checksum_failures_total;
                 self.counters.retired_fenced += s.pages_fenced_total;
                 self.counters.retired_late += s.pages_late_total;
                 self.counters.retired_cancels.0 += s.cancels_receiving_total;
                 self.counters.retired_cancels.1 += s.cancels_decoding_total;
                 self.decode_up = false;
-                self.decoding.clear();
+                self.decode.engine.decoding.clear();
             }
             Node::Gateway => unreachable!("the gateway does not crash in this world"),
         }
@@ -1169,21 +1293,19 @@ impl World {
     /// A crashed node comes back empty (new state machine, new pool).
     pub fn restart(&mut self, node: Node) {
         self.trace(|| format!("RESTART {node:?}"));
-        let shape = *self.decode_pool.shape();
+        let shape = *self.decode.engine.pool.shape();
         match node {
             Node::Prefill => {
-                self.prefill = Self::new_prefill(&self.params);
-                self.prefill_pool =
-                    Pool::new(shape, self.params.prefill_pages, PoolOptions::default())
-                        .expect("pool");
+                let pool = Pool::new(shape, self.params.prefill_pages, PoolOptions::default())
+                    .expect("pool");
+                self.prefill = Self::new_prefill(&self.params, pool);
                 self.prefill_up = true;
                 self.gateway_dial(0);
             }
             Node::Decode => {
-                self.decode = Self::new_decode(&self.params);
-                self.decode_pool =
-                    Pool::new(shape, self.params.decode_pages, PoolOptions::default())
-                        .expect("pool");
+                let pool = Pool::new(shape, self.params.decode_pages, PoolOptions::default())
+                    .expect("pool");
+                self.decode = Self::new_decode(&self.params, pool);
                 self.decode_up = true;
                 self.gateway_dial(1);
             }
@@ -1250,8 +1372,8 @@ impl World {
     /// double free (K5).
     pub fn check_pools(&self) -> Result<(), String> {
         for (pool, name, up) in [
-            (&self.prefill_pool, "prefill", self.prefill_up),
-            (&self.decode_pool, "decode", self.decode_up),
+            (&self.prefill.engine.pool, "prefill", self.prefill_up),
+            (&self.decode.engine.pool, "decode", self.decode_up),
         ] {
             if !up {
                 continue;
@@ -1302,25 +1424,27 @@ impl World {
         if self.decode_up {
             let holdings = self
                 .decode
+                .machine
                 .request_phases()
                 .filter(|(_, p)| matches!(p, DecodePhase::Receiving | DecodePhase::Decoding))
                 .filter_map(|(req, _)| {
                     Some((
                         req,
-                        self.decode.owner_of(req)?,
-                        self.decode.pages_of(req)?.to_vec(),
+                        self.decode.machine.owner_of(req)?,
+                        self.decode.machine.pages_of(req)?.to_vec(),
                     ))
                 })
                 .collect();
-            check(&self.decode_pool, "decode", holdings)?;
+            check(&self.decode.engine.pool, "decode", holdings)?;
         }
         if self.prefill_up {
             let holdings = self
                 .prefill
+                .machine
                 .holdings()
                 .map(|(req, owner, pages)| (req, owner, pages.to_vec()))
                 .collect();
-            check(&self.prefill_pool, "prefill", holdings)?;
+            check(&self.prefill.engine.pool, "prefill", holdings)?;
         }
         Ok(())
     }
@@ -1374,18 +1498,18 @@ impl World {
         if !self.check_k4 || !self.decode_up || !self.prefill_up {
             return Ok(());
         }
-        for (req, conn, dst) in self.prefill.sending() {
+        for (req, conn, dst) in self.prefill.machine.sending() {
             let alive = conn
                 .and_then(|c| self.conns.get(&c))
                 .is_some_and(|c| c.closed == [false, false]);
-            if !alive || self.decode.link_of(req) != conn {
+            if !alive || self.decode.machine.link_of(req) != conn {
                 continue;
             }
-            let Some(pages) = self.decode.pages_of(req) else {
+            let Some(pages) = self.decode.machine.pages_of(req) else {
                 continue;
             };
             for h in pages.iter().take(dst.len()) {
-                let epoch = self.decode_pool.epoch_of(h.index);
+                let epoch = self.decode.engine.pool.epoch_of(h.index);
                 if epoch != Some(h.epoch) {
                     return Err(format!(
                         "K4: prefill may still write request {req}'s prompt, but decode's page {} \
@@ -1403,21 +1527,21 @@ impl World {
     pub fn quiescent(&self) -> bool {
         self.clients_done()
             && self.frames().is_empty()
-            && self.jobs.is_empty()
-            && self.decoding.is_empty()
+            && self.prefill.engine.jobs.is_empty()
+            && self.decode.engine.decoding.is_empty()
             && self.dials.is_empty()
             && self.prefill_up
             && self.decode_up
-            && self.decode.requests() == 0
-            && self.prefill.requests() == 0
+            && self.decode.machine.requests() == 0
+            && self.prefill.machine.requests() == 0
             && self.gateway.requests() == 0
     }
 
     /// Every page of every live node is free, none leased.
     pub fn pools_free(&self) -> Result<(), String> {
         for (pool, name, up) in [
-            (&self.prefill_pool, "prefill", self.prefill_up),
-            (&self.decode_pool, "decode", self.decode_up),
+            (&self.prefill.engine.pool, "prefill", self.prefill_up),
+            (&self.decode.engine.pool, "decode", self.decode_up),
         ] {
             let s = pool.stats();
             if up && (s.pages_free != s.pages_total || s.pages_leased != 0) {
@@ -1528,12 +1652,12 @@ impl World {
                 c.spec.tenant,
                 c.tokens,
                 self.gateway.phase_of(req),
-                self.prefill.phase_of(req).filter(|_| self.prefill_up),
-                self.decode.phase_of(req).filter(|_| self.decode_up),
+                self.prefill.machine.phase_of(req).filter(|_| self.prefill_up),
+                self.decode.machine.phase_of(req).filter(|_| self.decode_up),
             );
         }
-        let p = self.prefill_pool.stats();
-        let d = self.decode_pool.stats();
+        let p = self.prefill.engine.pool.stats();
+        let d = self.decode.engine.pool.stats();
         s += &format!(
             "prefill {} pool {}/{} free {} leased; decode {} pool {}/{} free {} leased; {} frames in flight",
             if self.prefill_up { "up" } else { "DOWN" },

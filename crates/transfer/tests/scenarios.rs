@@ -287,12 +287,12 @@ fn run_with_a_stray_write(m: DecodeMutations) -> Result<Vec<transfer::world::Out
         WorldParams::default(),
         vec![ClientSpec::new(1, prompt(7, 6), 2)],
     );
-    w.decode.set_mutations(m);
+    w.decode.machine.set_mutations(m);
     let mut scribbled = false;
     for _ in 0..500 {
         if !scribbled {
-            if let Some(&h) = w.decode.pages_of(100).and_then(|p| p.first()) {
-                w.decode_pool.scribble_trailer(h.index);
+            if let Some(&h) = w.decode.machine.pages_of(100).and_then(|p| p.first()) {
+                w.decode.engine.pool.scribble_trailer(h.index);
                 w.counters.corruptions += 1;
                 scribbled = true;
             }

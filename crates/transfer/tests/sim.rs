@@ -93,6 +93,29 @@ fn an_adversarial_network_never_breaks_safety() {
     assert!(hung < 900, "{hung} of 1000 runs hung");
 }
 
+/// The node glue (`transfer::node`) is the production code the simulator
+/// runs: with its test-only mutation that starts decode as soon as `Done`
+/// arrives (before the completeness verdict), a network that reorders
+/// frames lets `Done` overtake pages, and the world sees decode start on
+/// pages that do not hold the prompt.
+#[test]
+fn glue_that_starts_decode_before_the_verdict_is_caught() {
+    let mut caught = 0;
+    for seed in 0..300 {
+        let mut sim = Sim::new(seed, SimConfig::default().adversarial());
+        sim.decode_glue_mut()
+            .set_mutations(transfer::node::GlueMutations {
+                start_before_verdict: true,
+            });
+        if let Err(e) = sim.run() {
+            assert!(e.contains("K3/K10"), "seed {seed}: {e}");
+            caught += 1;
+        }
+    }
+    assert!(caught > 0, "no seed of 300 caught the mutation");
+    eprintln!("{caught} of 300 seeds caught it");
+}
+
 #[test]
 fn replay() {
     let Ok(seed) = std::env::var("SIM_SEED") else {

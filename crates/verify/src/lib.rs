@@ -54,6 +54,7 @@ use std::time::{Duration, Instant};
 use stateright::{Checker, Model, Property};
 use transfer::decode::DecodeMutations;
 use transfer::gateway::GatewayMutations;
+use transfer::node::GlueMutations;
 use transfer::prefill::PrefillMutations;
 use transfer::wire::Message;
 use transfer::world::{ClientSpec, Node, World, WorldParams};
@@ -72,6 +73,8 @@ pub struct Mutations {
     pub decode: DecodeMutations,
     pub prefill: PrefillMutations,
     pub gateway: GatewayMutations,
+    /// Of the node glue both production and this model run.
+    pub glue: GlueMutations,
 }
 
 /// How the state space is walked.
@@ -302,8 +305,11 @@ impl Model for PdModel {
     fn init_states(&self) -> Vec<World> {
         let mut w = World::new(self.bounds.params.clone(), self.bounds.requests.clone());
         w.gateway.set_mutations(self.bounds.mutations.gateway);
-        w.prefill.set_mutations(self.bounds.mutations.prefill);
-        w.decode.set_mutations(self.bounds.mutations.decode);
+        w.prefill
+            .machine
+            .set_mutations(self.bounds.mutations.prefill);
+        w.decode.machine.set_mutations(self.bounds.mutations.decode);
+        w.decode.set_mutations(self.bounds.mutations.glue);
         vec![w]
     }
 

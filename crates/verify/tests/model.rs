@@ -9,8 +9,9 @@
 //! | (a) prefill placeholder (incident) | K9 | `the_placeholder_path_loses_the_original_error` |
 //! | (b) decode frees on cancel without draining | K4 | `freeing_without_draining_frees_pages_a_transfer_writes` |
 //! | (c) decode believes the epoch a late write names | K2 | `without_the_epoch_check_a_stale_writer_lands` |
+//! | (d) the node glue starts decode on `Done`, before the machine's verdict | K3/K10 | `glue_that_starts_decode_before_the_verdict_reads_unwritten_pages` |
 
-use verify::{check, Bounds, Report};
+use verify::{check, Bounds, Network, Report};
 
 fn run(b: &Bounds) -> Report {
     let r = check(b, 2);
@@ -78,6 +79,30 @@ fn without_the_epoch_check_a_stale_writer_lands() {
     assert!(trace.contains("=> K2: a page of request"), "{trace}");
     // With the check, the same stale writer is fenced (the CI test above
     // runs this bound set clean).
+}
+
+/// The glue between a node's machine and its engine is production code
+/// too (`transfer::node`), and the model runs it: a bug placed there — the
+/// engine started on a request's reservation as soon as `Done` arrives,
+/// before the completeness check's verdict is acted on — is found.
+#[test]
+fn glue_that_starts_decode_before_the_verdict_reads_unwritten_pages() {
+    // Frames in any order (nothing lost or duplicated): `Done` may
+    // overtake the pages it follows.
+    let mut b = Bounds::adversarial();
+    b.cancels = 0;
+    b.network = Network::Adversarial {
+        drops: 0,
+        duplicates: 0,
+    };
+    b.mutations.glue.start_before_verdict = true;
+    let r = run(&b);
+    let trace = violated(&r, "K3/K10");
+    assert!(trace.contains("Done"), "{trace}");
+    assert!(
+        trace.contains("=> K3/K10: decode started request"),
+        "{trace}"
+    );
 }
 
 /// The liveness properties can fail: on a network that loses a frame of a
