@@ -1,5 +1,9 @@
-//! The engine thread: owns the model, the tokenizer's decoders and the pool;
-//! runs the request state machine and the batching loop.
+//! The batch core: owns the model, the tokenizer's decoders and the pool;
+//! runs the request state machine and the batching loop. The unified
+//! engine's thread runs it over local requests ([`Core::run`]); a PD node
+//! (the `pd` crate) drives it over remote ones ([`Core::start_prefill`],
+//! [`Core::start_decode`], [`Core::step_if_running`] and the
+//! [`Core::take_outbox`] of what they produced).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -42,7 +46,7 @@ pub struct EngineStats {
 pub const PREFILL_RATE_ROWS_MIN: usize = 64;
 
 impl EngineStats {
-    pub(crate) fn new(pool: PoolStats) -> EngineStats {
+    pub fn new(pool: PoolStats) -> EngineStats {
         EngineStats {
             pool,
             ..EngineStats::default()
@@ -77,7 +81,7 @@ pub(crate) enum Sink {
 
 /// What a PD role's engine produced for the node loop to act on.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Outcome {
+pub enum Outcome {
     /// A token, the end or a failure of a remote request.
     Event { req: u64, conn: u64, event: Event },
     /// Prefill computed the prompt and sampled the first token.
@@ -142,7 +146,7 @@ fn emit(outbox: &mut Vec<Outcome>, a: &Active, event: Event) {
 }
 
 /// A request the decode role starts from transferred KV.
-pub(crate) struct DecodeJob {
+pub struct DecodeJob {
     pub req: u64,
     pub owner: Owner,
     pub conn: u64,
@@ -159,7 +163,7 @@ pub(crate) struct DecodeJob {
 }
 
 /// A prompt the prefill role computes into its own pages.
-pub(crate) struct PrefillJob {
+pub struct PrefillJob {
     pub req: u64,
     pub owner: Owner,
     pub prompt: Vec<u32>,
@@ -168,26 +172,26 @@ pub(crate) struct PrefillJob {
     pub pages: Vec<PageRef>,
 }
 
-pub(crate) struct Core {
+pub struct Core {
     model: Model,
     tokenizer: Tokenizer,
-    pub(crate) pool: Pool,
-    pub(crate) cfg: EngineConfig,
+    pool: Pool,
+    cfg: EngineConfig,
     /// Events of remote requests and prefill results (PD roles).
-    pub(crate) outbox: Vec<Outcome>,
+    outbox: Vec<Outcome>,
     max_request: usize,
     waiting: VecDeque<Submitted>,
-    pub(crate) running: Vec<Active>,
+    running: Vec<Active>,
     scratch: Scratch,
     rows: Vec<Row>,
     stats: Arc<Mutex<EngineStats>>,
     waiting_count: Arc<AtomicU64>,
-    pub(crate) local: EngineStats,
+    local: EngineStats,
     shutdown: Option<bool>,
 }
 
 impl Core {
-    pub(crate) fn new(
+    pub fn new(
         model: Model,
         tokenizer: Tokenizer,
         pool: Pool,
@@ -259,7 +263,8 @@ impl Core {
         }
     }
 
-    pub(crate) fn publish(&mut self) {
+    /// Publishes occupancy and counters to the shared stats.
+    pub fn publish(&mut self) {
         self.local.pool = self.pool.stats();
         self.local.running = self.running.len();
         self.local.waiting = self.waiting.len();
@@ -594,7 +599,7 @@ impl Core {
 
     /// Prefill role: compute a prompt into its (already allocated) pages;
     /// the first token comes back as [`Outcome::Computed`].
-    pub(crate) fn start_prefill(&mut self, job: PrefillJob) {
+    pub fn start_prefill(&mut self, job: PrefillJob) {
         let now = Instant::now();
         self.local.prompt_tokens_total += job.prompt.len() as u64;
         self.running.push(Active {
@@ -621,7 +626,7 @@ impl Core {
 
     /// Decode role: continue a request whose prompt KV was transferred, from
     /// the first token prefill sampled.
-    pub(crate) fn start_decode(&mut self, job: DecodeJob) -> Result<(), RequestError> {
+    pub fn start_decode(&mut self, job: DecodeJob) -> Result<(), RequestError> {
         let stops = StopStrings::new(job.stop).map_err(|e| RequestError::InvalidParam {
             field: e.field,
             why: e.why,
@@ -671,17 +676,50 @@ impl Core {
 
     /// Takes a PD request out of the batch without touching its pages (its
     /// transfer machine stopped it and frees them).
-    pub(crate) fn stop_remote(&mut self, req: u64) -> bool {
+    pub fn stop_remote(&mut self, req: u64) -> bool {
         let before = self.running.len();
         self.running
             .retain(|a| a.mode == Mode::Full || a.id.0 != req);
         before != self.running.len()
     }
 
-    pub(crate) fn step_if_running(&mut self) {
+    /// One forward step, if any request runs.
+    pub fn step_if_running(&mut self) {
         if !self.running.is_empty() {
             self.step();
         }
+    }
+
+    /// What remote requests produced since the last call, in order.
+    pub fn take_outbox(&mut self, out: &mut Vec<Outcome>) {
+        out.append(&mut self.outbox);
+    }
+
+    /// Requests in the batch.
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn pool_mut(&mut self) -> &mut Pool {
+        &mut self.pool
+    }
+
+    /// The core's counters (published by [`Core::publish`]).
+    pub fn stats(&self) -> &EngineStats {
+        &self.local
+    }
+
+    /// A request refused before it reached the core (a PD node's check).
+    pub fn count_refused(&mut self) {
+        self.local.requests_refused_total += 1;
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.model.config.vocab
     }
 }
 

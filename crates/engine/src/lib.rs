@@ -39,15 +39,14 @@
 //! # Ok(()) }
 //! ```
 
-mod core;
-pub mod pd;
+pub mod core;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-pub use crate::core::EngineStats;
+pub use crate::core::{Core, DecodeJob, EngineStats, Outcome, PrefillJob};
 use kv::{DType, KvShape, Poison, RequestId, TenantId};
 use model::sample::{FinishReason, SamplingParams};
 use model::Model;
@@ -446,11 +445,7 @@ impl Engine {
                 "FAULT-INCIDENT BUILD: over-long requests run as placeholders reading stale KV; \
                  for testing isoserve probe only"
             );
-            pool.set_faults(kv::Faults {
-                skip_watermark_check: true,
-                skip_poison: true,
-                ..kv::Faults::default()
-            });
+            pool.set_faults(kv::Faults::incident());
         }
         if cfg.poison == Poison::Off {
             tracing::warn!("freed KV pages will not be poisoned (--kv-poison off)");

@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use engine::pd::{PdConfig, PdRole};
 use engine::EngineConfig;
 use pd::gateway::{GatewayBackend, GatewayOptions};
+use pd::role::{PdConfig, PdRole};
 use pd::transport::TransportConfig;
 use server::reqlog::RequestLog;
 use server::tenants::Tenants;

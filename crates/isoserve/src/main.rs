@@ -216,8 +216,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{ids:?}");
         }
         Cmd::Serve(args) => serve::run(args)?,
-        Cmd::Prefill(args) => disagg::run_node(engine::pd::PdRole::Prefill, args)?,
-        Cmd::Decode(args) => disagg::run_node(engine::pd::PdRole::Decode, args)?,
+        Cmd::Prefill(args) => disagg::run_node(pd::role::PdRole::Prefill, args)?,
+        Cmd::Decode(args) => disagg::run_node(pd::role::PdRole::Decode, args)?,
         Cmd::Gateway(args) => disagg::run_gateway(args)?,
         Cmd::Probe(_) | Cmd::Audit(_) => {
             unreachable!("handled in main: they have their own exit codes")

@@ -129,6 +129,20 @@ pub struct Faults {
     pub skip_poison: bool,
 }
 
+#[cfg(any(test, feature = "fault-injection"))]
+impl Faults {
+    /// The pool as the incident's engine had it (the `fault-incident`
+    /// builds): reads past a page's written slots are served, freed pages
+    /// keep their contents.
+    pub fn incident() -> Faults {
+        Faults {
+            skip_watermark_check: true,
+            skip_poison: true,
+            ..Faults::default()
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     refused_stale_handle: AtomicU64,

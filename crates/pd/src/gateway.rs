@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use engine::pd::{gen_spec, PdStats};
+use crate::role::{gen_spec, PdStats};
 use engine::{
     Backend, DoneEvent, EngineStats, Event, GenRequest, RequestError, RequestHandle, TokenEvent,
     Usage,
@@ -26,7 +26,8 @@ use transfer::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
 use transfer::wire::{Message, Refusal, ROLE_DECODE};
 use transfer::Identity;
 
-use crate::transport::{Transport, TransportConfig, TransportEvent};
+use crate::transport::{Transport, TransportConfig};
+use transfer::node::NetEvent;
 
 /// Settings of a gateway.
 #[derive(Clone, Debug)]
@@ -189,12 +190,12 @@ impl Inner {
         }
     }
 
-    fn on_event(&self, ev: TransportEvent) {
+    fn on_event(&self, ev: NetEvent) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let st = &mut *st;
         let mut out = Vec::new();
         match ev {
-            TransportEvent::Dialled { conn, addr } => {
+            NetEvent::Dialled { conn, addr } => {
                 if let Some(node) = self.addrs.iter().position(|a| *a == addr) {
                     st.conn_node.insert(conn, node);
                     st.gw.connected(node, conn, &mut out);
@@ -202,18 +203,18 @@ impl Inner {
                     self.transport.close(conn);
                 }
             }
-            TransportEvent::Message { conn, msg } => st.gw.message(conn, msg, &mut out),
-            TransportEvent::Closed { conn } => {
+            NetEvent::Message { conn, msg } => st.gw.message(conn, msg, &mut out),
+            NetEvent::Closed { conn } => {
                 st.gw.closed(conn, &mut out);
                 if let Some(node) = st.conn_node.remove(&conn) {
                     self.node_closed[node].notify_one();
                 }
             }
-            TransportEvent::Accepted { conn } => {
+            NetEvent::Accepted { conn } => {
                 // Nobody dials a gateway over the PD protocol.
                 self.transport.close(conn);
             }
-            TransportEvent::DialFailed { .. } => {}
+            NetEvent::DialFailed { .. } => {}
         }
         self.execute(st, out);
     }
@@ -336,7 +337,7 @@ async fn connection_manager(inner: Weak<Inner>, node: usize, addr: String, max: 
         let a = addr.clone();
         let dialled = i
             .transport
-            .dial_wait(&addr, move |conn| TransportEvent::Dialled { conn, addr: a })
+            .dial_wait(&addr, move |conn| NetEvent::Dialled { conn, addr: a })
             .await;
         match dialled {
             Ok(_conn) => {

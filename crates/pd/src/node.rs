@@ -5,14 +5,14 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use engine::pd::{NetCommand, NetEvent, PdConfig, PdNode, PdRole};
 use engine::{EngineConfig, StartError};
 use model::Model;
 use tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
-use crate::transport::{Transport, TransportConfig, TransportEvent};
+use crate::role::{NetCommand, PdConfig, PdNode, PdRole};
+use crate::transport::{Transport, TransportConfig};
 
 /// A node that serves until [`RunningNode::shutdown`].
 pub struct RunningNode {
@@ -20,16 +20,6 @@ pub struct RunningNode {
     pub transport: Arc<Transport>,
     pub addr: SocketAddr,
     accept: tokio::task::JoinHandle<()>,
-}
-
-fn net_event(ev: TransportEvent) -> NetEvent {
-    match ev {
-        TransportEvent::Accepted { conn } => NetEvent::Accepted { conn },
-        TransportEvent::Dialled { conn, addr } => NetEvent::Dialled { conn, addr },
-        TransportEvent::DialFailed { addr, why } => NetEvent::DialFailed { addr, why },
-        TransportEvent::Message { conn, msg } => NetEvent::Message { conn, msg },
-        TransportEvent::Closed { conn } => NetEvent::Closed { conn },
-    }
 }
 
 /// Starts a node on `listener` (call inside a tokio runtime).
@@ -61,7 +51,7 @@ pub fn start_node(
         .name("isoserve-pd-events".into())
         .spawn(move || {
             while let Some(ev) = rx.blocking_recv() {
-                if !n.event(net_event(ev)) {
+                if !n.event(ev) {
                     break;
                 }
             }

@@ -4,7 +4,7 @@
 //! queued per connection, dial and heartbeat timeouts).
 //!
 //! The transport knows nothing of the protocol: it turns bytes into
-//! [`Message`]s and connection ends into [`TransportEvent`]s for whoever
+//! [`Message`]s and connection ends into [`NetEvent`]s for whoever
 //! owns the state machine, and carries out sends, closes and dials.
 
 use std::collections::HashMap;
@@ -16,6 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
+use transfer::node::NetEvent;
 use transfer::wire::{Message, FRAME_BYTES_MAX};
 
 /// Limits and timings of the transport.
@@ -40,16 +41,6 @@ impl Default for TransportConfig {
             dial_timeout: Duration::from_secs(5),
         }
     }
-}
-
-/// What the transport reports.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TransportEvent {
-    Accepted { conn: u64 },
-    Dialled { conn: u64, addr: String },
-    DialFailed { addr: String, why: String },
-    Message { conn: u64, msg: Message },
-    Closed { conn: u64 },
 }
 
 enum Outgoing {
@@ -80,18 +71,14 @@ pub struct Transport {
     rt: Handle,
     next_conn: AtomicU64,
     conns: Mutex<HashMap<u64, ConnEntry>>,
-    events: mpsc::Sender<TransportEvent>,
+    events: mpsc::Sender<NetEvent>,
     pub stats: TransportStats,
 }
 
 impl Transport {
     /// A transport whose events go to `events` (bounded: readers wait when
     /// the owner falls behind, and TCP pushes back on the peer).
-    pub fn new(
-        cfg: TransportConfig,
-        rt: Handle,
-        events: mpsc::Sender<TransportEvent>,
-    ) -> Arc<Transport> {
+    pub fn new(cfg: TransportConfig, rt: Handle, events: mpsc::Sender<NetEvent>) -> Arc<Transport> {
         Arc::new(Transport {
             cfg,
             rt,
@@ -105,7 +92,7 @@ impl Transport {
     /// An accepted stream: `Accepted` is reported before any of its
     /// messages.
     pub async fn accepted(self: &Arc<Self>, stream: TcpStream) -> u64 {
-        self.register_gated(stream, |conn| TransportEvent::Accepted { conn })
+        self.register_gated(stream, |conn| NetEvent::Accepted { conn })
             .await
     }
 
@@ -114,7 +101,7 @@ impl Transport {
     async fn register_gated(
         self: &Arc<Self>,
         stream: TcpStream,
-        first: impl FnOnce(u64) -> TransportEvent,
+        first: impl FnOnce(u64) -> NetEvent,
     ) -> u64 {
         let _ = stream.set_nodelay(true);
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
@@ -144,16 +131,13 @@ impl Transport {
             match tokio::time::timeout(t.cfg.dial_timeout, TcpStream::connect(&addr)).await {
                 Ok(Ok(stream)) => {
                     let a = addr.clone();
-                    t.register_gated(stream, move |conn| TransportEvent::Dialled {
-                        conn,
-                        addr: a,
-                    })
-                    .await;
+                    t.register_gated(stream, move |conn| NetEvent::Dialled { conn, addr: a })
+                        .await;
                 }
                 Ok(Err(e)) => {
                     let _ = t
                         .events
-                        .send(TransportEvent::DialFailed {
+                        .send(NetEvent::DialFailed {
                             addr,
                             why: e.to_string(),
                         })
@@ -162,7 +146,7 @@ impl Transport {
                 Err(_) => {
                     let _ = t
                         .events
-                        .send(TransportEvent::DialFailed {
+                        .send(NetEvent::DialFailed {
                             addr,
                             why: "connect timed out".into(),
                         })
@@ -177,7 +161,7 @@ impl Transport {
     pub async fn dial_wait(
         self: &Arc<Self>,
         addr: &str,
-        first: impl FnOnce(u64) -> TransportEvent,
+        first: impl FnOnce(u64) -> NetEvent,
     ) -> Result<u64, String> {
         match tokio::time::timeout(self.cfg.dial_timeout, TcpStream::connect(addr)).await {
             Ok(Ok(stream)) => Ok(self.register_gated(stream, first).await),
@@ -251,7 +235,7 @@ impl Transport {
                 .remove(&conn);
             let ev = self.events.clone();
             self.rt.spawn(async move {
-                let _ = ev.send(TransportEvent::Closed { conn }).await;
+                let _ = ev.send(NetEvent::Closed { conn }).await;
             });
         }
     }
@@ -315,7 +299,7 @@ impl Transport {
                         }
                         if self
                             .events
-                            .send(TransportEvent::Message { conn, msg })
+                            .send(NetEvent::Message { conn, msg })
                             .await
                             .is_err()
                         {

@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::pd::{PdConfig, PdRole};
 use engine::{Backend, Engine, EngineConfig, Event, GenRequest, RequestError};
 use kv::TenantId;
 use model::Model;
 use pd::gateway::{GatewayBackend, GatewayOptions};
 use pd::node::{start_node, RunningNode};
+use pd::role::{PdConfig, PdRole};
 use pd::transport::TransportConfig;
 use tokenizer::Tokenizer;
 use transfer::wire::Message;

@@ -1,0 +1,649 @@
+//! The engine in a PD role: a prefill node or a decode node. One thread
+//! owns the batch core ([`engine::Core`]: model, pool, batch) and the
+//! role's transfer state machine ([`transfer::prefill::PrefillNode`] or
+//! [`transfer::decode::DecodeNode`]), joined by the glue in
+//! [`transfer::node`] — the same code the simulator and the model checker
+//! run, with the batch core plugged in as its [`NodeEngine`]. The network
+//! is outside: a transport feeds [`NetEvent`]s in through a bounded channel
+//! and carries out the [`NetCommand`]s the node hands to its callback.
+//! Nothing here opens a socket or reads a clock for a decision (clocks
+//! only time transfers for `/metrics`).
+//!
+//! * **Prefill**: a `Prefill` message is validated (K8 on this node, then
+//!   every parameter) before the machine allocates; the machine's
+//!   `Compute` runs as a prefill-only request in the batch (chunked with
+//!   other prompts), whose first sampled token goes back to the machine,
+//!   which sends the pages and `Done`.
+//! * **Decode**: a `Reserve` is validated the same way; once the machine
+//!   has checked a transfer (K6, K7, K10) its `StartDecode` becomes a
+//!   decode-only request in the batch; tokens stream to the gateway as
+//!   `Token` messages, the end goes back to the machine, which frees the
+//!   pages and sends `Finished`.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use engine::{
+    CapacityInfo, Core, DecodeJob, EngineConfig, EngineStats, Event, GenRequest, Outcome,
+    PrefillJob, RequestError, StartError,
+};
+use kv::{DType, Pool};
+use model::sample::{FinishReason, SamplingParams};
+use model::Model;
+use tokenizer::Tokenizer;
+use transfer::decode::{DecodeConfig, DecodeNode, DecodeStart, DecodeStats};
+use transfer::node::{self, DecodeEngine, DecodeReport, NodeEngine, PrefillEngine, PrefillReport};
+pub use transfer::node::{NetCommand, NetEvent};
+use transfer::prefill::{ComputeJob, PrefillConfig, PrefillNode, PrefillStats};
+use transfer::wire::{GenSpec, KvLayout, Message, Refusal, WireLogprobs};
+use transfer::Identity;
+
+/// Which PD role a node plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PdRole {
+    Prefill,
+    Decode,
+}
+
+/// Settings of the PD protocol on a node.
+#[derive(Clone, Debug)]
+pub struct PdConfig {
+    /// This node's name (unique in a deployment).
+    pub node: String,
+    /// The model's fingerprint (`gguf::GgufFile::fingerprint`).
+    pub fingerprint: [u8; 32],
+    /// Pages in flight per transfer before an acknowledgement (the bounded
+    /// transfer batch).
+    pub window_pages: u32,
+    /// Requests the node knows at once.
+    pub requests_max: usize,
+    /// Requests waiting for free pages.
+    pub waiting_max: usize,
+    /// Events waiting for the node thread (the transport blocks beyond).
+    pub events_max: usize,
+}
+
+impl Default for PdConfig {
+    fn default() -> Self {
+        PdConfig {
+            node: "node".into(),
+            fingerprint: [0; 32],
+            window_pages: 8,
+            requests_max: 256,
+            waiting_max: 256,
+            events_max: 1024,
+        }
+    }
+}
+
+/// Counters of a PD node: the engine's and its transfer machine's.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PdStats {
+    pub engine: EngineStats,
+    pub prefill: Option<PrefillStats>,
+    pub decode: Option<DecodeStats>,
+    /// Requests the node knows (all phases).
+    pub requests: usize,
+    /// Decode: wall time from a transfer's first page to its checked end,
+    /// summed over completed transfers (with `decode.page_bytes_received`
+    /// this gives the transfer rate). Measured by the node loop, not the
+    /// state machine (which has no clock).
+    pub transfer_seconds_total: f64,
+    pub transfers_timed_total: u64,
+}
+
+/// A node's machine and batch core, joined by the shared glue.
+enum Glue {
+    Prefill(node::Prefill<CoreEngine>),
+    Decode(node::Decode<CoreEngine>),
+}
+
+/// A running PD node.
+pub struct PdNode {
+    role: PdRole,
+    tx: SyncSender<Option<NetEvent>>,
+    capacity: CapacityInfo,
+    layout: KvLayout,
+    stats: Arc<Mutex<PdStats>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The KV layout a node advertises (must match its peer's exactly).
+pub fn kv_layout(model: &Model, cfg: &EngineConfig) -> KvLayout {
+    KvLayout {
+        page_size: cfg.page_size_tokens as u32,
+        dtype: match cfg.kv_dtype {
+            DType::F32 => 0,
+            DType::F16 => 1,
+        },
+        layers: model.config.n_layer as u32,
+        kv_heads: model.config.n_kv_head as u32,
+        head_dim: model.config.head_dim as u32,
+    }
+}
+
+impl PdNode {
+    /// Measures the pool (K8, as [`engine::Engine::start`]), allocates it and
+    /// starts the node thread. `commands` is called on that thread and must
+    /// not block (queue the command and return).
+    pub fn start(
+        role: PdRole,
+        model: Model,
+        tokenizer: Tokenizer,
+        cfg: EngineConfig,
+        pd: PdConfig,
+        commands: Box<dyn FnMut(NetCommand) + Send>,
+    ) -> Result<PdNode, StartError> {
+        let (shape, pages, capacity) = engine::measure(&model, &cfg)?;
+        if pd.window_pages == 0 || pd.requests_max == 0 || pd.events_max == 0 {
+            return Err(StartError::Config(
+                "transfer window, request and event limits must be positive".into(),
+            ));
+        }
+        let layout = kv_layout(&model, &cfg);
+        let identity = Identity {
+            node: pd.node.clone(),
+            fingerprint: pd.fingerprint,
+            layout,
+            max_request_tokens: capacity.max_request_tokens.min(u32::MAX as usize) as u32,
+        };
+        let vocab = model.config.vocab as u32;
+        #[allow(unused_mut)]
+        let mut pool = kv::Pool::new(shape, pages, kv::PoolOptions { poison: cfg.poison })?;
+        let stats = Arc::new(Mutex::new(PdStats::default()));
+        let waiting = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let max_request = capacity.max_request_tokens;
+        #[allow(unused_mut)]
+        let mut glue = match role {
+            PdRole::Prefill => {
+                let machine = PrefillNode::new(PrefillConfig {
+                    identity,
+                    vocab,
+                    requests_max: pd.requests_max,
+                    queue_max: pd.waiting_max,
+                    window_pages: pd.window_pages,
+                    tombstones_max: 4096,
+                });
+                #[cfg(feature = "fault-incident")]
+                let machine = incident_prefill(machine, &mut pool);
+                let core = Core::new(
+                    model,
+                    tokenizer,
+                    pool,
+                    cfg,
+                    max_request,
+                    Arc::new(Mutex::new(EngineStats::default())),
+                    waiting,
+                );
+                Glue::Prefill(node::Prefill::new(machine, CoreEngine::new(core)))
+            }
+            PdRole::Decode => {
+                let machine = DecodeNode::new(DecodeConfig {
+                    identity,
+                    vocab,
+                    requests_max: pd.requests_max,
+                    waiting_max: pd.waiting_max,
+                    ack_every_pages: pd.window_pages.div_ceil(2).max(1),
+                });
+                #[cfg(feature = "fault-incident")]
+                let machine = incident_decode(machine, &mut pool);
+                let core = Core::new(
+                    model,
+                    tokenizer,
+                    pool,
+                    cfg,
+                    max_request,
+                    Arc::new(Mutex::new(EngineStats::default())),
+                    waiting,
+                );
+                Glue::Decode(node::Decode::new(machine, CoreEngine::new(core)))
+            }
+        };
+        let (tx, rx) = mpsc::sync_channel(pd.events_max);
+        let node = NodeLoop {
+            glue,
+            commands,
+            stats: stats.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(match role {
+                PdRole::Prefill => "isoserve-prefill".into(),
+                PdRole::Decode => "isoserve-decode".into(),
+            })
+            .spawn(move || node.run(rx))
+            .map_err(|e| StartError::Config(format!("cannot start the node thread: {e}")))?;
+        Ok(PdNode {
+            role,
+            tx,
+            capacity,
+            layout,
+            stats,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    pub fn role(&self) -> PdRole {
+        self.role
+    }
+
+    pub fn capacity(&self) -> &CapacityInfo {
+        &self.capacity
+    }
+
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Hands an event to the node thread; blocks while its queue is full
+    /// (back-pressure on the transport). False once the node stopped.
+    pub fn event(&self, ev: NetEvent) -> bool {
+        self.tx.send(Some(ev)).is_ok()
+    }
+
+    pub fn stats(&self) -> PdStats {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Stops the node thread (running requests end with the process; the
+    /// transport's connections close and peers release their side).
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(None);
+        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for PdNode {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// `fault-incident` only: the incident on a PD node. Prefill answers a
+/// prompt over its limit with a one-token placeholder reported complete;
+/// decode starts on `Done` without checking that every reserved page
+/// arrived, and reads the pages nobody wrote as the last owner left them
+/// (watermark check and poisoning off).
+#[cfg(feature = "fault-incident")]
+fn incident_pool(pool: &mut kv::Pool) {
+    tracing::error!(
+        "FAULT-INCIDENT BUILD: over-long prompts become one-token placeholders and decode reads \
+         pages nobody wrote; for testing isoserve probe only"
+    );
+    pool.set_faults(kv::Faults::incident());
+}
+
+#[cfg(feature = "fault-incident")]
+fn incident_prefill(mut m: PrefillNode, pool: &mut kv::Pool) -> PrefillNode {
+    incident_pool(pool);
+    m.set_mutations(transfer::prefill::PrefillMutations { placeholder: true });
+    m
+}
+
+#[cfg(feature = "fault-incident")]
+fn incident_decode(mut m: DecodeNode, pool: &mut kv::Pool) -> DecodeNode {
+    incident_pool(pool);
+    m.set_mutations(transfer::decode::DecodeMutations {
+        skip_completeness_check: true,
+        ..Default::default()
+    });
+    m
+}
+
+/// Transfers being timed at once (beyond it the oldest timings are
+/// dropped: they belong to transfers that failed).
+const TIMED_TRANSFERS_MAX: usize = 4096;
+
+struct NodeLoop {
+    glue: Glue,
+    commands: Box<dyn FnMut(NetCommand) + Send>,
+    stats: Arc<Mutex<PdStats>>,
+}
+
+/// The batch core as the glue's engine, on either role.
+struct CoreEngine {
+    core: Core,
+    /// Decode: when each transfer's first page arrived (for `/metrics`).
+    transfer_started: HashMap<u64, Instant>,
+    transfer_seconds_total: f64,
+    transfers_timed_total: u64,
+    outbox: Vec<Outcome>,
+}
+
+impl CoreEngine {
+    fn new(core: Core) -> CoreEngine {
+        CoreEngine {
+            core,
+            transfer_started: HashMap::new(),
+            transfer_seconds_total: 0.0,
+            transfers_timed_total: 0,
+            outbox: Vec::new(),
+        }
+    }
+
+    /// A page of a transfer arrived: start its clock.
+    fn page_arrived(&mut self, req: u64) {
+        if self.transfer_started.len() >= TIMED_TRANSFERS_MAX {
+            self.transfer_started.clear();
+        }
+        self.transfer_started
+            .entry(req)
+            .or_insert_with(Instant::now);
+    }
+}
+
+impl NodeEngine for CoreEngine {
+    fn pool(&mut self) -> &mut Pool {
+        self.core.pool_mut()
+    }
+
+    /// The unified engine's rules for every parameter; the window is the
+    /// machine's check (it counts it, and prefill tells decode at once).
+    fn check(
+        &mut self,
+        tenant: u64,
+        tokens: &[u32],
+        max_tokens: u32,
+        gen: &GenSpec,
+    ) -> Result<(), Refusal> {
+        let req = gen_request(tenant, tokens, max_tokens, gen);
+        engine::validate(&req, usize::MAX, self.core.vocab()).map_err(|e| {
+            self.core.count_refused();
+            refusal_of(&e)
+        })
+    }
+
+    fn stop(&mut self, req: u64) {
+        self.core.stop_remote(req);
+    }
+}
+
+impl PrefillEngine for CoreEngine {
+    fn compute(&mut self, job: ComputeJob) {
+        self.core.start_prefill(PrefillJob {
+            req: job.req,
+            owner: job.owner,
+            prompt: job.tokens,
+            params: params_of(&job.gen),
+            logprobs: job.gen.logprobs.map(usize::from),
+            pages: job.pages,
+        });
+    }
+
+    fn take_reports(&mut self, out: &mut Vec<PrefillReport>) {
+        self.core.take_outbox(&mut self.outbox);
+        for o in self.outbox.drain(..) {
+            match o {
+                Outcome::Computed {
+                    req,
+                    first,
+                    logprobs,
+                    sampler_state,
+                } => out.push(PrefillReport::Computed {
+                    req,
+                    first,
+                    logprobs: wire_logprobs(logprobs),
+                    sampler_state,
+                }),
+                // A prefill-only request only ends in an error (a failed
+                // forward step).
+                Outcome::Event {
+                    req,
+                    event: Event::Error(e),
+                    ..
+                } => out.push(PrefillReport::Failed {
+                    req,
+                    error: refusal_of(&e),
+                }),
+                Outcome::Event { .. } => {}
+            }
+        }
+    }
+}
+
+impl DecodeEngine for CoreEngine {
+    fn start_decode(&mut self, s: DecodeStart) -> Result<(), Refusal> {
+        if let Some(t0) = self.transfer_started.remove(&s.req) {
+            self.transfer_seconds_total += t0.elapsed().as_secs_f64();
+            self.transfers_timed_total += 1;
+        }
+        self.core
+            .start_decode(DecodeJob {
+                req: s.req,
+                owner: s.owner,
+                conn: s.conn,
+                prompt: s.tokens,
+                max_tokens: s.max_tokens as usize,
+                params: params_of(&s.gen),
+                sampler_state: s.sampler_state,
+                stop: s.gen.stop.clone(),
+                ignore_eos: s.gen.ignore_eos,
+                logprobs: s.gen.logprobs.map(usize::from),
+                pages: s.pages,
+                first_token: s.first_token,
+                first_logprobs: engine_logprobs(s.first_logprobs),
+            })
+            .map_err(|e| refusal_of(&e))
+    }
+
+    fn take_reports(&mut self, out: &mut Vec<DecodeReport>) {
+        self.core.take_outbox(&mut self.outbox);
+        for o in self.outbox.drain(..) {
+            let Outcome::Event { req, conn, event } = o else {
+                debug_assert!(false, "decode computed a prefill");
+                continue;
+            };
+            out.push(match event {
+                Event::Token(t) => DecodeReport::Token {
+                    req,
+                    conn,
+                    id: t.id,
+                    text: t.text,
+                    logprobs: wire_logprobs(t.logprob.map(|lp| (lp, t.top_logprobs))),
+                },
+                Event::Done(d) => DecodeReport::Finished {
+                    req,
+                    finish: match d.finish {
+                        FinishReason::Stop => 0,
+                        FinishReason::Length => 1,
+                    },
+                    completion_tokens: d.usage.completion_tokens as u32,
+                    tail_text: d.tail_text,
+                },
+                Event::Error(e) => DecodeReport::Failed {
+                    req,
+                    error: refusal_of(&e),
+                },
+            });
+        }
+    }
+}
+
+/// A request's sampling on the wire → the engine's parameters.
+pub fn params_of(g: &GenSpec) -> SamplingParams {
+    SamplingParams {
+        temperature: g.temperature(),
+        top_k: g.top_k as usize,
+        top_p: g.top_p(),
+        min_p: g.min_p(),
+        repetition_penalty: g.repetition_penalty(),
+        presence_penalty: g.presence_penalty(),
+        frequency_penalty: g.frequency_penalty(),
+        seed: g.seed,
+    }
+}
+
+/// The engine's request → its sampling on the wire.
+pub fn gen_spec(req: &GenRequest) -> GenSpec {
+    let p = &req.params;
+    GenSpec {
+        temperature_bits: p.temperature.to_bits(),
+        top_k: p.top_k.min(u32::MAX as usize) as u32,
+        top_p_bits: p.top_p.to_bits(),
+        min_p_bits: p.min_p.to_bits(),
+        repetition_penalty_bits: p.repetition_penalty.to_bits(),
+        presence_penalty_bits: p.presence_penalty.to_bits(),
+        frequency_penalty_bits: p.frequency_penalty.to_bits(),
+        seed: p.seed,
+        ignore_eos: req.ignore_eos,
+        logprobs: req.logprobs.map(|n| n.min(u8::MAX as usize) as u8),
+        stop: req.stop.clone(),
+    }
+}
+
+/// A request as a node receives it → the engine's request (to validate it
+/// with the same rules as the unified engine).
+pub fn gen_request(tenant: u64, tokens: &[u32], max_tokens: u32, g: &GenSpec) -> GenRequest {
+    GenRequest {
+        tenant: kv::TenantId(tenant),
+        prompt: tokens.to_vec(),
+        max_tokens: max_tokens as usize,
+        params: params_of(g),
+        stop: g.stop.clone(),
+        ignore_eos: g.ignore_eos,
+        logprobs: g.logprobs.map(usize::from),
+    }
+}
+
+/// An engine error as the original error on the wire (K9).
+pub fn refusal_of(e: &RequestError) -> Refusal {
+    let status = match e {
+        RequestError::ContextLengthExceeded { .. }
+        | RequestError::EmptyPrompt
+        | RequestError::InvalidParam { .. } => 400,
+        RequestError::QueueFull { .. } => 429,
+        RequestError::ShuttingDown => 503,
+        RequestError::Internal(_) => 500,
+        RequestError::Remote { status, .. } => *status,
+    };
+    let code = match e {
+        RequestError::Remote { code, .. } => code.clone(),
+        e => e.kind().to_string(),
+    };
+    let message = match e {
+        RequestError::Remote { message, .. } => message.clone(),
+        e => e.to_string(),
+    };
+    Refusal {
+        status,
+        code,
+        message,
+    }
+}
+
+fn wire_logprobs(l: Option<(f32, Vec<(u32, f32)>)>) -> Option<WireLogprobs> {
+    l.map(|(lp, top)| WireLogprobs {
+        logprob_bits: lp.to_bits(),
+        top: top.into_iter().map(|(id, v)| (id, v.to_bits())).collect(),
+    })
+}
+
+fn engine_logprobs(l: Option<WireLogprobs>) -> Option<(f32, Vec<(u32, f32)>)> {
+    l.map(|w| {
+        (
+            f32::from_bits(w.logprob_bits),
+            w.top
+                .into_iter()
+                .map(|(id, b)| (id, f32::from_bits(b)))
+                .collect(),
+        )
+    })
+}
+
+impl NodeLoop {
+    fn engine(&self) -> &CoreEngine {
+        match &self.glue {
+            Glue::Prefill(g) => &g.engine,
+            Glue::Decode(g) => &g.engine,
+        }
+    }
+
+    fn engine_mut(&mut self) -> &mut CoreEngine {
+        match &mut self.glue {
+            Glue::Prefill(g) => &mut g.engine,
+            Glue::Decode(g) => &mut g.engine,
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Option<NetEvent>>) {
+        loop {
+            // Block while idle; poll while a batch runs. The timeout only
+            // bounds how long stats can go unpublished.
+            if self.engine().core.running() == 0 {
+                match rx.recv_timeout(Duration::from_millis(500)) {
+                    Ok(Some(ev)) => self.handle(ev),
+                    Ok(None) | Err(RecvTimeoutError::Disconnected) => break,
+                    Err(RecvTimeoutError::Timeout) => {}
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(Some(ev)) => self.handle(ev),
+                    Ok(None) | Err(mpsc::TryRecvError::Disconnected) => {
+                        self.publish();
+                        return;
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                }
+            }
+            self.engine_mut().core.step_if_running();
+            let mut cmds = Vec::new();
+            match &mut self.glue {
+                Glue::Prefill(g) => g.reports(&mut cmds),
+                Glue::Decode(g) => g.reports(&mut cmds),
+            }
+            self.send(cmds);
+            self.publish();
+        }
+        self.publish();
+    }
+
+    fn publish(&mut self) {
+        let (requests, prefill, decode) = match &self.glue {
+            Glue::Prefill(g) => (g.machine.requests(), Some(g.machine.stats()), None),
+            Glue::Decode(g) => (g.machine.requests(), None, Some(g.machine.stats())),
+        };
+        let e = self.engine_mut();
+        e.core.publish();
+        let mut engine = e.core.stats().clone();
+        engine.pool = e.core.pool().stats();
+        engine.running = e.core.running();
+        let (seconds, timed) = (e.transfer_seconds_total, e.transfers_timed_total);
+        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        s.engine = engine;
+        s.transfer_seconds_total = seconds;
+        s.transfers_timed_total = timed;
+        s.prefill = prefill;
+        s.decode = decode;
+        s.requests = requests;
+    }
+
+    fn send(&mut self, cmds: Vec<NetCommand>) {
+        for c in cmds {
+            (self.commands)(c);
+        }
+    }
+
+    fn handle(&mut self, ev: NetEvent) {
+        let mut cmds = Vec::new();
+        match &mut self.glue {
+            Glue::Prefill(g) => g.event(ev, &mut cmds),
+            Glue::Decode(g) => {
+                if let NetEvent::Message {
+                    msg: Message::Page { req, .. },
+                    ..
+                } = &ev
+                {
+                    g.engine.page_arrived(*req);
+                }
+                g.event(ev, &mut cmds)
+            }
+        }
+        self.send(cmds);
+    }
+}
