@@ -11,48 +11,20 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kv::{FreeOutcome, Owner, PageRef, Pool, PoolStats, RequestId};
+use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId};
 use model::sample::{FinishReason, Sampler, StopStrings};
 use model::{Model, Row, Scratch, SeqCtx};
 use tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
-use crate::{Command, DoneEvent, EngineConfig, Event, RequestError, Submitted, TokenEvent, Usage};
-
-/// Occupancy and counters, refreshed after every step.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct EngineStats {
-    pub pool: PoolStats,
-    pub running: usize,
-    pub waiting: usize,
-    pub prompt_tokens_total: u64,
-    pub generated_tokens_total: u64,
-    pub steps_total: u64,
-    pub requests_finished_total: u64,
-    pub requests_cancelled_total: u64,
-    pub requests_failed_total: u64,
-    /// Requests refused by the engine thread's own re-check (the submit-side
-    /// check should have caught them first; non-zero means a bug upstream).
-    pub requests_refused_total: u64,
-    /// Forward rows per second over steps of at least
-    /// [`PREFILL_RATE_ROWS_MIN`] rows (an average weighted to recent
-    /// steps; 0 until one ran): what prefill achieves at best, so no prompt
-    /// can be prefilled much faster (the audit's `too_fast` rule).
-    pub prefill_tokens_per_s: f64,
-}
+use crate::{
+    Command, DoneEvent, EngineConfig, EngineStats, Event, RequestError, Submitted, TokenEvent,
+    Usage,
+};
 
 /// Steps with fewer rows are dominated by per-step overhead and would
 /// understate the rate.
 pub const PREFILL_RATE_ROWS_MIN: usize = 64;
-
-impl EngineStats {
-    pub fn new(pool: PoolStats) -> EngineStats {
-        EngineStats {
-            pool,
-            ..EngineStats::default()
-        }
-    }
-}
 
 /// What a running request is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -46,10 +46,14 @@ use std::sync::mpsc::{self, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-pub use crate::core::{Core, DecodeJob, EngineStats, Outcome, PrefillJob};
-use kv::{DType, KvShape, Poison, RequestId, TenantId};
-use model::sample::{FinishReason, SamplingParams};
+pub use crate::core::{Core, DecodeJob, Outcome, PrefillJob, PREFILL_RATE_ROWS_MIN};
+use kv::{DType, KvShape, Poison, RequestId};
 use model::Model;
+/// The request vocabulary (re-exported: callers of the engine speak it).
+pub use request::{
+    validate, Backend, DoneEvent, EngineStats, Event, GenRequest, RequestError, RequestHandle,
+    TokenEvent, Usage, MAX_TOKENS_MAX, PAGES_UNKNOWN, TOP_LOGPROBS_MAX,
+};
 use tokenizer::Tokenizer;
 use tokio::sync::mpsc as tmpsc;
 
@@ -77,11 +81,6 @@ pub struct EngineConfig {
 
 /// Default KV budget: 1 GiB, about 23k tokens of the default model in f32.
 pub const KV_MEMORY_BYTES_DEFAULT: u64 = 1 << 30;
-/// Largest `top_logprobs` a request may ask for (as OpenAI's API).
-pub const TOP_LOGPROBS_MAX: usize = 20;
-/// Largest `max_tokens` any request may ask for (also bounded by the window).
-pub const MAX_TOKENS_MAX: usize = 1 << 20;
-
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
@@ -151,167 +150,6 @@ pub enum StartError {
     Kv(#[from] kv::KvError),
 }
 
-/// Why a request was refused or failed. `kind()` names it for logs and
-/// metrics; the server maps each to an HTTP status.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum RequestError {
-    #[error(
-        "This model's maximum context length is {limit} tokens. However, you requested {total} \
-         tokens ({prompt} in the messages, {max_tokens} in the completion). Please reduce the \
-         length of the messages or completion."
-    )]
-    ContextLengthExceeded {
-        prompt: usize,
-        max_tokens: usize,
-        total: usize,
-        limit: usize,
-    },
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    #[error("invalid parameter `{field}`: {why}")]
-    InvalidParam { field: &'static str, why: String },
-    #[error("the server is busy: {waiting} requests are waiting (limit {limit}); retry later")]
-    QueueFull { waiting: usize, limit: usize },
-    #[error("the server is shutting down")]
-    ShuttingDown,
-    #[error("internal error: {0}")]
-    Internal(String),
-    /// Refused or failed on a remote node (PD): that node's original error,
-    /// unchanged (K9).
-    #[error("{message}")]
-    Remote {
-        status: u16,
-        code: String,
-        message: String,
-    },
-}
-
-impl RequestError {
-    pub fn kind(&self) -> &'static str {
-        match self {
-            RequestError::ContextLengthExceeded { .. } => "context_length_exceeded",
-            RequestError::EmptyPrompt => "empty_prompt",
-            RequestError::InvalidParam { .. } => "invalid_parameter",
-            RequestError::QueueFull { .. } => "queue_full",
-            RequestError::ShuttingDown => "shutting_down",
-            RequestError::Internal(_) => "internal_error",
-            RequestError::Remote { .. } => "remote_error",
-        }
-    }
-}
-
-/// A generation request, tokenised.
-#[derive(Clone, Debug)]
-pub struct GenRequest {
-    pub tenant: TenantId,
-    pub prompt: Vec<u32>,
-    pub max_tokens: usize,
-    pub params: SamplingParams,
-    pub stop: Vec<String>,
-    pub ignore_eos: bool,
-    /// Return the chosen token's log-probability and this many alternatives
-    /// (`None`: no logprobs).
-    pub logprobs: Option<usize>,
-}
-
-impl GenRequest {
-    pub fn greedy(tenant: TenantId, prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
-        GenRequest {
-            tenant,
-            prompt,
-            max_tokens,
-            params: SamplingParams::default(),
-            stop: Vec::new(),
-            ignore_eos: false,
-            logprobs: None,
-        }
-    }
-}
-
-/// One generated token.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenEvent {
-    pub id: u32,
-    /// Text that became final with this token (may be empty: held back for
-    /// UTF-8 completion or a possible stop string).
-    pub text: String,
-    pub logprob: Option<f32>,
-    /// (token id, logprob) of the most likely alternatives.
-    pub top_logprobs: Vec<(u32, f32)>,
-}
-
-/// Token counts, as OpenAI reports them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-}
-
-/// The end of a request.
-#[derive(Clone, Debug, PartialEq)]
-pub struct DoneEvent {
-    pub finish: FinishReason,
-    pub usage: Usage,
-    /// Text held back at the end (a partial stop-string prefix that never
-    /// completed); already included in no earlier token event.
-    pub tail_text: String,
-    pub queue_ms: f64,
-    pub ttft_ms: f64,
-    pub total_ms: f64,
-    pub pages: usize,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub enum Event {
-    Token(TokenEvent),
-    Done(DoneEvent),
-    Error(RequestError),
-}
-
-/// The caller's side of a request: events, and cancellation on drop.
-pub struct RequestHandle {
-    pub id: RequestId,
-    events: tmpsc::UnboundedReceiver<Event>,
-    cancel: Arc<AtomicBool>,
-    /// Called once on the first cancel (a backend that must be told, e.g.
-    /// the PD gateway, rather than poll the flag).
-    on_cancel: Option<Box<dyn Fn() + Send + Sync>>,
-    /// KV pages allocated to the request so far ([`PAGES_UNKNOWN`] until
-    /// the backend says), for the request log: a request refused while it
-    /// held pages is part of the incident's signature.
-    pages: Arc<AtomicU64>,
-}
-
-/// [`RequestHandle::pages_cell`] before the backend has said.
-pub const PAGES_UNKNOWN: u64 = u64::MAX;
-
-/// Something that runs requests: the unified [`Engine`], or a PD gateway.
-/// The HTTP layer serves any backend.
-pub trait Backend: Send + Sync {
-    /// Queues a request (validated against the backend's limit).
-    fn submit(&self, req: GenRequest) -> Result<RequestHandle, RequestError>;
-    /// The largest `prompt + max_tokens` accepted now (K8; a PD gateway's
-    /// changes when a node restarts with another pool).
-    fn max_request_tokens(&self) -> usize;
-    /// Occupancy and counters.
-    fn stats(&self) -> EngineStats;
-    /// The KV pool's capacity in tokens, where one pool serves the
-    /// requests (the unified engine; a PD gateway has none of its own).
-    fn kv_capacity_tokens(&self) -> Option<usize> {
-        None
-    }
-    /// Stops admitting; `drain`: let running requests finish.
-    fn shutdown(&self, drain: bool);
-    /// Whether requests can be served now (a PD gateway: a pair is up).
-    fn ready(&self) -> bool {
-        true
-    }
-    /// More Prometheus text for `/metrics` (a PD gateway's counters).
-    fn metrics_text(&self) -> String {
-        String::new()
-    }
-}
-
 impl Backend for Engine {
     fn submit(&self, req: GenRequest) -> Result<RequestHandle, RequestError> {
         Engine::submit(self, req)
@@ -327,71 +165,6 @@ impl Backend for Engine {
     }
     fn shutdown(&self, drain: bool) {
         Engine::shutdown(self, drain)
-    }
-}
-
-impl RequestHandle {
-    /// Next event (async); `None` after Done/Error.
-    pub async fn next(&mut self) -> Option<Event> {
-        self.events.recv().await
-    }
-
-    /// Next event, blocking the thread (not for async contexts).
-    pub fn blocking_next(&mut self) -> Option<Event> {
-        self.events.blocking_recv()
-    }
-
-    /// Cooperative cancel: the engine frees the request's pages at its next
-    /// step. Dropping the handle does the same.
-    pub fn cancel(&self) {
-        if !self.cancel.swap(true, Ordering::AcqRel) {
-            if let Some(f) = &self.on_cancel {
-                f();
-            }
-        }
-    }
-
-    /// A handle over events produced elsewhere (a backend other than the
-    /// engine); `on_cancel` runs once when the caller cancels or drops it.
-    pub fn new(
-        id: RequestId,
-        events: tmpsc::UnboundedReceiver<Event>,
-        on_cancel: Box<dyn Fn() + Send + Sync>,
-    ) -> RequestHandle {
-        RequestHandle {
-            id,
-            events,
-            cancel: Arc::new(AtomicBool::new(false)),
-            on_cancel: Some(on_cancel),
-            pages: Arc::new(AtomicU64::new(PAGES_UNKNOWN)),
-        }
-    }
-
-    /// KV pages allocated to the request so far (`None`: the backend does
-    /// not know, or has not said).
-    pub fn pages_allocated(&self) -> Option<usize> {
-        match self.pages.load(Ordering::Acquire) {
-            PAGES_UNKNOWN => None,
-            n => Some(n as usize),
-        }
-    }
-
-    /// The page count, for a reader that outlives the handle (the request
-    /// log writes after the handle is gone).
-    pub fn pages_cell(&self) -> Arc<AtomicU64> {
-        self.pages.clone()
-    }
-
-    /// A handle whose page count the backend keeps in `cell`.
-    pub fn with_pages_cell(mut self, cell: Arc<AtomicU64>) -> RequestHandle {
-        self.pages = cell;
-        self
-    }
-}
-
-impl Drop for RequestHandle {
-    fn drop(&mut self) {
-        self.cancel();
     }
 }
 
@@ -525,13 +298,7 @@ impl Engine {
             });
         }
         match self.tx.try_send(Command::Submit(Box::new(sub))) {
-            Ok(()) => Ok(RequestHandle {
-                id,
-                events: erx,
-                cancel,
-                on_cancel: None,
-                pages,
-            }),
+            Ok(()) => Ok(RequestHandle::local(id, erx, cancel, pages)),
             Err(TrySendError::Full(_)) => {
                 self.waiting.fetch_sub(1, Ordering::AcqRel);
                 Err(RequestError::QueueFull {
@@ -646,7 +413,6 @@ pub fn measure(
     Ok((shape, pages, capacity))
 }
 
-/// The checks every node makes before anything is allocated.
 /// `fault-incident` only: the incident's placeholder path. An over-long
 /// request keeps its last tokens that fit and is marked to compute only the
 /// final one.
@@ -662,48 +428,4 @@ fn incident_placeholder(mut req: GenRequest, max_request: usize) -> (GenRequest,
             .min(max_request.saturating_sub(req.prompt.len()).max(1));
     }
     (req, over)
-}
-
-pub fn validate(req: &GenRequest, max_request: usize, vocab: usize) -> Result<(), RequestError> {
-    if req.prompt.is_empty() {
-        return Err(RequestError::EmptyPrompt);
-    }
-    if req.max_tokens == 0 || req.max_tokens > MAX_TOKENS_MAX {
-        return Err(RequestError::InvalidParam {
-            field: "max_tokens",
-            why: format!("must be 1..={MAX_TOKENS_MAX}"),
-        });
-    }
-    let total = req.prompt.len().saturating_add(req.max_tokens);
-    if total > max_request {
-        return Err(RequestError::ContextLengthExceeded {
-            prompt: req.prompt.len(),
-            max_tokens: req.max_tokens,
-            total,
-            limit: max_request,
-        });
-    }
-    if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(RequestError::InvalidParam {
-            field: "prompt",
-            why: format!("token id {bad} is outside the vocabulary of {vocab}"),
-        });
-    }
-    req.params
-        .validate()
-        .map_err(|e| RequestError::InvalidParam {
-            field: e.field,
-            why: e.why,
-        })?;
-    model::sample::StopStrings::new(req.stop.clone()).map_err(|e| RequestError::InvalidParam {
-        field: e.field,
-        why: e.why,
-    })?;
-    if req.logprobs.is_some_and(|n| n > TOP_LOGPROBS_MAX) {
-        return Err(RequestError::InvalidParam {
-            field: "top_logprobs",
-            why: format!("must be 0..={TOP_LOGPROBS_MAX}"),
-        });
-    }
-    Ok(())
 }

@@ -20,12 +20,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use engine::EngineConfig;
-use pd::gateway::{GatewayBackend, GatewayOptions};
+use gateway::{GatewayBackend, GatewayOptions};
 use pd::role::{PdConfig, PdRole};
-use pd::transport::TransportConfig;
 use server::reqlog::RequestLog;
 use server::tenants::Tenants;
 use server::{Server, ServerConfig};
+use transport::TransportConfig;
 
 use crate::serve::{self, HttpArgs, NodeEngineArgs};
 use crate::{fetch, generate};

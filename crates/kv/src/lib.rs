@@ -108,18 +108,12 @@ pub use pool::{
     FreeOutcome, LayerView, LeaseOutcome, Poison, Pool, PoolOptions, LEASES_PER_PAGE_MAX,
     POISON_NAN_BYTE, POOL_BYTES_MAX, POOL_PAGES_MAX,
 };
+/// The ids and the pool's counters are part of the request vocabulary.
+pub use request::{PoolStats, RequestId, TenantId};
 pub use shape::{
     capacity_tokens, pages_for_budget, tokens_for_budget, DType, KvShape, PAGE_ALIGN_BYTES,
     PAGE_SIZE_MAX_TOKENS, TRAILER_BYTES,
 };
-
-/// Request id, unique per node over the node's lifetime.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RequestId(pub u64);
-
-/// Tenant id (the API-key holder a request belongs to).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TenantId(pub u64);
 
 /// The owner of a page: one request of one tenant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -204,76 +198,4 @@ pub enum KvError {
     InvalidShape { why: String },
     #[error("invalid pool size: {why}")]
     InvalidSize { why: String },
-}
-
-/// Occupancy and counters, as plain numbers for export (Prometheus later).
-/// Names carry units last; all counters are totals since start.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PoolStats {
-    pub pages_total: u64,
-    pub pages_free: u64,
-    /// Allocated pages (including leased and release-pending ones).
-    pub pages_owned: u64,
-    /// Pages with at least one lease.
-    pub pages_leased: u64,
-    /// Pages freed by their owner whose release waits for a lease (K4).
-    pub pages_release_pending: u64,
-    pub refused_stale_handle: u64,
-    pub refused_foreign_owner: u64,
-    pub refused_unwritten_read: u64,
-    pub refused_double_free: u64,
-    pub refused_release_pending: u64,
-    pub refused_out_of_range: u64,
-    pub refused_write_gap: u64,
-    pub refused_already_written: u64,
-    pub refused_out_of_pages: u64,
-    pub refused_lease_limit: u64,
-    pub canary_mismatch: u64,
-    pub checksum_mismatch: u64,
-    pub allocs: u64,
-    pub frees: u64,
-    pub frees_deferred: u64,
-}
-
-impl PoolStats {
-    /// Sum of every safety refusal (not out-of-pages, which is back-pressure).
-    pub fn safety_refusals(&self) -> u64 {
-        self.refused_stale_handle
-            + self.refused_foreign_owner
-            + self.refused_unwritten_read
-            + self.refused_double_free
-            + self.refused_release_pending
-            + self.refused_out_of_range
-            + self.refused_write_gap
-            + self.refused_already_written
-            + self.refused_lease_limit
-            + self.canary_mismatch
-            + self.checksum_mismatch
-    }
-
-    /// `(name, value)` for every field, for exporters.
-    pub fn fields(&self) -> [(&'static str, u64); 20] {
-        [
-            ("pages_total", self.pages_total),
-            ("pages_free", self.pages_free),
-            ("pages_owned", self.pages_owned),
-            ("pages_leased", self.pages_leased),
-            ("pages_release_pending", self.pages_release_pending),
-            ("refused_stale_handle", self.refused_stale_handle),
-            ("refused_foreign_owner", self.refused_foreign_owner),
-            ("refused_unwritten_read", self.refused_unwritten_read),
-            ("refused_double_free", self.refused_double_free),
-            ("refused_release_pending", self.refused_release_pending),
-            ("refused_out_of_range", self.refused_out_of_range),
-            ("refused_write_gap", self.refused_write_gap),
-            ("refused_already_written", self.refused_already_written),
-            ("refused_out_of_pages", self.refused_out_of_pages),
-            ("refused_lease_limit", self.refused_lease_limit),
-            ("canary_mismatch", self.canary_mismatch),
-            ("checksum_mismatch", self.checksum_mismatch),
-            ("allocs", self.allocs),
-            ("frees", self.frees),
-            ("frees_deferred", self.frees_deferred),
-        ]
-    }
 }

@@ -6,88 +6,9 @@
 
 use std::collections::HashMap;
 
-/// Limits: a request can ask for no more than this many candidates.
-pub const TOP_K_MAX: usize = 1 << 16;
-
-/// Sampling parameters of one request. Defaults are greedy.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SamplingParams {
-    /// 0 means greedy.
-    pub temperature: f32,
-    /// 0 means off.
-    pub top_k: usize,
-    /// 1 means off.
-    pub top_p: f32,
-    /// 0 means off.
-    pub min_p: f32,
-    /// 1 means off (HF/llama.cpp style: positive logits divided, negative multiplied).
-    pub repetition_penalty: f32,
-    /// OpenAI style: subtracted once from every token already present.
-    pub presence_penalty: f32,
-    /// OpenAI style: subtracted per occurrence.
-    pub frequency_penalty: f32,
-    pub seed: u64,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: 0,
-        }
-    }
-}
-
-/// A parameter out of its valid range; names the field.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("invalid sampling parameter `{field}`: {why}")]
-pub struct ParamError {
-    pub field: &'static str,
-    pub why: String,
-}
-
-impl SamplingParams {
-    pub fn validate(&self) -> Result<(), ParamError> {
-        let err = |field, why: &str| {
-            Err(ParamError {
-                field,
-                why: why.to_string(),
-            })
-        };
-        if !(0.0..=100.0).contains(&self.temperature) {
-            return err("temperature", "must be between 0 and 100");
-        }
-        if self.top_k > TOP_K_MAX {
-            return err("top_k", "too large");
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return err("top_p", "must be in (0, 1]");
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return err("min_p", "must be in [0, 1]");
-        }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
-            return err("repetition_penalty", "must be in (0, 10]");
-        }
-        if !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return err("presence_penalty", "must be between -2 and 2");
-        }
-        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return err("frequency_penalty", "must be between -2 and 2");
-        }
-        Ok(())
-    }
-
-    pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
-    }
-}
+pub use request::{
+    FinishReason, ParamError, SamplingParams, STOP_STRINGS_MAX, STOP_STRING_BYTES_MAX, TOP_K_MAX,
+};
 
 /// splitmix64: tiny, seedable, identical on every platform.
 #[derive(Clone, Debug)]
@@ -260,24 +181,6 @@ impl Sampler {
     }
 }
 
-/// Why generation stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token or a stop string ("stop" in OpenAI's API).
-    Stop,
-    /// max_tokens reached ("length").
-    Length,
-}
-
-impl FinishReason {
-    pub fn as_openai(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
-
 /// Stop strings over streamed text: holds back just enough text that a stop
 /// string split across tokens is never emitted, and cuts the output before
 /// the stop string (OpenAI semantics).
@@ -287,27 +190,9 @@ pub struct StopStrings {
     pending: String,
 }
 
-/// Limits on stop strings, as OpenAI's API: at most 4, each non-empty.
-pub const STOP_STRINGS_MAX: usize = 4;
-pub const STOP_STRING_BYTES_MAX: usize = 256;
-
 impl StopStrings {
     pub fn new(stops: Vec<String>) -> Result<StopStrings, ParamError> {
-        if stops.len() > STOP_STRINGS_MAX {
-            return Err(ParamError {
-                field: "stop",
-                why: format!("at most {STOP_STRINGS_MAX} stop strings"),
-            });
-        }
-        if stops
-            .iter()
-            .any(|s| s.is_empty() || s.len() > STOP_STRING_BYTES_MAX)
-        {
-            return Err(ParamError {
-                field: "stop",
-                why: format!("stop strings must be 1 to {STOP_STRING_BYTES_MAX} bytes"),
-            });
-        }
+        request::validate_stops(&stops)?;
         Ok(StopStrings {
             stops,
             pending: String::new(),

@@ -11,14 +11,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::{Backend, Engine, EngineConfig, Event, GenRequest, RequestError};
+use gateway::{GatewayBackend, GatewayOptions};
 use kv::TenantId;
 use model::Model;
-use pd::gateway::{GatewayBackend, GatewayOptions};
 use pd::node::{start_node, RunningNode};
 use pd::role::{PdConfig, PdRole};
-use pd::transport::TransportConfig;
 use tokenizer::Tokenizer;
 use transfer::wire::Message;
+use transport::TransportConfig;
 
 fn model_path() -> PathBuf {
     let p = match std::env::var_os("ISOSERVE_MODEL") {

@@ -16,7 +16,7 @@ pub const MESSAGES_MAX: usize = 4096;
 /// At most this many content parts in one message.
 pub const CONTENT_PARTS_MAX: usize = 256;
 /// Largest `top_logprobs` (chat) / `logprobs` (completions).
-pub const TOP_LOGPROBS_MAX: usize = engine::TOP_LOGPROBS_MAX;
+pub const TOP_LOGPROBS_MAX: usize = request::TOP_LOGPROBS_MAX;
 /// The roles a chat message may have.
 pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
@@ -213,12 +213,12 @@ fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => {
-            if a.len() > model::sample::STOP_STRINGS_MAX {
+            if a.len() > request::STOP_STRINGS_MAX {
                 return Err(ApiError::invalid_value(
                     "stop",
                     format!(
                         "at most {} stop strings, got {}",
-                        model::sample::STOP_STRINGS_MAX,
+                        request::STOP_STRINGS_MAX,
                         a.len()
                     ),
                 ));
@@ -246,13 +246,13 @@ fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
     };
     if let Some(s) = stops
         .iter()
-        .find(|s| s.is_empty() || s.len() > model::sample::STOP_STRING_BYTES_MAX)
+        .find(|s| s.is_empty() || s.len() > request::STOP_STRING_BYTES_MAX)
     {
         return Err(ApiError::invalid_value(
             "stop",
             format!(
                 "each stop string must be 1 to {} bytes (got {})",
-                model::sample::STOP_STRING_BYTES_MAX,
+                request::STOP_STRING_BYTES_MAX,
                 s.len()
             ),
         ));
@@ -295,14 +295,14 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
             ))
         }
     }
-    let max_tokens_max = engine::MAX_TOKENS_MAX as i64;
+    let max_tokens_max = request::MAX_TOKENS_MAX as i64;
     let mut max_tokens = f.int_in("max_tokens", 1, max_tokens_max)?;
     if let Some(m) = f.int_in("max_completion_tokens", 1, max_tokens_max)? {
         max_tokens = Some(m);
     }
     let temperature = f.number_in("temperature", 0.0, false, 2.0)?.unwrap_or(1.0);
     let top_p = f.number_in("top_p", 0.0, true, 1.0)?.unwrap_or(1.0);
-    let top_k = match f.int_in("top_k", -1, model::sample::TOP_K_MAX as i64)? {
+    let top_k = match f.int_in("top_k", -1, request::TOP_K_MAX as i64)? {
         None | Some(-1) | Some(0) => 0,
         Some(k) => k as usize,
     };
@@ -1053,7 +1053,7 @@ mod tests {
         let back: crate::error::ErrorBody = serde_json::from_value(v).expect("de");
         assert_eq!(back, e.body());
         let ctx = ApiError::from_engine(
-            &engine::RequestError::ContextLengthExceeded {
+            &request::RequestError::ContextLengthExceeded {
                 prompt: 900,
                 max_tokens: 200,
                 total: 1100,

@@ -4,7 +4,7 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use engine::RequestError;
+use request::RequestError;
 use serde::{Deserialize, Serialize};
 
 /// Why a request was refused, as the `reason` label of

@@ -14,9 +14,9 @@ use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use engine::{DoneEvent, Event, GenRequest, RequestHandle, TokenEvent};
 use futures_util::StreamExt;
-use model::sample::SamplingParams;
+use request::SamplingParams;
+use request::{DoneEvent, Event, GenRequest, RequestHandle, TokenEvent};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use tokenizer::ChatMessage;
@@ -233,7 +233,7 @@ impl Tracker {
             self.rec.pages = match &self.pages {
                 None => Some(0),
                 Some(cell) => match cell.load(std::sync::atomic::Ordering::Acquire) {
-                    engine::PAGES_UNKNOWN => None,
+                    request::PAGES_UNKNOWN => None,
                     n => Some(n as usize),
                 },
             };
@@ -489,8 +489,9 @@ async fn admit(
         ignore_eos: params.ignore_eos,
         logprobs: params.logprobs,
     };
-    let engine_err =
-        |e: &engine::RequestError| ApiError::from_engine(e, ep.prompt_param(), ep.logprobs_param());
+    let engine_err = |e: &request::RequestError| {
+        ApiError::from_engine(e, ep.prompt_param(), ep.logprobs_param())
+    };
     // The window check (K8) before any tenant budget or queue slot is used
     // (the test-only `fault-incident` build skips it: the engine's
     // placeholder path takes over-long requests).
@@ -499,7 +500,7 @@ async fn admit(
     } else {
         st.max_request()
     };
-    engine::validate(&req, window, st.vocab).map_err(|e| engine_err(&e))?;
+    request::validate(&req, window, st.vocab).map_err(|e| engine_err(&e))?;
     let need = (req.prompt.len() + req.max_tokens) as u64;
     let mut permit = st.tenants.admit(&tenant, need, Instant::now())?;
     let handle = match st.engine.submit(req) {
@@ -765,7 +766,7 @@ impl Shaper {
     }
 }
 
-fn engine_error(ep: Endpoint, e: &engine::RequestError) -> ApiError {
+fn engine_error(ep: Endpoint, e: &request::RequestError) -> ApiError {
     ApiError::from_engine(e, ep.prompt_param(), ep.logprobs_param())
 }
 

@@ -1,5 +1,7 @@
-//! `server` — isoserve's OpenAI-compatible HTTP layer over
-//! [`engine::Engine`].
+//! `server` — isoserve's OpenAI-compatible HTTP layer over any
+//! [`request::Backend`]: the unified `engine::Engine` or the PD gateway.
+//! It speaks the request vocabulary (`request`) and the tokenizer, and
+//! links no model, kernel or pool.
 //!
 //! * **Endpoints.** `POST /v1/chat/completions` and `POST /v1/completions`
 //!   (streaming as server-sent events, or one JSON response), `GET
@@ -16,7 +18,7 @@
 //!   `context_length_exceeded`, before anything is queued or allocated) →
 //!   tenant limits (429) → the engine's queue (429). Every refusal is
 //!   counted in `/metrics` and written to the request log.
-//! * **Cancellation.** The engine's [`engine::RequestHandle`] lives inside
+//! * **Cancellation.** The engine's [`request::RequestHandle`] lives inside
 //!   the response future (non-streaming) or inside the SSE body stream
 //!   (streaming). When the client goes away hyper drops either, the handle is
 //!   dropped, and the engine frees the request's pages at its next step.
@@ -58,9 +60,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use engine::{Backend, Engine};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
+use request::Backend;
 use tokenizer::{ChatTemplate, Tokenizer};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
@@ -197,10 +199,10 @@ pub struct Server {
 }
 
 impl Server {
-    /// A server over a started engine. `tokenizer` and `template` must be
-    /// the engine's model's.
+    /// A server over a started backend (the unified `engine::Engine`, or
+    /// the PD gateway). `tokenizer` and `template` must be its model's.
     pub fn new(
-        engine: Engine,
+        engine: impl Backend + 'static,
         tokenizer: Tokenizer,
         template: Option<ChatTemplate>,
         tenants: Tenants,

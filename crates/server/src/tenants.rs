@@ -14,7 +14,7 @@
 //! A key is hashed and compared with *every* tenant's hash in constant time
 //! (no early exit, no data-dependent branch), so neither the match nor its
 //! position leaks through timing. Tenant `i` (0-based, in file order) gets
-//! the pool owner id `kv::TenantId(i + 1)`; the anonymous tenant of a server
+//! the pool owner id `request::TenantId(i + 1)`; the anonymous tenant of a server
 //! without a tenants file is `TenantId(0)`.
 
 use std::collections::VecDeque;
@@ -56,7 +56,7 @@ pub struct TenantSpec {
 /// A tenant and its live usage.
 #[derive(Debug)]
 pub struct Tenant {
-    pub id: kv::TenantId,
+    pub id: request::TenantId,
     pub name: String,
     key_hash: [u8; 32],
     pub max_concurrent: usize,
@@ -201,7 +201,7 @@ impl Tenants {
     pub fn anonymous() -> Tenants {
         Tenants {
             list: vec![Arc::new(Tenant {
-                id: kv::TenantId(0),
+                id: request::TenantId(0),
                 name: "anonymous".to_string(),
                 key_hash: [0; 32],
                 max_concurrent: usize::MAX,
@@ -255,7 +255,7 @@ impl Tenants {
                 ));
             }
             list.push(Arc::new(Tenant {
-                id: kv::TenantId(i as u64 + 1),
+                id: request::TenantId(i as u64 + 1),
                 name: s.name,
                 key_hash,
                 max_concurrent: s.max_concurrent.unwrap_or(MAX_CONCURRENT_DEFAULT),
@@ -468,10 +468,10 @@ mod tests {
     fn keys_map_to_their_tenants_and_ids() {
         let t = two();
         let a = t.authenticate(Some(b"Bearer key-a")).expect("a");
-        assert_eq!((a.name.as_str(), a.id), ("a", kv::TenantId(1)));
+        assert_eq!((a.name.as_str(), a.id), ("a", request::TenantId(1)));
         // Upper-case hex in the file and a lower-case scheme both work.
         let b = t.authenticate(Some(b"bearer  key-b ")).expect("b");
-        assert_eq!((b.name.as_str(), b.id), ("b", kv::TenantId(2)));
+        assert_eq!((b.name.as_str(), b.id), ("b", request::TenantId(2)));
         assert_eq!(b.max_concurrent, MAX_CONCURRENT_DEFAULT);
     }
 
@@ -491,7 +491,7 @@ mod tests {
     #[test]
     fn anonymous_accepts_anything() {
         let t = Tenants::anonymous();
-        assert_eq!(t.authenticate(None).expect("ok").id, kv::TenantId(0));
+        assert_eq!(t.authenticate(None).expect("ok").id, request::TenantId(0));
         assert!(t.authenticate(Some(b"Bearer whatever")).is_ok());
     }
 

@@ -50,6 +50,7 @@ macro_rules! mutated {
 }
 
 mod common;
+pub mod convert;
 pub mod decode;
 pub mod gateway;
 pub mod node;

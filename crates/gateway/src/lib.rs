@@ -1,4 +1,5 @@
-//! The gateway as an [`engine::Backend`]: the HTTP layer submits requests,
+//! `gateway` — the PD gateway as a [`request::Backend`]: the HTTP layer
+//! submits requests,
 //! the [`transfer::gateway::Gateway`] state machine coordinates them over
 //! (prefill, decode) pairs, and a connection manager keeps every configured
 //! node connected (reconnecting with backoff; a reconnect re-reads the
@@ -7,6 +8,20 @@
 //! A client that goes away drops its [`RequestHandle`]; the handle's cancel
 //! hook tells the machine, which sends a cooperative `Cancel` to both nodes.
 //! Node connections are never closed for a client's sake.
+//!
+//! It links no model, kernel or pool: it speaks the request vocabulary
+//! (`request`), the protocol (`transfer`) and TCP (`transport`). A test
+//! over `cargo metadata` (in the `isoserve` crate) pins that.
+//!
+//! ```no_run
+//! # async fn f() {
+//! use gateway::{GatewayBackend, GatewayOptions};
+//! # let opts: GatewayOptions = todo!();
+//! // Inside a tokio runtime: connects to every node and serves requests.
+//! let gw = GatewayBackend::start(opts);
+//! # let _ = gw;
+//! # }
+//! ```
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -14,20 +29,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use crate::role::{gen_spec, PdStats};
-use engine::{
-    Backend, DoneEvent, EngineStats, Event, GenRequest, RequestError, RequestHandle, TokenEvent,
-    Usage,
+use request::{
+    Backend, DoneEvent, EngineStats, Event, FinishReason, GenRequest, RequestError, RequestHandle,
+    RequestId, TokenEvent, Usage,
 };
-use kv::RequestId;
-use model::sample::FinishReason;
 use tokio::sync::{mpsc, Notify};
+use transfer::convert::gen_spec;
 use transfer::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
 use transfer::wire::{Message, Refusal, ROLE_DECODE};
 use transfer::Identity;
 
-use crate::transport::{Transport, TransportConfig};
 use transfer::node::NetEvent;
+use transport::{Transport, TransportConfig};
 
 /// Settings of a gateway.
 #[derive(Clone, Debug)]
@@ -174,7 +187,7 @@ impl Inner {
                                 ttft_ms: ms(c.first_token_at.unwrap_or(now) - c.submitted_at),
                                 total_ms: ms(now - c.submitted_at),
                                 pages: match c.pages.load(Ordering::Acquire) {
-                                    engine::PAGES_UNKNOWN => 0,
+                                    request::PAGES_UNKNOWN => 0,
                                     n => n as usize,
                                 },
                             }));
@@ -374,7 +387,7 @@ impl Backend for GatewayBackend {
         let n = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         let id = (self.inner.nonce << 40) | n;
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
-        let pages = Arc::new(AtomicU64::new(engine::PAGES_UNKNOWN));
+        let pages = Arc::new(AtomicU64::new(request::PAGES_UNKNOWN));
         {
             let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
             let st = &mut *st;
@@ -579,240 +592,6 @@ pub fn gateway_metrics(gw: &Gateway, t: &Transport) -> String {
         o,
         "isoserve_gateway_max_request_tokens {}",
         gw.max_request_tokens()
-    );
-    o
-}
-
-/// Prometheus text of a PD node's counters (served on the node's metrics
-/// port).
-pub fn node_metrics(s: &PdStats, t: &Transport) -> String {
-    let mut o = String::new();
-    let mut metric = |kind: &str, name: &str, help: &str, v: u64| {
-        let _ = writeln!(o, "# HELP isoserve_node_{name} {help}");
-        let _ = writeln!(o, "# TYPE isoserve_node_{name} {kind}");
-        let _ = writeln!(o, "isoserve_node_{name} {v}");
-    };
-    let p = s.engine.pool;
-    metric(
-        "gauge",
-        "kv_pages_total",
-        "KV pages in the pool",
-        p.pages_total,
-    );
-    metric("gauge", "kv_pages_free", "KV pages free", p.pages_free);
-    metric(
-        "gauge",
-        "kv_pages_leased",
-        "KV pages leased to a transfer (K4)",
-        p.pages_leased,
-    );
-    metric(
-        "gauge",
-        "kv_pages_release_pending",
-        "KV pages freed while leased, waiting for the transfer's end",
-        p.pages_release_pending,
-    );
-    metric(
-        "counter",
-        "kv_safety_refusals_total",
-        "Every refused KV access (K1-K7)",
-        p.safety_refusals(),
-    );
-    metric(
-        "gauge",
-        "requests",
-        "Requests the node knows",
-        s.requests as u64,
-    );
-    metric(
-        "counter",
-        "generated_tokens_total",
-        "Tokens sampled",
-        s.engine.generated_tokens_total,
-    );
-    if let Some(d) = &s.decode {
-        for (name, help, v) in [
-            (
-                "reservations_total",
-                "Reservations asked for",
-                d.reservations_total,
-            ),
-            (
-                "reservations_refused_total",
-                "Reservations refused",
-                d.reservations_refused_total,
-            ),
-            (
-                "pages_received_total",
-                "KV pages received",
-                d.pages_received_total,
-            ),
-            (
-                "page_bytes_received_total",
-                "KV page bytes received",
-                d.page_bytes_received_total,
-            ),
-            (
-                "transfers_completed_total",
-                "Transfers that passed every check",
-                d.transfers_completed_total,
-            ),
-            (
-                "checksum_failures_total",
-                "Pages that failed their checksum (K6)",
-                d.checksum_failures_total,
-            ),
-            (
-                "canary_failures_total",
-                "Pages that failed their canary (K7)",
-                d.canary_failures_total,
-            ),
-            (
-                "pages_fenced_total",
-                "Pages refused for a stale, foreign or unknown handle (K2)",
-                d.pages_fenced_total,
-            ),
-            (
-                "pages_late_total",
-                "Pages that arrived for a draining request",
-                d.pages_late_total,
-            ),
-            (
-                "incomplete_transfers_total",
-                "Transfers refused as incomplete (K10)",
-                d.incomplete_transfers_total,
-            ),
-            (
-                "cancels_waiting_total",
-                "Cancels of waiting reservations",
-                d.cancels_waiting_total,
-            ),
-            (
-                "cancels_receiving_total",
-                "Cancels mid-transfer",
-                d.cancels_receiving_total,
-            ),
-            (
-                "cancels_decoding_total",
-                "Cancels while decoding",
-                d.cancels_decoding_total,
-            ),
-            (
-                "prefill_links_lost_total",
-                "Prefill links lost with transfers on them",
-                d.prefill_links_lost_total,
-            ),
-            (
-                "protocol_errors_total",
-                "Messages a peer may not send",
-                d.protocol_errors_total,
-            ),
-            (
-                "handshakes_refused_total",
-                "Pairings refused",
-                d.handshakes_refused_total,
-            ),
-        ] {
-            metric("counter", &format!("decode_{name}"), help, v);
-        }
-    }
-    if let Some(pf) = &s.prefill {
-        for (name, help, v) in [
-            ("prefills_total", "Prefills asked for", pf.prefills_total),
-            (
-                "prefills_refused_total",
-                "Prefills refused (the original error went to the client)",
-                pf.prefills_refused_total,
-            ),
-            ("pages_sent_total", "KV pages sent", pf.pages_sent_total),
-            (
-                "page_bytes_sent_total",
-                "KV page bytes sent",
-                pf.page_bytes_sent_total,
-            ),
-            (
-                "transfers_done_total",
-                "Transfers sent whole",
-                pf.transfers_done_total,
-            ),
-            (
-                "transfers_aborted_total",
-                "Transfers aborted",
-                pf.transfers_aborted_total,
-            ),
-            (
-                "cancels_queued_total",
-                "Cancels before computing",
-                pf.cancels_queued_total,
-            ),
-            (
-                "cancels_computing_total",
-                "Cancels while computing",
-                pf.cancels_computing_total,
-            ),
-            (
-                "cancels_sending_total",
-                "Cancels mid-transfer",
-                pf.cancels_sending_total,
-            ),
-            (
-                "decode_links_lost_total",
-                "Decode links lost",
-                pf.decode_links_lost_total,
-            ),
-            (
-                "connect_failures_total",
-                "Dials to decode that failed",
-                pf.connect_failures_total,
-            ),
-            (
-                "handshakes_refused_total",
-                "Pairings refused",
-                pf.handshakes_refused_total,
-            ),
-        ] {
-            metric("counter", &format!("prefill_{name}"), help, v);
-        }
-    }
-    metric(
-        "counter",
-        "transport_bytes_sent_total",
-        "Bytes sent",
-        t.stats.bytes_sent_total.load(Ordering::Relaxed),
-    );
-    metric(
-        "counter",
-        "transport_bytes_received_total",
-        "Bytes received",
-        t.stats.bytes_received_total.load(Ordering::Relaxed),
-    );
-    metric(
-        "counter",
-        "transport_bad_frames_total",
-        "Frames that failed to parse or their frame check",
-        t.stats.bad_frames_total.load(Ordering::Relaxed),
-    );
-    metric(
-        "counter",
-        "transport_heartbeat_timeouts_total",
-        "Connections ended by heartbeat timeout",
-        t.stats.heartbeat_timeouts_total.load(Ordering::Relaxed),
-    );
-    metric(
-        "counter",
-        "transfers_timed_total",
-        "Transfers timed (decode: first page to checked Done)",
-        s.transfers_timed_total,
-    );
-    let _ = writeln!(
-        o,
-        "# HELP isoserve_node_transfer_seconds_total Wall time from a transfer's first page to its checked end (decode), summed"
-    );
-    let _ = writeln!(o, "# TYPE isoserve_node_transfer_seconds_total counter");
-    let _ = writeln!(
-        o,
-        "isoserve_node_transfer_seconds_total {}",
-        s.transfer_seconds_total
     );
     o
 }

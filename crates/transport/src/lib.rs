@@ -1,4 +1,4 @@
-//! TCP transport for the PD protocol: one reader and one writer task per
+//! `transport` — TCP for the PD protocol: one reader and one writer task per
 //! connection, length-prefixed frames ([`transfer::wire`]), heartbeats, and
 //! a limit on everything (frame size from the wire format, outgoing frames
 //! queued per connection, dial and heartbeat timeouts).

@@ -1,0 +1,561 @@
+//! `request` — the vocabulary every layer speaks: a generation request
+//! and its sampling parameters with their limits, the events a request
+//! produces, how it finishes, why it fails, the tenant and request ids, and
+//! the [`Backend`] trait the HTTP layer serves (the unified engine, or a PD
+//! gateway) with its [`RequestHandle`].
+//!
+//! It depends on no model, kernel, pool or protocol: the HTTP server and
+//! the PD gateway speak it without linking the model (a test over `cargo
+//! metadata` in the `isoserve` crate pins the workspace's dependency edges).
+//!
+//! ```
+//! use request::{validate, GenRequest, RequestError, TenantId};
+//! let req = GenRequest::greedy(TenantId(1), vec![1, 2, 3], 8);
+//! // The checks every node makes before anything is allocated (K8 and
+//! // every parameter): here a window of 8 tokens is too small.
+//! let err = validate(&req, 8, 1000).unwrap_err();
+//! assert_eq!(err.kind(), "context_length_exceeded");
+//! assert!(validate(&req, 11, 1000).is_ok());
+//! ```
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::mpsc as tmpsc;
+
+// ----------------------------------------------------------- ids
+
+/// Request id, unique per node over the node's lifetime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// Tenant id (the API-key holder a request belongs to).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TenantId(pub u64);
+
+// ------------------------------------------------------ sampling
+
+/// Limits: a request can ask for no more than this many candidates.
+pub const TOP_K_MAX: usize = 1 << 16;
+
+/// Sampling parameters of one request. Defaults are greedy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means off.
+    pub top_k: usize,
+    /// 1 means off.
+    pub top_p: f32,
+    /// 0 means off.
+    pub min_p: f32,
+    /// 1 means off (HF/llama.cpp style: positive logits divided, negative multiplied).
+    pub repetition_penalty: f32,
+    /// OpenAI style: subtracted once from every token already present.
+    pub presence_penalty: f32,
+    /// OpenAI style: subtracted per occurrence.
+    pub frequency_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+/// A parameter out of its valid range; names the field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid sampling parameter `{field}`: {why}")]
+pub struct ParamError {
+    pub field: &'static str,
+    pub why: String,
+}
+
+impl SamplingParams {
+    pub fn validate(&self) -> Result<(), ParamError> {
+        let err = |field, why: &str| {
+            Err(ParamError {
+                field,
+                why: why.to_string(),
+            })
+        };
+        if !(0.0..=100.0).contains(&self.temperature) {
+            return err("temperature", "must be between 0 and 100");
+        }
+        if self.top_k > TOP_K_MAX {
+            return err("top_k", "too large");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return err("top_p", "must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return err("min_p", "must be in [0, 1]");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+            return err("repetition_penalty", "must be in (0, 10]");
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return err("presence_penalty", "must be between -2 and 2");
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return err("frequency_penalty", "must be between -2 and 2");
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// Limits on stop strings, as OpenAI's API: at most 4, each non-empty.
+pub const STOP_STRINGS_MAX: usize = 4;
+pub const STOP_STRING_BYTES_MAX: usize = 256;
+
+/// Checks a request's stop strings against [`STOP_STRINGS_MAX`] and
+/// [`STOP_STRING_BYTES_MAX`].
+pub fn validate_stops(stops: &[String]) -> Result<(), ParamError> {
+    if stops.len() > STOP_STRINGS_MAX {
+        return Err(ParamError {
+            field: "stop",
+            why: format!("at most {STOP_STRINGS_MAX} stop strings"),
+        });
+    }
+    if stops
+        .iter()
+        .any(|s| s.is_empty() || s.len() > STOP_STRING_BYTES_MAX)
+    {
+        return Err(ParamError {
+            field: "stop",
+            why: format!("stop strings must be 1 to {STOP_STRING_BYTES_MAX} bytes"),
+        });
+    }
+    Ok(())
+}
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string ("stop" in OpenAI's API).
+    Stop,
+    /// max_tokens reached ("length").
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_openai(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+// ------------------------------------------------------- requests
+
+/// Largest `top_logprobs` a request may ask for (as OpenAI's API).
+pub const TOP_LOGPROBS_MAX: usize = 20;
+/// Largest `max_tokens` any request may ask for (also bounded by the window).
+pub const MAX_TOKENS_MAX: usize = 1 << 20;
+
+/// Why a request was refused or failed. `kind()` names it for logs and
+/// metrics; the server maps each to an HTTP status.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RequestError {
+    #[error(
+        "This model's maximum context length is {limit} tokens. However, you requested {total} \
+         tokens ({prompt} in the messages, {max_tokens} in the completion). Please reduce the \
+         length of the messages or completion."
+    )]
+    ContextLengthExceeded {
+        prompt: usize,
+        max_tokens: usize,
+        total: usize,
+        limit: usize,
+    },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("invalid parameter `{field}`: {why}")]
+    InvalidParam { field: &'static str, why: String },
+    #[error("the server is busy: {waiting} requests are waiting (limit {limit}); retry later")]
+    QueueFull { waiting: usize, limit: usize },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// Refused or failed on a remote node (PD): that node's original error,
+    /// unchanged (K9).
+    #[error("{message}")]
+    Remote {
+        status: u16,
+        code: String,
+        message: String,
+    },
+}
+
+impl RequestError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RequestError::ContextLengthExceeded { .. } => "context_length_exceeded",
+            RequestError::EmptyPrompt => "empty_prompt",
+            RequestError::InvalidParam { .. } => "invalid_parameter",
+            RequestError::QueueFull { .. } => "queue_full",
+            RequestError::ShuttingDown => "shutting_down",
+            RequestError::Internal(_) => "internal_error",
+            RequestError::Remote { .. } => "remote_error",
+        }
+    }
+}
+
+/// A generation request, tokenised.
+#[derive(Clone, Debug)]
+pub struct GenRequest {
+    pub tenant: TenantId,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub params: SamplingParams,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Return the chosen token's log-probability and this many alternatives
+    /// (`None`: no logprobs).
+    pub logprobs: Option<usize>,
+}
+
+impl GenRequest {
+    pub fn greedy(tenant: TenantId, prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
+        GenRequest {
+            tenant,
+            prompt,
+            max_tokens,
+            params: SamplingParams::default(),
+            stop: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// One generated token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenEvent {
+    pub id: u32,
+    /// Text that became final with this token (may be empty: held back for
+    /// UTF-8 completion or a possible stop string).
+    pub text: String,
+    pub logprob: Option<f32>,
+    /// (token id, logprob) of the most likely alternatives.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Token counts, as OpenAI reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// The end of a request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DoneEvent {
+    pub finish: FinishReason,
+    pub usage: Usage,
+    /// Text held back at the end (a partial stop-string prefix that never
+    /// completed); already included in no earlier token event.
+    pub tail_text: String,
+    pub queue_ms: f64,
+    pub ttft_ms: f64,
+    pub total_ms: f64,
+    pub pages: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Token(TokenEvent),
+    Done(DoneEvent),
+    Error(RequestError),
+}
+
+/// The caller's side of a request: events, and cancellation on drop.
+pub struct RequestHandle {
+    pub id: RequestId,
+    events: tmpsc::UnboundedReceiver<Event>,
+    cancel: Arc<AtomicBool>,
+    /// Called once on the first cancel (a backend that must be told, e.g.
+    /// the PD gateway, rather than poll the flag).
+    on_cancel: Option<Box<dyn Fn() + Send + Sync>>,
+    /// KV pages allocated to the request so far ([`PAGES_UNKNOWN`] until
+    /// the backend says), for the request log: a request refused while it
+    /// held pages is part of the incident's signature.
+    pages: Arc<AtomicU64>,
+}
+
+/// [`RequestHandle::pages_cell`] before the backend has said.
+pub const PAGES_UNKNOWN: u64 = u64::MAX;
+
+/// Something that runs requests: the unified [`Engine`], or a PD gateway.
+/// The HTTP layer serves any backend.
+pub trait Backend: Send + Sync {
+    /// Queues a request (validated against the backend's limit).
+    fn submit(&self, req: GenRequest) -> Result<RequestHandle, RequestError>;
+    /// The largest `prompt + max_tokens` accepted now (K8; a PD gateway's
+    /// changes when a node restarts with another pool).
+    fn max_request_tokens(&self) -> usize;
+    /// Occupancy and counters.
+    fn stats(&self) -> EngineStats;
+    /// The KV pool's capacity in tokens, where one pool serves the
+    /// requests (the unified engine; a PD gateway has none of its own).
+    fn kv_capacity_tokens(&self) -> Option<usize> {
+        None
+    }
+    /// Stops admitting; `drain`: let running requests finish.
+    fn shutdown(&self, drain: bool);
+    /// Whether requests can be served now (a PD gateway: a pair is up).
+    fn ready(&self) -> bool {
+        true
+    }
+    /// More Prometheus text for `/metrics` (a PD gateway's counters).
+    fn metrics_text(&self) -> String {
+        String::new()
+    }
+}
+
+impl RequestHandle {
+    /// The handle of a request the backend runs itself: `cancel` is the
+    /// flag it polls, `pages` the page count it keeps.
+    pub fn local(
+        id: RequestId,
+        events: tmpsc::UnboundedReceiver<Event>,
+        cancel: Arc<AtomicBool>,
+        pages: Arc<AtomicU64>,
+    ) -> RequestHandle {
+        RequestHandle {
+            id,
+            events,
+            cancel,
+            on_cancel: None,
+            pages,
+        }
+    }
+
+    /// Next event (async); `None` after Done/Error.
+    pub async fn next(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+
+    /// Next event, blocking the thread (not for async contexts).
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        self.events.blocking_recv()
+    }
+
+    /// Cooperative cancel: the engine frees the request's pages at its next
+    /// step. Dropping the handle does the same.
+    pub fn cancel(&self) {
+        if !self.cancel.swap(true, Ordering::AcqRel) {
+            if let Some(f) = &self.on_cancel {
+                f();
+            }
+        }
+    }
+
+    /// A handle over events produced elsewhere (a backend other than the
+    /// engine); `on_cancel` runs once when the caller cancels or drops it.
+    pub fn new(
+        id: RequestId,
+        events: tmpsc::UnboundedReceiver<Event>,
+        on_cancel: Box<dyn Fn() + Send + Sync>,
+    ) -> RequestHandle {
+        RequestHandle {
+            id,
+            events,
+            cancel: Arc::new(AtomicBool::new(false)),
+            on_cancel: Some(on_cancel),
+            pages: Arc::new(AtomicU64::new(PAGES_UNKNOWN)),
+        }
+    }
+
+    /// KV pages allocated to the request so far (`None`: the backend does
+    /// not know, or has not said).
+    pub fn pages_allocated(&self) -> Option<usize> {
+        match self.pages.load(Ordering::Acquire) {
+            PAGES_UNKNOWN => None,
+            n => Some(n as usize),
+        }
+    }
+
+    /// The page count, for a reader that outlives the handle (the request
+    /// log writes after the handle is gone).
+    pub fn pages_cell(&self) -> Arc<AtomicU64> {
+        self.pages.clone()
+    }
+
+    /// A handle whose page count the backend keeps in `cell`.
+    pub fn with_pages_cell(mut self, cell: Arc<AtomicU64>) -> RequestHandle {
+        self.pages = cell;
+        self
+    }
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+pub fn validate(req: &GenRequest, max_request: usize, vocab: usize) -> Result<(), RequestError> {
+    if req.prompt.is_empty() {
+        return Err(RequestError::EmptyPrompt);
+    }
+    if req.max_tokens == 0 || req.max_tokens > MAX_TOKENS_MAX {
+        return Err(RequestError::InvalidParam {
+            field: "max_tokens",
+            why: format!("must be 1..={MAX_TOKENS_MAX}"),
+        });
+    }
+    let total = req.prompt.len().saturating_add(req.max_tokens);
+    if total > max_request {
+        return Err(RequestError::ContextLengthExceeded {
+            prompt: req.prompt.len(),
+            max_tokens: req.max_tokens,
+            total,
+            limit: max_request,
+        });
+    }
+    if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(RequestError::InvalidParam {
+            field: "prompt",
+            why: format!("token id {bad} is outside the vocabulary of {vocab}"),
+        });
+    }
+    req.params
+        .validate()
+        .map_err(|e| RequestError::InvalidParam {
+            field: e.field,
+            why: e.why,
+        })?;
+    validate_stops(&req.stop).map_err(|e| RequestError::InvalidParam {
+        field: e.field,
+        why: e.why,
+    })?;
+    if req.logprobs.is_some_and(|n| n > TOP_LOGPROBS_MAX) {
+        return Err(RequestError::InvalidParam {
+            field: "top_logprobs",
+            why: format!("must be 0..={TOP_LOGPROBS_MAX}"),
+        });
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------- stats
+
+/// Occupancy and counters, as plain numbers for export (Prometheus later).
+/// Names carry units last; all counters are totals since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub pages_total: u64,
+    pub pages_free: u64,
+    /// Allocated pages (including leased and release-pending ones).
+    pub pages_owned: u64,
+    /// Pages with at least one lease.
+    pub pages_leased: u64,
+    /// Pages freed by their owner whose release waits for a lease (K4).
+    pub pages_release_pending: u64,
+    pub refused_stale_handle: u64,
+    pub refused_foreign_owner: u64,
+    pub refused_unwritten_read: u64,
+    pub refused_double_free: u64,
+    pub refused_release_pending: u64,
+    pub refused_out_of_range: u64,
+    pub refused_write_gap: u64,
+    pub refused_already_written: u64,
+    pub refused_out_of_pages: u64,
+    pub refused_lease_limit: u64,
+    pub canary_mismatch: u64,
+    pub checksum_mismatch: u64,
+    pub allocs: u64,
+    pub frees: u64,
+    pub frees_deferred: u64,
+}
+
+impl PoolStats {
+    /// Sum of every safety refusal (not out-of-pages, which is back-pressure).
+    pub fn safety_refusals(&self) -> u64 {
+        self.refused_stale_handle
+            + self.refused_foreign_owner
+            + self.refused_unwritten_read
+            + self.refused_double_free
+            + self.refused_release_pending
+            + self.refused_out_of_range
+            + self.refused_write_gap
+            + self.refused_already_written
+            + self.refused_lease_limit
+            + self.canary_mismatch
+            + self.checksum_mismatch
+    }
+
+    /// `(name, value)` for every field, for exporters.
+    pub fn fields(&self) -> [(&'static str, u64); 20] {
+        [
+            ("pages_total", self.pages_total),
+            ("pages_free", self.pages_free),
+            ("pages_owned", self.pages_owned),
+            ("pages_leased", self.pages_leased),
+            ("pages_release_pending", self.pages_release_pending),
+            ("refused_stale_handle", self.refused_stale_handle),
+            ("refused_foreign_owner", self.refused_foreign_owner),
+            ("refused_unwritten_read", self.refused_unwritten_read),
+            ("refused_double_free", self.refused_double_free),
+            ("refused_release_pending", self.refused_release_pending),
+            ("refused_out_of_range", self.refused_out_of_range),
+            ("refused_write_gap", self.refused_write_gap),
+            ("refused_already_written", self.refused_already_written),
+            ("refused_out_of_pages", self.refused_out_of_pages),
+            ("refused_lease_limit", self.refused_lease_limit),
+            ("canary_mismatch", self.canary_mismatch),
+            ("checksum_mismatch", self.checksum_mismatch),
+            ("allocs", self.allocs),
+            ("frees", self.frees),
+            ("frees_deferred", self.frees_deferred),
+        ]
+    }
+}
+
+/// Occupancy and counters, refreshed after every step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    pub pool: PoolStats,
+    pub running: usize,
+    pub waiting: usize,
+    pub prompt_tokens_total: u64,
+    pub generated_tokens_total: u64,
+    pub steps_total: u64,
+    pub requests_finished_total: u64,
+    pub requests_cancelled_total: u64,
+    pub requests_failed_total: u64,
+    /// Requests refused by the engine thread's own re-check (the submit-side
+    /// check should have caught them first; non-zero means a bug upstream).
+    pub requests_refused_total: u64,
+    /// Forward rows per second over steps of at least
+    /// 64 (`engine::PREFILL_RATE_ROWS_MIN`) rows (an average weighted to recent
+    /// steps; 0 until one ran): what prefill achieves at best, so no prompt
+    /// can be prefilled much faster (the audit's `too_fast` rule).
+    pub prefill_tokens_per_s: f64,
+}
+
+impl EngineStats {
+    pub fn new(pool: PoolStats) -> EngineStats {
+        EngineStats {
+            pool,
+            ..EngineStats::default()
+        }
+    }
+}
