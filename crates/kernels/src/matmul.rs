@@ -157,6 +157,9 @@ pub fn matmul_f32_with_level(
     });
 }
 
+/// # Safety
+/// The CPU must support the features enabled above; otherwise as
+/// `f32_rows` (output rows disjoint from other threads').
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn f32_rows_avx512(
@@ -170,6 +173,9 @@ unsafe fn f32_rows_avx512(
     unsafe { f32_rows(w, x, n, out, rows) }
 }
 
+/// # Safety
+/// The CPU must support the features enabled above; otherwise as
+/// `f32_rows` (output rows disjoint from other threads').
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f32_rows_avx2(

@@ -285,6 +285,9 @@ fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sums:
 
 /// AVX2 quantisation, bitwise equal to `quantize_blocks` (see
 /// `quantize_avx512`).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA (the slice lengths are asserted).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn quantize_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sums: &mut [i32]) {
@@ -339,6 +342,10 @@ unsafe fn quantize_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], 
 /// AVX-512 quantisation, bitwise equal to `quantize_blocks`: same `amax`
 /// (NaN ignored), same `d`, `1/d`, `x * (1/d)`, ties-to-even rounding,
 /// clamping, NaN → 0 and integer sum.
+///
+/// # Safety
+/// The CPU must support the AVX-512 features enabled above (the slice
+/// lengths are asserted).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 unsafe fn quantize_avx512(

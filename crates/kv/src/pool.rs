@@ -266,6 +266,7 @@ pub struct Pool {
 // to it go through `&mut Pool`, all reads through `&Pool`, so Rust's aliasing
 // rules for the pool carry over to the memory; counters are atomics.
 unsafe impl Send for Pool {}
+// SAFETY: as for `Send` above: shared access is `&Pool`, reads only.
 unsafe impl Sync for Pool {}
 
 impl std::fmt::Debug for Pool {

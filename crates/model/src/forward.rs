@@ -507,6 +507,7 @@ struct SyncPtr(*mut f32);
 // SAFETY: used only to hand disjoint sub-slices to worker threads (see the
 // call site); the pointer itself is plain data.
 unsafe impl Send for SyncPtr {}
+// SAFETY: as for `Send`: threads write disjoint sub-slices only.
 unsafe impl Sync for SyncPtr {}
 impl SyncPtr {
     fn get(self) -> *mut f32 {
@@ -545,6 +546,9 @@ fn attend_one(
     attend_one_generic(pages, qh, g, hd, kvd, ps, scale, sc, dot)
 }
 
+/// # Safety
+/// The CPU must support AVX2 and FMA, and the head dimension must be a
+/// multiple of 8.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
@@ -558,15 +562,18 @@ unsafe fn attend_one_avx2(
     scale: f32,
     sc: &mut [f32],
 ) -> [f32; HEAD_DIM_MAX] {
-    // SAFETY (closure): this function only runs where AVX2 is available,
-    // and hd is a multiple of 8 (checked by the caller).
-    attend_one_generic(pages, qh, g, hd, kvd, ps, scale, sc, |a, b| unsafe {
-        dot_avx2(a, b)
+    attend_one_generic(pages, qh, g, hd, kvd, ps, scale, sc, |a, b| {
+        // SAFETY: this function only runs where AVX2 is available, and hd
+        // is a multiple of 8 (checked by the caller).
+        unsafe { dot_avx2(a, b) }
     })
 }
 
 /// `dot` with AVX2: the same lanes, products, sums and reduction order as
 /// the portable `dot`, so both give the same bits.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
@@ -578,6 +585,7 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     while c + 8 <= n {
         // SAFETY: c + 8 <= n <= both lengths.
         let x = unsafe { _mm256_loadu_ps(a.as_ptr().add(c)) };
+        // SAFETY: as above.
         let y = unsafe { _mm256_loadu_ps(b.as_ptr().add(c)) };
         acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
         c += 8;

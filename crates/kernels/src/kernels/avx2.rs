@@ -43,13 +43,19 @@ pub(crate) unsafe fn matmul_panels(
     panels: Range<usize>,
 ) {
     match w.ty {
-        WeightType::Q4_0 => run::<Q4_0>(w, x, out, panels),
-        WeightType::Q4_1 => run::<Q4_1>(w, x, out, panels),
-        WeightType::Q8_0 => run::<Q8_0>(w, x, out, panels),
+        // SAFETY: this function's contract (CPU features, bounds) is
+        // `run`'s.
+        WeightType::Q4_0 => unsafe { run::<Q4_0>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q4_1 => unsafe { run::<Q4_1>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q8_0 => unsafe { run::<Q8_0>(w, x, out, panels) },
         WeightType::F32 | WeightType::F16 => unreachable!("not a quantised type"),
     }
 }
 
+/// # Safety
+/// As [`matmul_panels`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run<const F: u8>(
@@ -131,6 +137,10 @@ unsafe fn run<const F: u8>(
 }
 
 /// Lane `r` of result `d` = dword `d` of the 16 bytes at `off` in row `r`.
+///
+/// # Safety
+/// The CPU must support AVX2; 16 bytes at `off` must be readable in every
+/// row `base + offs[r]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn transpose4(base: *const u8, offs: &[usize; PANEL_ROWS], off: usize) -> [__m256i; 4] {
@@ -152,6 +162,9 @@ unsafe fn transpose4(base: *const u8, offs: &[usize; PANEL_ROWS], off: usize) ->
     ]
 }
 
+/// # Safety
+/// The CPU must support AVX2 and F16C; 2 bytes at `off` must be readable
+/// in every row `base + offs[r]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16x8(base: *const u8, offs: &[usize; PANEL_ROWS], off: usize) -> __m256 {
@@ -164,6 +177,9 @@ unsafe fn f16x8(base: *const u8, offs: &[usize; PANEL_ROWS], off: usize) -> __m2
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr() as *const __m128i) })
 }
 
+/// # Safety
+/// The CPU must support the features enabled above; block `boff` must lie
+/// inside every row `base + offs[r]`, and `dst` must be valid for a write.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn expand<const F: u8>(
@@ -172,11 +188,12 @@ unsafe fn expand<const F: u8>(
     boff: usize,
     dst: *mut PBlock,
 ) {
-    // SAFETY (all reads): inside block `boff` of each row.
+    // SAFETY: inside block `boff` of each row (as every read below).
     let dw = unsafe { f16x8(base, offs, boff) };
     let mut w = [_mm256_setzero_si256(); 8];
     let mut ws = [_mm256_setzero_si256(); 8];
     if F == Q8_0 {
+        // SAFETY: inside block `boff` of each row (a Q8_0 block is 34 bytes).
         let (t, u) = unsafe {
             (
                 transpose4(base, offs, boff + 2),
@@ -190,6 +207,8 @@ unsafe fn expand<const F: u8>(
         }
     } else {
         let m4 = _mm256_set1_epi8(0x0F);
+        // SAFETY: inside block `boff` of each row (the quants follow the
+        // scale, and the minimum for Q4_1).
         let t = unsafe { transpose4(base, offs, boff + if F == Q4_1 { 4 } else { 2 }) };
         for q in 0..4 {
             w[q] = _mm256_and_si256(t[q], m4);
@@ -221,6 +240,10 @@ struct TileCtx {
     full: bool,
 }
 
+/// # Safety
+/// The CPU must support the features enabled above; rows `i0..i0 + M` of
+/// `x` and the panel's outputs in `out` must be in bounds, and no other
+/// thread may write those outputs.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: usize, out: OutPtr) {
@@ -232,9 +255,13 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
     for t in 0..M {
         // SAFETY: in bounds (see avx512.rs).
         optr[t] = unsafe { out.0.add((i0 + t) * c.rows + c.r0) };
+        // SAFETY: row i0 + t < the activation rows, column c.c0 * QK <
+        // cols (see avx512.rs).
         qa[t] = unsafe { x.qs.as_ptr().add((i0 + t) * cols + c.c0 * QK) };
         bi[t] = (i0 + t) * c.nb + c.c0;
         if !c.first {
+            // SAFETY: optr[t] points at 8 in-bounds outputs when `full`,
+            // else at the masked ones only.
             acc[t] = unsafe {
                 if c.full {
                     _mm256_loadu_ps(optr[t])
@@ -286,6 +313,7 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
             let scale = _mm256_mul_ps(pb.dw, _mm256_set1_ps(da));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), scale, acc[t]);
             if F == Q4_1 {
+                // SAFETY: k < n * nb.
                 let sa = unsafe { *sp.add(k) };
                 acc[t] = _mm256_fmadd_ps(pb.mw, _mm256_set1_ps(sa), acc[t]);
             }

@@ -66,9 +66,13 @@ pub(crate) unsafe fn matmul_panels(
     panels: Range<usize>,
 ) {
     match w.ty {
-        WeightType::Q4_0 => run::<Q4_0>(w, x, out, panels),
-        WeightType::Q4_1 => run::<Q4_1>(w, x, out, panels),
-        WeightType::Q8_0 => run::<Q8_0>(w, x, out, panels),
+        // SAFETY: this function's contract (CPU features, bounds) is
+        // `run`'s.
+        WeightType::Q4_0 => unsafe { run::<Q4_0>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q4_1 => unsafe { run::<Q4_1>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q8_0 => unsafe { run::<Q8_0>(w, x, out, panels) },
         WeightType::F32 | WeightType::F16 => unreachable!("not a quantised type"),
     }
 }
@@ -79,6 +83,9 @@ trait Rows: Copy {
     ///
     /// # Safety
     /// `off + 16` must not exceed the row length.
+    ///
+    /// # Safety
+    /// Row `k` must exist and `off + 16` bytes must be inside it.
     unsafe fn load16(&self, k: usize, off: usize) -> __m128i;
 
     /// Byte offsets of the 16 rows from `base()`, for gathers.
@@ -96,6 +103,8 @@ struct UniformRows {
 }
 
 impl Rows for UniformRows {
+    /// # Safety
+    /// Row `k` must exist and `off + 16` bytes must be inside it.
     #[inline(always)]
     unsafe fn load16(&self, k: usize, off: usize) -> __m128i {
         // SAFETY: row k exists and off + 16 <= row length (caller).
@@ -125,6 +134,8 @@ struct ClampedRows {
 }
 
 impl Rows for ClampedRows {
+    /// # Safety
+    /// Row `k` must exist and `off + 16` bytes must be inside it.
     #[inline(always)]
     unsafe fn load16(&self, k: usize, off: usize) -> __m128i {
         // SAFETY: as for UniformRows.
@@ -153,6 +164,8 @@ const fn block_bytes(f: u8) -> usize {
     }
 }
 
+/// # Safety
+/// As [`matmul_panels`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn run<const F: u8>(
@@ -215,6 +228,10 @@ unsafe fn run<const F: u8>(
 }
 
 /// Computes one panel starting at row `r0`, storing the lanes in `mask`.
+///
+/// # Safety
+/// The CPU must support the features enabled above; the panel's rows and
+/// outputs must be in bounds, and no other thread may write those outputs.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn panel<const F: u8, R: Rows>(
@@ -305,11 +322,15 @@ unsafe fn panel<const F: u8, R: Rows>(
 
 /// Loads 16 bytes at `off` from each of the 16 rows and transposes them so
 /// that lane `r` of result `d` is the `d`-th little-endian dword of row `r`.
+///
+/// # Safety
+/// The CPU must support the features enabled above; `off + 16` bytes must
+/// be inside each of the 16 rows.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn transpose4<R: Rows>(src: &R, off: usize) -> [__m512i; 4] {
-    // SAFETY (for the loads): the caller guarantees `off + 16` bytes are
-    // inside each row.
+    // SAFETY: k is a row of the panel; the caller guarantees `off + 16`
+    // bytes are inside each row.
     let ld = |k: usize| unsafe { src.load16(k, off) };
     // z[j] = [row j | row 4+j | row 8+j | row 12+j] (128-bit lanes).
     let mut z = [_mm512_setzero_si512(); 4];
@@ -339,6 +360,10 @@ unsafe fn transpose4<R: Rows>(src: &R, off: usize) -> [__m512i; 4] {
 /// `m` is zero except for Q4_1). The span is transposed dword by dword;
 /// fields that straddle the dword grid (Q4_0/Q8_0 codes after a 2-byte
 /// scale) are realigned with shifts.
+///
+/// # Safety
+/// The CPU must support the features enabled above; the span must lie
+/// inside each row.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn decode_span<const F: u8, R: Rows, const SPAN: usize, const ND: usize>(
@@ -408,6 +433,10 @@ unsafe fn decode_span<const F: u8, R: Rows, const SPAN: usize, const ND: usize>(
 
 /// Decodes the single block at byte `off` of each row (odd block counts);
 /// calls `f(0, codes, d, m)` as [`decode_span`] does.
+///
+/// # Safety
+/// The CPU must support the features enabled above; the block must lie
+/// inside each row.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn decode_one<const F: u8, R: Rows>(
@@ -448,6 +477,10 @@ unsafe fn decode_one<const F: u8, R: Rows>(
 }
 
 /// Decodes `span` blocks (4, 2 or 1) at byte `off` of each row.
+///
+/// # Safety
+/// The CPU must support the features enabled above; the blocks must lie
+/// inside each row.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn decode<const F: u8, R: Rows>(
@@ -475,6 +508,9 @@ unsafe fn decode<const F: u8, R: Rows>(
 /// the buffered path faster): decodes and consumes each block directly from
 /// registers (no expansion buffer), with the same per-lane arithmetic as
 /// [`tile`].
+///
+/// # Safety
+/// As [`panel`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -575,6 +611,11 @@ struct TileCtx {
 
 /// Accumulates the chunk into activation rows `i0..i0+M` × the panel, with the
 /// running sums kept in `out` between chunks.
+///
+/// # Safety
+/// The CPU must support the features enabled above; rows `i0..i0 + M` of
+/// `x` and the panel's outputs in `out` must be in bounds, and no other
+/// thread may write those outputs.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: usize, out: OutPtr) {
