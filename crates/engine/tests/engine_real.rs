@@ -1,31 +1,13 @@
 //! The engine on the real default model (release-mode tests; the model is
 //! fetched by scripts/test — a missing model fails, never skips).
 
-use std::path::PathBuf;
-
 use engine::{Engine, EngineConfig, Event, GenRequest, RequestError, StartError};
 use kv::TenantId;
 use model::sample::FinishReason;
 use model::Model;
 use tokenizer::Tokenizer;
 
-fn model_path() -> PathBuf {
-    let p = match std::env::var_os("ISOSERVE_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => std::env::var_os("ISOSERVE_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/isoserve")
-            })
-            .join("SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        p.is_file(),
-        "model not found at {} — run `isoserve fetch-model`",
-        p.display()
-    );
-    p
-}
+use testkit::model_path;
 
 fn load() -> (Model, Tokenizer) {
     let m = Model::load(&model_path(), kernels::ThreadPool::new(2)).unwrap();

@@ -3,8 +3,9 @@
 mod common;
 
 use common::TempPath;
-use gguf::write::{synthetic_llama_writer, GgufWriter, SyntheticConfig};
+use gguf::write::GgufWriter;
 use gguf::{GgmlType, GgufError, GgufFile, Value};
+use testkit::synthetic::{synthetic_llama_writer, SyntheticConfig};
 
 /// A small (few-KB) but complete file: metadata of every kind and tensors.
 fn small_file() -> Vec<u8> {

@@ -1,11 +1,12 @@
 mod common;
 
 use common::TempPath;
-use gguf::write::{
-    quantize, synthetic_llama_writer, synthetic_vocab, write_synthetic_llama, GgufWriter,
-    SyntheticConfig, SMOLLM2_CHAT_TEMPLATE,
-};
+use gguf::write::{quantize, GgufWriter};
 use gguf::{dequantize_row, type_block_size, GgmlType, GgufError, GgufFile, Value};
+use testkit::synthetic::{
+    synthetic_llama_writer, synthetic_vocab, write_synthetic_llama, SyntheticConfig,
+    SMOLLM2_CHAT_TEMPLATE,
+};
 
 fn all_values() -> Vec<(&'static str, Value)> {
     vec![

@@ -39,7 +39,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("server", &["request", "tokenizer"]),
-    ("verify", &["transfer"]),
+    ("testkit", &["gguf", "kv", "transfer"]),
+    ("verify", &["testkit", "transfer"]),
     (
         "isoserve",
         &[
@@ -71,6 +72,8 @@ const NEVER_LINKED: &[(&str, &[&str])] = &[
     ),
     ("engine", &["transfer", "transport", "gateway", "server"]),
     ("transfer", &["model", "kernels", "engine"]),
+    // Test support is never linked into the binary.
+    ("isoserve", &["testkit", "verify"]),
 ];
 
 fn workspace_edges() -> BTreeMap<String, BTreeSet<String>> {

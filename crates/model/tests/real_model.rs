@@ -2,31 +2,12 @@
 //! independent numpy reference, greedy sanity, and batch invariance (K12).
 //! Needs the model in the cache (scripts/test fetches it) — never skips.
 
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use kv::{DType, Owner, PageRef, Pool, PoolOptions, RequestId, TenantId};
 use model::{sample::argmax, Model, Row, Scratch, SeqCtx};
 
-fn model_path() -> PathBuf {
-    let p = match std::env::var_os("ISOSERVE_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let home = std::env::var_os("ISOSERVE_HOME")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| {
-                    PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/isoserve")
-                });
-            home.join("SmolLM2-135M-Instruct.Q4_1.gguf")
-        }
-    };
-    assert!(
-        p.is_file(),
-        "model not found at {} — run `isoserve fetch-model` (scripts/test does)",
-        p.display()
-    );
-    p
-}
+use testkit::model_path;
 
 fn model() -> &'static Model {
     static M: OnceLock<Model> = OnceLock::new();

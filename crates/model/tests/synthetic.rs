@@ -3,10 +3,10 @@
 
 use std::path::PathBuf;
 
-use gguf::write::{write_synthetic_llama, SyntheticConfig};
 use gguf::GgmlType;
 use kv::{DType, KvError, Owner, Pool, PoolOptions, RequestId, TenantId};
 use model::{Model, ModelError, Row, Scratch, SeqCtx};
+use testkit::synthetic::{write_synthetic_llama, SyntheticConfig};
 
 fn synthetic(name: &str, cfg: SyntheticConfig) -> Model {
     let dir = std::env::temp_dir().join(format!("isoserve-synth-{}", std::process::id()));

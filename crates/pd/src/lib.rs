@@ -10,7 +10,7 @@
 //! The gateway is its own crate (`gateway`), which links no model.
 //!
 //! The state machines are the ones the simulator and the model checker
-//! run (`transfer::sim`); this crate only moves their messages.
+//! run (`testkit::sim`); this crate only moves their messages.
 //!
 //! ```no_run
 //! # async fn f(model: model::Model, tok: tokenizer::Tokenizer, fp: [u8; 32]) -> Result<(), Box<dyn std::error::Error>> {

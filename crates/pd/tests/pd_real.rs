@@ -5,7 +5,6 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener as StdListener, TcpStream as StdStream};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,23 +19,7 @@ use tokenizer::Tokenizer;
 use transfer::wire::Message;
 use transport::TransportConfig;
 
-fn model_path() -> PathBuf {
-    let p = match std::env::var_os("ISOSERVE_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => std::env::var_os("ISOSERVE_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/isoserve")
-            })
-            .join("SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        p.is_file(),
-        "model not found at {} — run `isoserve fetch-model`",
-        p.display()
-    );
-    p
-}
+use testkit::model_path;
 
 fn load() -> (Model, Tokenizer, [u8; 32]) {
     let m = Model::load(&model_path(), kernels::ThreadPool::new(1)).unwrap();
@@ -641,10 +624,13 @@ fn fingerprint_mismatch_refuses_pairing() {
     // synthetic GGUF: a different file).
     let dir = std::env::temp_dir().join(format!("isoserve-fp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let other = gguf::write::synthetic_llama_writer(&gguf::write::SyntheticConfig::default(), 1)
-        .unwrap()
-        .to_bytes()
-        .unwrap();
+    let other = testkit::synthetic::synthetic_llama_writer(
+        &testkit::synthetic::SyntheticConfig::default(),
+        1,
+    )
+    .unwrap()
+    .to_bytes()
+    .unwrap();
     let other = gguf::GgufFile::from_bytes(other)
         .unwrap()
         .fingerprint()

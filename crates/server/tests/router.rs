@@ -10,10 +10,10 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use futures_util::StreamExt;
-use gguf::write::{write_synthetic_llama, SyntheticConfig};
 use serde_json::{json, Value};
 use server::tenants::{key_sha256_hex, Tenants};
 use server::{Server, ServerConfig};
+use testkit::synthetic::{write_synthetic_llama, SyntheticConfig};
 use tower::ServiceExt;
 
 const MODEL_ID: &str = "synthetic";

@@ -12,20 +12,20 @@
 //! reference's. A seed replays exactly (`SimConfig::trace` prints it).
 //!
 //! ```
-//! use transfer::sim::{Sim, SimConfig};
+//! use testkit::sim::{Sim, SimConfig};
 //! let report = Sim::new(7, SimConfig::default()).run().expect("invariants hold");
 //! assert!(report.finished > 0);
 //! ```
 
 use std::collections::BTreeMap;
 
-use crate::common::ConnId;
-use crate::decode::DecodeNode;
-use crate::gateway::Gateway;
-use crate::prefill::PrefillNode;
-use crate::wire::Message;
 pub use crate::world::{reference_next, reference_tokens, Outcome, VOCAB};
 use crate::world::{ClientSpec, Node, World, WorldParams};
+use transfer::decode::DecodeNode;
+use transfer::gateway::Gateway;
+use transfer::prefill::PrefillNode;
+use transfer::wire::Message;
+use transfer::ConnId;
 
 /// splitmix64: small, seedable, the same everywhere.
 #[derive(Clone, Debug)]
@@ -189,8 +189,8 @@ pub struct SimReport {
     /// Pool counters at the end (of the current node instances).
     pub prefill_pool: kv::PoolStats,
     pub decode_pool: kv::PoolStats,
-    pub decode_stats: crate::decode::DecodeStats,
-    pub prefill_stats: crate::prefill::PrefillStats,
+    pub decode_stats: transfer::decode::DecodeStats,
+    pub prefill_stats: transfer::prefill::PrefillStats,
 }
 
 /// Rewrites a message in flight (tests of faulty senders and of corruption
@@ -272,7 +272,7 @@ impl Sim {
         &mut self.world.decode.machine
     }
     /// The decode node's glue (for its test-only mutations).
-    pub fn decode_glue_mut(&mut self) -> &mut crate::node::Decode<crate::world::StandInDecode> {
+    pub fn decode_glue_mut(&mut self) -> &mut transfer::node::Decode<crate::world::StandInDecode> {
         &mut self.world.decode
     }
     pub fn gateway_mut(&mut self) -> &mut Gateway {

@@ -17,7 +17,7 @@
 //! tokens alone. So the world checks content, not just states.
 //!
 //! ```
-//! use transfer::world::{ClientSpec, Node, World, WorldParams};
+//! use testkit::world::{ClientSpec, Node, World, WorldParams};
 //! let mut w = World::new(WorldParams::default(), vec![ClientSpec::new(1, vec![5, 6, 7], 2)]);
 //! // Take the first possible event until nothing is left to do.
 //! for _ in 0..200 {
@@ -36,15 +36,15 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv::{LayerView, Owner, PageRef, Pool, PoolOptions};
 
-use crate::common::ConnId;
-use crate::decode::{DecodeConfig, DecodeNode, DecodeStart};
-use crate::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
-use crate::node::{
+use transfer::decode::{DecodeConfig, DecodeNode, DecodeStart};
+use transfer::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
+use transfer::node::{
     self, DecodeEngine, DecodeReport, NetCommand, NetEvent, NodeEngine, PrefillEngine,
     PrefillReport,
 };
-use crate::prefill::{ComputeJob, PrefillConfig, PrefillNode};
-use crate::wire::{GenSpec, Message, Refusal};
+use transfer::prefill::{ComputeJob, PrefillConfig, PrefillNode};
+use transfer::wire::{GenSpec, Message, Refusal};
+use transfer::ConnId;
 
 // ------------------------------------------------------------- the model
 
@@ -165,11 +165,11 @@ pub fn shape(page_size: u32) -> kv::KvShape {
 
 /// A node identity for the stand-in model (every node shares the model
 /// fingerprint and KV layout).
-pub fn identity(node: &str, ps: u32, limit: u32) -> crate::Identity {
-    crate::Identity {
+pub fn identity(node: &str, ps: u32, limit: u32) -> transfer::Identity {
+    transfer::Identity {
         node: node.into(),
         fingerprint: [7; 32],
-        layout: crate::wire::KvLayout {
+        layout: transfer::wire::KvLayout {
             page_size: ps,
             dtype: 0,
             layers: LAYERS as u32,
@@ -225,7 +225,7 @@ impl StandInPrefill {
             },
             Err(e) => PrefillReport::Failed {
                 req,
-                error: crate::refusal::internal(e.to_string()),
+                error: transfer::refusal::internal(e.to_string()),
             },
         });
     }
@@ -235,7 +235,7 @@ impl StandInPrefill {
 /// refusal here takes the same path through the glue).
 fn stand_in_check(tokens: &[u32], max_tokens: u32) -> Result<(), Refusal> {
     if tokens.is_empty() || max_tokens == 0 {
-        return Err(crate::refusal::bad_request(
+        return Err(transfer::refusal::bad_request(
             "invalid_parameter",
             "the prompt and max_tokens must not be empty",
         ));
@@ -343,7 +343,7 @@ impl StandInDecode {
                 self.decoding.remove(&req);
                 self.reports.push(DecodeReport::Failed {
                     req,
-                    error: crate::refusal::internal(e.to_string()),
+                    error: transfer::refusal::internal(e.to_string()),
                 });
             }
         }
@@ -575,7 +575,7 @@ pub type Tamper<'a> = &'a mut dyn FnMut(&mut Message) -> bool;
 pub struct World {
     params: WorldParams,
     pub gateway: Gateway,
-    /// Prefill and decode run the production glue ([`crate::node`]) over
+    /// Prefill and decode run the production glue ([`transfer::node`]) over
     /// the stand-in engines.
     pub prefill: node::Prefill<StandInPrefill>,
     pub decode: node::Decode<StandInDecode>,
@@ -1099,7 +1099,7 @@ impl World {
                 };
                 if let Message::Cancel { req } = &msg {
                     if self.decode.machine.phase_of(*req)
-                        == Some(crate::decode::DecodePhase::Receiving)
+                        == Some(transfer::decode::DecodePhase::Receiving)
                     {
                         self.counters.cancels_mid_transfer += 1;
                     }
@@ -1137,7 +1137,7 @@ impl World {
     // ---------------------------------------------------------- actions
 
     /// A transport event at a node, through the production glue
-    /// ([`crate::node`]); its commands go onto the world's connections.
+    /// ([`transfer::node`]); its commands go onto the world's connections.
     fn node_event(&mut self, node: Node, ev: NetEvent) {
         let mut cmds = Vec::new();
         match node {
@@ -1394,7 +1394,7 @@ impl World {
     /// K1: every page a request holds is allocated to that request (same
     /// epoch, same owner), and no page is held by two requests.
     pub fn check_ownership(&self) -> Result<(), String> {
-        use crate::decode::DecodePhase;
+        use transfer::decode::DecodePhase;
         let check = |pool: &Pool, name: &str, holdings: Vec<(u64, Owner, Vec<PageRef>)>| {
             let mut seen = BTreeSet::new();
             for (req, owner, pages) in holdings {

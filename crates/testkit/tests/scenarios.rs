@@ -12,12 +12,12 @@
 //! | decode frees without draining (K4) | `freeing_without_draining_breaks_k4` |
 //! | decode skips its own canary check (K7) | `without_decodes_own_canary_check_it_decodes_on_a_scribbled_page` |
 
+use testkit::sim::{Outcome, Sim, SimConfig, SimReport};
+use testkit::world::WorldParams;
 use transfer::decode::DecodeMutations;
 use transfer::gateway::GatewayMutations;
 use transfer::prefill::PrefillMutations;
-use transfer::sim::{Outcome, Sim, SimConfig, SimReport};
 use transfer::wire::Message;
-use transfer::world::WorldParams;
 
 fn quiet() -> SimConfig {
     SimConfig::quiet()
@@ -136,7 +136,7 @@ fn without_completeness_the_placeholder_answers_wrongly() {
     assert!(err.contains("request 101"), "{err}");
 }
 
-fn tamper_first_page(req: u64) -> transfer::sim::Tamper {
+fn tamper_first_page(req: u64) -> testkit::sim::Tamper {
     let mut done = false;
     Box::new(move |m: &mut Message| {
         if let Message::Page { req: r, bytes, .. } = m {
@@ -184,7 +184,7 @@ fn without_the_checksum_corrupted_kv_reaches_the_client() {
 
 /// A faulty gateway (or a stale reservation) hands prefill an old epoch of
 /// a reserved page: prefill binds its checksum and canary to it.
-fn stale_reservation(req: u64) -> transfer::sim::Tamper {
+fn stale_reservation(req: u64) -> testkit::sim::Tamper {
     Box::new(move |m: &mut Message| {
         if let Message::Prefill { req: r, pages, .. } = m {
             if *r == req {
@@ -281,8 +281,8 @@ fn replay_scenario_seed() {
 /// Drives a world by always taking the first possible event, and flips a
 /// canary byte of request 100's first decode page once it is reserved (a
 /// stray write from a neighbour).
-fn run_with_a_stray_write(m: DecodeMutations) -> Result<Vec<transfer::world::Outcome>, String> {
-    use transfer::world::{ClientSpec, World};
+fn run_with_a_stray_write(m: DecodeMutations) -> Result<Vec<testkit::world::Outcome>, String> {
+    use testkit::world::{ClientSpec, World};
     let mut w = World::new(
         WorldParams::default(),
         vec![ClientSpec::new(1, prompt(7, 6), 2)],
@@ -325,7 +325,7 @@ fn without_decodes_own_canary_check_it_decodes_on_a_scribbled_page() {
 
 /// The first possible event but a submit, leaving the frames of `skip`
 /// queued.
-fn step_without_submit(w: &mut transfer::world::World, skip: Option<u64>) -> bool {
+fn step_without_submit(w: &mut testkit::world::World, skip: Option<u64>) -> bool {
     if let Some(&(conn, side, _)) = w.frames().iter().find(|f| Some(f.0) != skip) {
         w.deliver(conn, side, 0, None, None);
     } else if w.has_dials() {
@@ -348,7 +348,7 @@ fn step_without_submit(w: &mut transfer::world::World, skip: Option<u64>) -> boo
 /// new link. Prefill reports the requests it fails itself.
 #[test]
 fn a_prefill_link_seen_closed_late_spares_requests_reserved_since() {
-    use transfer::world::{ClientSpec, Node, World};
+    use testkit::world::{ClientSpec, Node, World};
     let mut w = World::new(
         WorldParams::default(),
         vec![

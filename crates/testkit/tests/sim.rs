@@ -3,11 +3,11 @@
 //! cancels, corruption, connection kills, node crashes, latency jitter and
 //! partitions (TCP-like network), plus an adversarial network that also
 //! reorders, loses and duplicates frames. Every failure names its seed;
-//! `SIM_SEED=N cargo test -p transfer --test sim replay -- --nocapture`
+//! `SIM_SEED=N cargo test -p testkit --test sim replay -- --nocapture`
 //! replays one with a trace (`SIM_ADVERSARIAL=1` for the adversarial
 //! network). A million seeds: `cargo run --release -p verify --bin pd-sim`.
 
-use transfer::sim::{Sim, SimConfig};
+use testkit::sim::{Sim, SimConfig};
 
 fn quiet() -> SimConfig {
     SimConfig::quiet()

@@ -3,8 +3,9 @@
 mod common;
 
 use common::{TempPath, ROUND_TRIP};
-use gguf::write::{synthetic_llama_writer, write_synthetic_llama, GgufWriter, SyntheticConfig};
+use gguf::write::GgufWriter;
 use gguf::{GgufFile, Value};
+use testkit::synthetic::{synthetic_llama_writer, write_synthetic_llama, SyntheticConfig};
 use tokenizer::{ChatMessage, ChatTemplate, PreTokenizer, Tokenizer, TokenizerError};
 
 fn synthetic() -> GgufWriter {
@@ -240,7 +241,7 @@ fn bad_tokenizer_metadata_is_a_typed_error() {
     );
     check(
         &|w| {
-            let (_, mut types, _) = gguf::write::synthetic_vocab();
+            let (_, mut types, _) = testkit::synthetic::synthetic_vocab();
             types[10] = 42;
             w.add_kv("tokenizer.ggml.token_type", types);
         },
@@ -288,7 +289,7 @@ fn gpt2_pre_tokenizer_keeps_digit_runs() {
     // With "gpt2" digits are not split individually; with a merge "1 2"
     // the run "12" becomes one token.
     let mut w = synthetic();
-    let (mut tokens, mut types, mut merges) = gguf::write::synthetic_vocab();
+    let (mut tokens, mut types, mut merges) = testkit::synthetic::synthetic_vocab();
     tokens.push("12".into());
     types.push(1);
     merges.push("1 2".into());
@@ -307,7 +308,7 @@ fn gpt2_pre_tokenizer_keeps_digit_runs() {
 #[test]
 fn user_defined_tokens_always_match() {
     let mut w = synthetic();
-    let (mut tokens, mut types, merges) = gguf::write::synthetic_vocab();
+    let (mut tokens, mut types, merges) = testkit::synthetic::synthetic_vocab();
     tokens.push("<tool>".into());
     types.push(4);
     w.add_kv("tokenizer.ggml.tokens", tokens.clone())

@@ -55,9 +55,7 @@ pub mod decode;
 pub mod gateway;
 pub mod node;
 pub mod prefill;
-pub mod sim;
 pub mod wire;
-pub mod world;
 
 pub use common::{
     check_peer, check_request, pages_for, refusal, role_name, short_hex, slots_at, transfer_digest,

@@ -2,7 +2,7 @@
 //! machine, its actions carried out on the node's engine, outgoing
 //! commands for the transport. Production (`pd`'s node loop over the real
 //! model) and the tests (the simulator's and the model checker's
-//! [`crate::world::World`] over a stand-in model) run exactly this code;
+//! `testkit::world::World` over a stand-in model) run exactly this code;
 //! only the [`NodeEngine`] behind it differs.
 //!
 //! * [`Prefill`] — a `Prefill` message's parameters are checked by the
@@ -19,16 +19,12 @@
 //!
 //! ```
 //! use transfer::node::{NetCommand, NetEvent};
-//! use transfer::world::{ClientSpec, World, WorldParams};
-//! // The world runs two nodes through this module's glue.
-//! let mut w = World::new(WorldParams::default(), vec![ClientSpec::new(1, vec![5, 6, 7], 2)]);
-//! for _ in 0..200 {
-//!     if !w.step_first() {
-//!         break;
-//!     }
-//! }
-//! assert!(w.check_end().is_ok());
-//! # let _ = (NetEvent::Closed { conn: 1 }, NetCommand::Close { conn: 1 });
+//! use transfer::wire::Message;
+//! // A transport turns bytes into events for the glue, and carries out its
+//! // commands; `testkit::world::World` drives the same glue in tests.
+//! let ev = NetEvent::Message { conn: 3, msg: Message::Cancel { req: 7 } };
+//! let cmd = NetCommand::Close { conn: 3 };
+//! assert!(matches!((ev, cmd), (NetEvent::Message { .. }, NetCommand::Close { conn: 3 })));
 //! ```
 
 use kv::Pool;

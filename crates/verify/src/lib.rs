@@ -1,6 +1,6 @@
 //! `verify` — the KV transfer protocol, model-checked.
 //!
-//! A [`stateright`] model whose state is a [`transfer::world::World`]: the
+//! A [`stateright`] model whose state is a [`testkit::world::World`]: the
 //! *production* `Gateway`, `PrefillNode` and `DecodeNode` state machines,
 //! real `kv::Pool`s with real epochs, encoded frames on connections, the
 //! stand-in model's engines and the clients. Nothing is re-implemented: an
@@ -52,12 +52,12 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use stateright::{Checker, Model, Property};
+use testkit::world::{ClientSpec, Node, World, WorldParams};
 use transfer::decode::DecodeMutations;
 use transfer::gateway::GatewayMutations;
 use transfer::node::GlueMutations;
 use transfer::prefill::PrefillMutations;
 use transfer::wire::Message;
-use transfer::world::{ClientSpec, Node, World, WorldParams};
 use transfer::ConnId;
 
 /// How the network may behave (see the crate documentation).

@@ -2,7 +2,7 @@
 //! property and reach every `sometimes`; each test-only mutation of a
 //! safety mechanism named here makes the search find a counterexample,
 //! printed step by step (the other mutations are caught in the simulator:
-//! `transfer/tests/scenarios.rs`). Which mutation each test catches:
+//! `testkit/tests/scenarios.rs`). Which mutation each test catches:
 //!
 //! | mutation | property broken | test |
 //! |---|---|---|

@@ -19,17 +19,5 @@ impl Drop for TempPath {
     }
 }
 
-/// The real model: `ISOSERVE_MODEL` or the default cache path. Panics (so
-/// the test fails, never skips) when it is missing.
-pub fn model_path() -> PathBuf {
-    let p = std::env::var_os("ISOSERVE_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/root/.cache/isoserve/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(
-        p.is_file(),
-        "real model file {} is missing: set ISOSERVE_MODEL or download \
-         SmolLM2-135M-Instruct.Q4_1.gguf there (this test fails rather than skips)",
-        p.display()
-    );
-    p
-}
+#[allow(unused_imports)]
+pub use testkit::model_path;

@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use transfer::sim::{Sim, SimConfig};
+use testkit::sim::{Sim, SimConfig};
 
 #[derive(Parser)]
 #[command(about = "Run the seeded PD simulation over a range of seeds")]
@@ -99,7 +99,7 @@ fn main() -> ExitCode {
                 ""
             };
             println!(
-                "replay: {adv}SIM_SEED={seed} cargo test --release -p transfer --test sim replay -- --nocapture"
+                "replay: {adv}SIM_SEED={seed} cargo test --release -p testkit --test sim replay -- --nocapture"
             );
             ExitCode::from(1)
         }
