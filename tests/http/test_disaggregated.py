@@ -314,6 +314,15 @@ def test_serve_disaggregated_one_command_and_clean_sigterm(tmp_root):
     dm = parse_metrics(requests.get(urls["decode"], timeout=10).text)
     assert dm["isoserve_node_decode_transfers_completed_total"] == 1
     assert dm["isoserve_node_decode_checksum_failures_total"] == 0
+    # One scrape of the gateway sees the whole set: every child's samples
+    # with a `node` label, encoded by the same Prometheus library.
+    gm = s.metrics()
+    assert gm['isoserve_node_scrape_ok{node="prefill-0"}'] == 1
+    assert gm['isoserve_node_scrape_ok{node="decode-0"}'] == 1
+    assert gm['isoserve_node_decode_transfers_completed_total{node="decode-0"}'] == 1
+    assert gm['isoserve_node_prefill_transfers_done_total{node="prefill-0"}'] == 1
+    assert gm['isoserve_node_kv_pages_total{node="decode-0"}'] == dm["isoserve_node_kv_pages_total"]
+    assert gm["isoserve_gateway_finished_total"] == 1
     assert s.terminate() == 0, s.stderr()
     for k in kids:
         assert not Path(f"/proc/{k}").exists() or "zombie" in Path(f"/proc/{k}/status").read_text().lower()

@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -44,7 +44,7 @@ pub(crate) enum Mode {
 pub(crate) enum Sink {
     /// A caller in this process (unified role).
     Local {
-        events: tmpsc::UnboundedSender<Event>,
+        events: tmpsc::Sender<Event>,
         cancel: Arc<AtomicBool>,
     },
     /// A remote gateway, through the node's outbox (PD roles).
@@ -101,14 +101,36 @@ impl Active {
             Sink::Remote { .. } => false,
         }
     }
+    /// Room for what one step can emit (a token and the end): a request
+    /// whose reader fell [`request::REQUEST_EVENTS_MAX`] − 1 events behind
+    /// waits (back-pressure), holding its pages.
+    fn has_room(&self) -> bool {
+        match &self.sink {
+            Sink::Local { events, .. } => events.capacity() >= EVENTS_PER_STEP_MAX,
+            Sink::Remote { .. } => true,
+        }
+    }
 }
+
+/// How often a batch whose every request waits for its reader looks again.
+const BACKPRESSURE_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// Events one step emits for a request at most: a token, then its end.
+const EVENTS_PER_STEP_MAX: usize = 2;
 
 /// Sends an event to a request's sink.
 fn emit(outbox: &mut Vec<Outcome>, a: &Active, event: Event) {
     match &a.sink {
-        Sink::Local { events, .. } => {
-            let _ = events.send(event);
-        }
+        Sink::Local { events, .. } => match events.try_send(event) {
+            Ok(()) | Err(tmpsc::error::TrySendError::Closed(_)) => {}
+            // `has_room` keeps a request out of the step before this can
+            // happen; were it to, the reader sees its stream end without
+            // `Done`, which the server reports as an error.
+            Err(tmpsc::error::TrySendError::Full(_)) => {
+                debug_assert!(false, "request {} overflowed its event channel", a.id.0);
+                tracing::error!(request = a.id.0, "event channel full; event dropped");
+            }
+        },
         Sink::Remote { conn } => outbox.push(Outcome::Event {
             req: a.id.0,
             conn: *conn,
@@ -218,8 +240,16 @@ impl Core {
             }
             self.reap_cancelled();
             self.admit();
-            if !self.running.is_empty() {
-                self.step();
+            if !self.running.is_empty() && !self.step() {
+                // Every running request waits for its reader: wait for a
+                // command or a reader, polling (readers do not wake us).
+                match rx.recv_timeout(BACKPRESSURE_POLL) {
+                    Ok(cmd) => self.command(cmd),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => {
+                        self.shutdown.get_or_insert(false);
+                    }
+                }
             }
             self.publish();
         }
@@ -252,7 +282,7 @@ impl Core {
     fn cancel_all(&mut self, err: RequestError) {
         let n = self.waiting.len();
         for sub in self.waiting.drain(..) {
-            let _ = sub.events.send(Event::Error(err.clone()));
+            let _ = sub.events.try_send(Event::Error(err.clone()));
             self.local.requests_cancelled_total += 1;
         }
         self.left_queue(n);
@@ -313,7 +343,7 @@ impl Core {
             if let Err(e) = crate::validate(&sub.req, self.max_request, self.model.config.vocab) {
                 let sub = self.waiting.pop_front().expect("front exists");
                 self.left_queue(1);
-                let _ = sub.events.send(Event::Error(e));
+                let _ = sub.events.try_send(Event::Error(e));
                 self.local.requests_refused_total += 1;
                 continue;
             }
@@ -328,7 +358,7 @@ impl Core {
             if let Err(e) = self.pool.alloc(owner, need_pages, &mut pages) {
                 let _ = sub
                     .events
-                    .send(Event::Error(RequestError::Internal(e.to_string())));
+                    .try_send(Event::Error(RequestError::Internal(e.to_string())));
                 self.local.requests_failed_total += 1;
                 continue;
             }
@@ -338,10 +368,12 @@ impl Core {
                 Ok(s) => s,
                 Err(e) => {
                     // validate() accepted it; unreachable, but never panic.
-                    let _ = sub.events.send(Event::Error(RequestError::InvalidParam {
-                        field: e.field,
-                        why: e.why,
-                    }));
+                    let _ = sub
+                        .events
+                        .try_send(Event::Error(RequestError::InvalidParam {
+                            field: e.field,
+                            why: e.why,
+                        }));
                     for h in pages {
                         let _ = self.pool.free(h, owner);
                     }
@@ -387,14 +419,16 @@ impl Core {
         }
     }
 
-    /// One forward step: a decode row per decoding request, then prompt
-    /// chunks under the token budget.
-    fn step(&mut self) {
+    /// One forward step: a decode row per decoding request whose reader has
+    /// room for what the step emits, then prompt chunks under the token
+    /// budget. False when no row could run (every request waits for its
+    /// reader).
+    fn step(&mut self) -> bool {
         let budget = self.cfg.step_tokens_max;
         self.rows.clear();
         // Which running request each row belongs to: `seq` indexes `running`.
         for (i, a) in self.running.iter().enumerate() {
-            if a.decoding() && self.rows.len() < budget {
+            if a.decoding() && a.has_room() && self.rows.len() < budget {
                 let pos = a.prompt.len() + a.generated.len() - 1;
                 let token = *a
                     .generated
@@ -425,6 +459,10 @@ impl Core {
                     logits: pos == a.prompt.len() - 1,
                 });
             }
+        }
+        if self.rows.is_empty() {
+            // Every running request waits for its reader (back-pressure).
+            return false;
         }
         let seqs: Vec<SeqCtx<'_>> = self
             .running
@@ -467,7 +505,7 @@ impl Core {
                     Event::Error(RequestError::Internal(e.to_string())),
                 );
             }
-            return;
+            return true;
         }
         // Advance prefill positions.
         for r in &self.rows {
@@ -540,6 +578,7 @@ impl Core {
         for (a, done) in dones {
             emit(&mut self.outbox, &a, Event::Done(done));
         }
+        true
     }
 
     /// Ends a request that finished: its Done event; frees its pages (Full
@@ -658,7 +697,7 @@ impl Core {
     /// One forward step, if any request runs.
     pub fn step_if_running(&mut self) {
         if !self.running.is_empty() {
-            self.step();
+            let _ = self.step();
         }
     }
 

@@ -176,7 +176,7 @@ pub(crate) enum Command {
 pub(crate) struct Submitted {
     pub id: RequestId,
     pub req: GenRequest,
-    pub events: tmpsc::UnboundedSender<Event>,
+    pub events: tmpsc::Sender<Event>,
     pub cancel: Arc<AtomicBool>,
     /// The handle's page count, set on admission.
     pub pages: Arc<AtomicU64>,
@@ -273,7 +273,7 @@ impl Engine {
         let (req, placeholder) = incident_placeholder(req, self.capacity.max_request_tokens);
         validate(&req, self.capacity.max_request_tokens, self.vocab)?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (etx, erx) = tmpsc::unbounded_channel();
+        let (etx, erx) = request::event_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         // Nothing allocated until the engine admits it.
         let pages = Arc::new(AtomicU64::new(0));

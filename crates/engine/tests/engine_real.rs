@@ -316,3 +316,89 @@ fn stop_strings_and_eos_end_requests() {
     );
     assert!(full.starts_with(&text));
 }
+
+/// Per-request event channels are bounded (`request::REQUEST_EVENTS_MAX`).
+/// A client that stops reading holds up only its own request: the engine
+/// stops stepping it once its channel is (almost) full, keeps its pages,
+/// serves everyone else meanwhile, and resumes when the client reads — the
+/// client then gets every token, the same as a request read at once (K12),
+/// and nothing was dropped. Without the engine's room check, events beyond
+/// the bound are lost and the token count below fails.
+#[test]
+fn a_client_that_stops_reading_pauses_only_its_own_request() {
+    let (engine, tok) = start(small_cfg());
+    let prompt = tok.encode("Once upon a time", true).unwrap();
+    let n = 600;
+    let req = || GenRequest {
+        ignore_eos: true,
+        ..GenRequest::greedy(TenantId(1), prompt.clone(), n)
+    };
+    let (alone, _, _) = run(&engine, req()).unwrap();
+    assert_eq!(alone.len(), n);
+    let generated_before = engine.stats().generated_tokens_total;
+
+    let mut slow = engine.submit(req()).unwrap();
+    // Wait until the engine has stopped stepping the unread request.
+    // (No change for 250 ms; bounded at 30 s.)
+    let (mut last, mut stable) = (u64::MAX, 0);
+    for _ in 0..1200 {
+        std::thread::sleep(std::time::Duration::from_millis(25));
+        let g = engine.stats().generated_tokens_total;
+        stable = if g == last { stable + 1 } else { 0 };
+        last = g;
+        if stable >= 10 {
+            break;
+        }
+    }
+    let paused_at = (last - generated_before) as usize;
+    assert!(
+        paused_at < request::REQUEST_EVENTS_MAX && paused_at + 2 >= request::REQUEST_EVENTS_MAX,
+        "the unread request generated {paused_at} tokens (bound {})",
+        request::REQUEST_EVENTS_MAX
+    );
+    let s = engine.stats();
+    assert_eq!(
+        s.running, 1,
+        "the paused request keeps running (and its pages)"
+    );
+    assert!(s.pool.pages_free < s.pool.pages_total);
+
+    // Another tenant is served meanwhile.
+    let (_, text, _) = run(
+        &engine,
+        GenRequest::greedy(
+            TenantId(2),
+            tok.encode("The capital of France is", true).unwrap(),
+            3,
+        ),
+    )
+    .unwrap();
+    assert!(text.starts_with(" Paris"), "{text:?}");
+
+    // Reading resumes it; nothing was lost.
+    let mut ids = Vec::new();
+    loop {
+        match slow.blocking_next() {
+            Some(Event::Token(t)) => ids.push(t.id),
+            Some(Event::Done(d)) => {
+                assert_eq!(d.usage.completion_tokens, n);
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(
+        ids, alone,
+        "the paused request's tokens differ from an unpaused run"
+    );
+    for _ in 0..200 {
+        let s = engine.stats();
+        if s.running == 0 && s.pool.pages_free == s.pool.pages_total {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let s = engine.stats();
+    assert_eq!(s.pool.pages_free, s.pool.pages_total);
+    assert_eq!(s.pool.safety_refusals(), 0);
+}

@@ -24,14 +24,13 @@
 //! ```
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use request::{
-    Backend, DoneEvent, EngineStats, Event, FinishReason, GenRequest, RequestError, RequestHandle,
-    RequestId, TokenEvent, Usage,
+    Backend, DoneEvent, EngineStats, Event, FinishReason, GenRequest, MetricSample, RequestError,
+    RequestHandle, RequestId, TokenEvent, Usage,
 };
 use tokio::sync::{mpsc, Notify};
 use transfer::convert::gen_spec;
@@ -85,7 +84,7 @@ impl GatewayOptions {
 }
 
 struct Client {
-    events: tokio::sync::mpsc::UnboundedSender<Event>,
+    events: tokio::sync::mpsc::Sender<Event>,
     submitted_at: Instant,
     first_token_at: Option<Instant>,
     prompt_tokens: usize,
@@ -96,6 +95,8 @@ struct Client {
 
 struct State {
     gw: Gateway,
+    /// Requests ended because their client fell too far behind.
+    too_slow_total: u64,
     clients: HashMap<u64, Client>,
     /// Connection → node index.
     conn_node: HashMap<u64, usize>,
@@ -128,6 +129,9 @@ fn refusal_error(r: Refusal) -> RequestError {
 
 impl Inner {
     fn execute(&self, st: &mut State, actions: Vec<GatewayAction>) {
+        // Clients that fell `REQUEST_EVENTS_MAX` events behind: ended after
+        // this batch of actions (a remote decode cannot be paused).
+        let mut too_slow = Vec::new();
         for a in actions {
             match a {
                 GatewayAction::Send { conn, msg } => {
@@ -156,7 +160,17 @@ impl Inner {
                                 ),
                                 None => (None, Vec::new()),
                             };
-                            let _ = c.events.send(Event::Token(TokenEvent {
+                            // The last slot is kept for the end.
+                            if c.events.capacity() <= 1 {
+                                let c = st.clients.remove(&req).expect("known");
+                                let _ =
+                                    c.events.try_send(Event::Error(RequestError::ClientTooSlow {
+                                        limit: request::REQUEST_EVENTS_MAX,
+                                    }));
+                                too_slow.push(req);
+                                continue;
+                            }
+                            let _ = c.events.try_send(Event::Token(TokenEvent {
                                 id,
                                 text,
                                 logprob,
@@ -172,7 +186,7 @@ impl Inner {
                             let c = st.clients.remove(&req).expect("known");
                             let now = Instant::now();
                             let ms = |d: Duration| d.as_secs_f64() * 1e3;
-                            let _ = c.events.send(Event::Done(DoneEvent {
+                            let _ = c.events.try_send(Event::Done(DoneEvent {
                                 finish: if finish == 0 {
                                     FinishReason::Stop
                                 } else {
@@ -195,11 +209,17 @@ impl Inner {
                         }
                         ClientEvent::Error(r) => {
                             let c = st.clients.remove(&req).expect("known");
-                            let _ = c.events.send(Event::Error(refusal_error(r)));
+                            let _ = c.events.try_send(Event::Error(refusal_error(r)));
                         }
                     }
                 }
             }
+        }
+        for req in too_slow {
+            st.too_slow_total += 1;
+            let mut out = Vec::new();
+            st.gw.cancel(req, &mut out);
+            self.execute(st, out);
         }
     }
 
@@ -299,6 +319,7 @@ impl GatewayBackend {
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 gw,
+                too_slow_total: 0,
                 clients: HashMap::new(),
                 conn_node: HashMap::new(),
             }),
@@ -386,7 +407,7 @@ impl Backend for GatewayBackend {
         }
         let n = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         let id = (self.inner.nonce << 40) | n;
-        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
+        let (etx, erx) = request::event_channel();
         let pages = Arc::new(AtomicU64::new(request::PAGES_UNKNOWN));
         {
             let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -455,7 +476,7 @@ impl Backend for GatewayBackend {
             let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
             let st = &mut *st;
             if let Some(c) = st.clients.remove(&id) {
-                let _ = c.events.send(Event::Error(RequestError::ShuttingDown));
+                let _ = c.events.try_send(Event::Error(RequestError::ShuttingDown));
             }
             let mut out = Vec::new();
             st.gw.cancel(id, &mut out);
@@ -468,20 +489,23 @@ impl Backend for GatewayBackend {
         st.gw.ready()
     }
 
-    fn metrics_text(&self) -> String {
+    fn metric_samples(&self) -> Vec<MetricSample> {
         let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
-        gateway_metrics(&st.gw, &self.inner.transport)
+        gateway_samples(&st.gw, &self.inner.transport, st.too_slow_total)
     }
 }
 
-/// Prometheus text of the gateway's counters and its view of the nodes.
-pub fn gateway_metrics(gw: &Gateway, t: &Transport) -> String {
+/// The gateway's counters and its view of the nodes, as samples for the
+/// HTTP layer's Prometheus encoder.
+pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<MetricSample> {
     let s = gw.stats();
-    let mut o = String::new();
+    let mut o = Vec::new();
     let mut counter = |name: &str, help: &str, v: u64| {
-        let _ = writeln!(o, "# HELP isoserve_gateway_{name} {help}");
-        let _ = writeln!(o, "# TYPE isoserve_gateway_{name} counter");
-        let _ = writeln!(o, "isoserve_gateway_{name} {v}");
+        o.push(MetricSample::counter(
+            format!("isoserve_gateway_{name}"),
+            help,
+            v as f64,
+        ));
     };
     counter(
         "requests_total",
@@ -525,6 +549,11 @@ pub fn gateway_metrics(gw: &Gateway, t: &Transport) -> String {
         s.cancels_streaming_total,
     );
     counter(
+        "client_too_slow_total",
+        "Requests ended because their client fell REQUEST_EVENTS_MAX events behind",
+        too_slow_total,
+    );
+    counter(
         "failed_node_lost_total",
         "Requests failed because a node was lost",
         s.failed_node_lost_total,
@@ -554,44 +583,38 @@ pub fn gateway_metrics(gw: &Gateway, t: &Transport) -> String {
         "Bytes sent to nodes",
         t.stats.bytes_sent_total.load(Ordering::Relaxed),
     );
-    let _ = writeln!(
-        o,
-        "# HELP isoserve_gateway_node_up Whether the gateway is paired with the node"
-    );
-    let _ = writeln!(o, "# TYPE isoserve_gateway_node_up gauge");
     for n in gw.nodes() {
         let role = if n.role == ROLE_DECODE {
             "decode"
         } else {
             "prefill"
         };
-        let _ = writeln!(
-            o,
-            "isoserve_gateway_node_up{{node=\"{}\",role=\"{role}\"}} {}",
-            n.addr,
-            u8::from(n.up())
+        o.push(
+            MetricSample::gauge(
+                "isoserve_gateway_node_up",
+                "Whether the gateway is paired with the node",
+                f64::from(u8::from(n.up())),
+            )
+            .label("node", n.addr.clone())
+            .label("role", role),
         );
     }
-    let _ = writeln!(
-        o,
-        "# HELP isoserve_gateway_node_max_request_tokens The limit the node last advertised (K8)"
-    );
-    let _ = writeln!(o, "# TYPE isoserve_gateway_node_max_request_tokens gauge");
     for n in gw.nodes() {
         if let Some(l) = n.last_limit {
-            let _ = writeln!(
-                o,
-                "isoserve_gateway_node_max_request_tokens{{node=\"{}\"}} {l}",
-                n.addr
+            o.push(
+                MetricSample::gauge(
+                    "isoserve_gateway_node_max_request_tokens",
+                    "The limit the node last advertised (K8)",
+                    l as f64,
+                )
+                .label("node", n.addr.clone()),
             );
         }
     }
-    let _ = writeln!(o, "# HELP isoserve_gateway_max_request_tokens The advertised limit: min over the model and every node");
-    let _ = writeln!(o, "# TYPE isoserve_gateway_max_request_tokens gauge");
-    let _ = writeln!(
-        o,
-        "isoserve_gateway_max_request_tokens {}",
-        gw.max_request_tokens()
-    );
+    o.push(MetricSample::gauge(
+        "isoserve_gateway_max_request_tokens",
+        "The advertised limit: min over the model and every node",
+        gw.max_request_tokens() as f64,
+    ));
     o
 }

@@ -12,22 +12,24 @@
 //! then the children get SIGTERM, then SIGKILL after 10 s.
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use engine::EngineConfig;
 use gateway::{GatewayBackend, GatewayOptions};
 use pd::role::{PdConfig, PdRole};
 use server::reqlog::RequestLog;
 use server::tenants::Tenants;
-use server::{Server, ServerConfig};
+use server::Server;
 use transport::TransportConfig;
 
-use crate::serve::{self, HttpArgs, NodeEngineArgs};
+use crate::args::{
+    engine_config, server_config, GatewayArgs, HttpArgs, NodeArgs, NodeEngineArgs, ServeArgs,
+};
+use crate::serve::{self, tenants_and_log};
 use crate::{fetch, generate};
 
 /// Restarts of one child allowed within [`RESTART_WINDOW`].
@@ -35,61 +37,6 @@ pub const RESTARTS_MAX: usize = 5;
 pub const RESTART_WINDOW: Duration = Duration::from_secs(60);
 /// How long a child may take to start listening (loading the model).
 const CHILD_START_TIMEOUT: Duration = Duration::from_secs(180);
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct NodeArgs {
-    /// Address to listen on for the PD protocol.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port; 0 picks a free one. Once listening, the node prints
-    /// `isoserve: ROLE node NAME listening on HOST:PORT` to stdout.
-    #[arg(long, default_value_t = 0)]
-    pub port: u16,
-    /// This node's name (unique in a deployment).
-    #[arg(long)]
-    pub node: Option<String>,
-    /// Serve `GET /metrics` (pool, transfer checks, transport) on this
-    /// port of --host; 0 picks one. Once listening, the node prints
-    /// `isoserve: metrics on http://HOST:PORT/metrics`. Default: none.
-    #[arg(long)]
-    pub metrics_port: Option<u16>,
-    #[command(flatten)]
-    pub engine: NodeEngineArgs,
-}
-
-#[derive(clap::Args, Debug)]
-pub struct GatewayArgs {
-    /// A prefill node's `host:port` (repeat for several).
-    #[arg(long, required = true)]
-    pub prefill: Vec<String>,
-    /// A decode node's `host:port` (repeat for several).
-    #[arg(long, required = true)]
-    pub decode: Vec<String>,
-    /// The GGUF the nodes serve (tokenizer, chat template, fingerprint);
-    /// default: the cached default model.
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// Advertise a window smaller than the model's (the gateway advertises
-    /// the minimum over this, the model and every node's limit).
-    #[arg(long)]
-    pub max_context: Option<usize>,
-    #[command(flatten)]
-    pub http: HttpArgs,
-}
-
-/// The engine configuration of `serve`, `prefill` and `decode`.
-pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
-    EngineConfig {
-        page_size_tokens: e.page_size,
-        kv_pages: e.kv_pages,
-        kv_memory_bytes: e.kv_memory,
-        max_context: e.max_context,
-        step_tokens_max: e.step_tokens,
-        running_max: e.max_running,
-        queue_max: e.max_queue,
-        ..EngineConfig::default()
-    }
-}
 
 /// `isoserve prefill` / `isoserve decode`.
 pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
@@ -146,7 +93,7 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
                     .await
                     .with_context(|| format!("cannot listen on {}:{port} for metrics", args.host))?;
                 let addr = l.local_addr()?;
-                let task = tokio::spawn(pd::node::serve_metrics(
+                let task = tokio::spawn(crate::node_metrics::serve(
                     l,
                     node.node.clone(),
                     node.transport.clone(),
@@ -207,37 +154,8 @@ fn gateway_model(path: &Path) -> Result<GatewayModel> {
     })
 }
 
-/// The HTTP layer's configuration of `serve` and `gateway`.
-pub(crate) fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerConfig> {
-    let mut scfg = ServerConfig::new(model_id.to_string());
-    scfg.body_limit = usize::try_from(http.max_body).context("--max-body is too large")?;
-    scfg.default_max_tokens = http.default_max_tokens.max(1);
-    scfg.max_connections = http.max_connections.max(1);
-    scfg.shutdown_grace = Duration::from_secs(http.shutdown_grace_secs);
-    scfg.log_prompts = http.log_prompts;
-    Ok(scfg)
-}
-
-/// The tenants file and the request log of `serve` and `gateway`.
-pub(crate) fn tenants_and_log(http: &HttpArgs) -> Result<(Tenants, Option<RequestLog>)> {
-    let tenants = match &http.tenants {
-        Some(p) => Tenants::load(p)?,
-        None => {
-            tracing::warn!(
-                "no --tenants file: every request runs as one anonymous tenant and API keys are not checked"
-            );
-            Tenants::anonymous()
-        }
-    };
-    let reqlog = http
-        .request_log
-        .as_deref()
-        .map(RequestLog::open)
-        .transpose()?;
-    Ok((tenants, reqlog))
-}
-
-/// Serves HTTP through a gateway to the given nodes until `stop` resolves.
+/// Serves HTTP through a gateway to the given nodes until `stop` resolves;
+/// `node_metrics` (name, metrics address) join the gateway's `/metrics`.
 #[allow(clippy::too_many_arguments)]
 async fn serve_gateway(
     model: GatewayModel,
@@ -247,6 +165,7 @@ async fn serve_gateway(
     http: &HttpArgs,
     tenants: Tenants,
     reqlog: Option<RequestLog>,
+    node_metrics: Vec<(String, std::net::SocketAddr)>,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
     let mut opts = GatewayOptions::new(
@@ -258,8 +177,16 @@ async fn serve_gateway(
     opts.max_context = max_context.map(|m| m.min(u32::MAX as usize) as u32);
     let backend = Arc::new(GatewayBackend::start(opts));
     let scfg = server_config(&model.id, http)?;
+    let served: Arc<dyn request::Backend> = if node_metrics.is_empty() {
+        backend.clone()
+    } else {
+        Arc::new(crate::node_metrics::WithNodeMetrics {
+            inner: backend.clone(),
+            nodes: node_metrics,
+        })
+    };
     let server = Server::with_backend(
-        backend.clone(),
+        served,
         model.tokenizer,
         model.template,
         tenants,
@@ -313,6 +240,7 @@ pub fn run_gateway(args: GatewayArgs) -> Result<()> {
         &args.http,
         tenants,
         reqlog,
+        Vec::new(),
         serve::shutdown_signal(),
     ))?;
     rt.shutdown_timeout(Duration::from_secs(1));
@@ -424,48 +352,40 @@ fn terminate(child: &mut Child) {
 }
 
 /// `isoserve serve --disaggregated`.
-pub fn run_supervised(args: serve::ServeArgs) -> Result<()> {
+pub fn run_supervised(args: ServeArgs) -> Result<()> {
     serve::init_tracing();
     let (tenants, reqlog) = tenants_and_log(&args.http)?;
     let path = fetch::resolve_model(args.engine.model.as_deref(), false)?;
     let model = gateway_model(&path)?;
-    let e = &args.engine;
-    let mut common = vec![
-        "--host".to_string(),
-        "127.0.0.1".into(),
-        "--model".into(),
-        path.display().to_string(),
-        "--kv-memory".into(),
-        e.kv_memory.to_string(),
-        "--page-size".into(),
-        e.page_size.to_string(),
-        "--max-queue".into(),
-        e.max_queue.to_string(),
-        "--max-running".into(),
-        e.max_running.to_string(),
-        "--step-tokens".into(),
-        e.step_tokens.to_string(),
-        "--transfer-window-pages".into(),
-        e.transfer_window_pages.to_string(),
-    ];
-    if let Some(p) = e.kv_pages {
-        common.extend(["--kv-pages".into(), p.to_string()]);
-    }
-    if let Some(m) = e.max_context {
-        common.extend(["--max-context".into(), m.to_string()]);
-    }
+    // The children's engine flags come from the same struct (a new flag
+    // cannot miss them), with the model resolved here.
+    let engine = NodeEngineArgs {
+        model: Some(path.clone()),
+        ..args.engine.clone()
+    };
+    let mut common = vec!["--host".to_string(), "127.0.0.1".into()];
+    common.extend(engine.to_cli_args());
     let mut children = Vec::new();
+    // The children's metrics ports are fixed here (kept across restarts),
+    // so the gateway's /metrics can show their samples (node label).
+    let mut node_metrics = Vec::new();
     for role in ["prefill", "decode"] {
         let port = free_port()?;
+        let metrics_port = free_port()?;
+        let name = format!("{role}-0");
+        node_metrics.push((
+            name.clone(),
+            std::net::SocketAddr::from(([127, 0, 0, 1], metrics_port)),
+        ));
         let mut a = vec![role.to_string()];
         a.extend(common.iter().cloned());
         a.extend([
             "--port".into(),
             port.to_string(),
             "--metrics-port".into(),
-            "0".into(),
+            metrics_port.to_string(),
             "--node".into(),
-            format!("{role}-0"),
+            name,
         ]);
         children.push(Supervised {
             spec: ChildSpec {
@@ -563,6 +483,7 @@ pub fn run_supervised(args: serve::ServeArgs) -> Result<()> {
             &args.http,
             tenants,
             reqlog,
+            node_metrics,
             stop,
         )
         .await;

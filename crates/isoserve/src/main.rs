@@ -1,9 +1,11 @@
 //! `isoserve` — the command-line entry point. See README.md.
 
+mod args;
 mod audit_cmd;
 mod disagg;
 mod fetch;
 mod generate;
+mod node_metrics;
 mod probe_cmd;
 mod serve;
 
@@ -106,19 +108,19 @@ enum Cmd {
     /// Serve the OpenAI-compatible HTTP API (chat/completions, completions,
     /// models, health, metrics) with tenant-isolated KV, until SIGTERM or
     /// Ctrl-C.
-    Serve(serve::ServeArgs),
+    Serve(args::ServeArgs),
     /// Run a prefill node: computes prompts' KV and hands it to decode
     /// nodes over TCP (checksums, canaries, bounded batches, deferred
     /// release). Refuses to start when its pool cannot hold the window
     /// unless --max-context lowers it (K8).
-    Prefill(disagg::NodeArgs),
+    Prefill(args::NodeArgs),
     /// Run a decode node: reserves pages for requests, receives and checks
     /// their KV, decodes and streams tokens to the gateway.
-    Decode(disagg::NodeArgs),
+    Decode(args::NodeArgs),
     /// Run the gateway: the OpenAI-compatible HTTP API over prefill and
     /// decode nodes (reserve on decode, then prefill; the first refusal is
     /// the client's answer).
-    Gateway(disagg::GatewayArgs),
+    Gateway(args::GatewayArgs),
     /// Test any OpenAI-compatible server for cross-tenant leakage from the
     /// outside: secrets in one tenant's prompts must never reach another's
     /// answers, greedy output must not change under load, over-long
@@ -215,6 +217,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let ids = loaded.prompt_ids(&text, chat)?;
             println!("{ids:?}");
         }
+        Cmd::Serve(args) if args.disaggregated => disagg::run_supervised(args)?,
         Cmd::Serve(args) => serve::run(args)?,
         Cmd::Prefill(args) => disagg::run_node(pd::role::PdRole::Prefill, args)?,
         Cmd::Decode(args) => disagg::run_node(pd::role::PdRole::Decode, args)?,

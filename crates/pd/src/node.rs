@@ -11,10 +11,10 @@ use tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
-use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
 use crate::role::{NetCommand, PdConfig, PdNode, PdRole, PdStats};
+use request::MetricSample;
 use transport::{Transport, TransportConfig};
 
 /// A node that serves until [`RunningNode::shutdown`].
@@ -92,58 +92,18 @@ impl RunningNode {
     }
 }
 
-/// Serves `GET /metrics` (Prometheus text of the node's pool, transfer
-/// checks and transport) on `listener` until aborted. A deliberately small
-/// HTTP/1.0 responder: one request per connection, bounded head and time.
-pub async fn serve_metrics(listener: TcpListener, node: Arc<PdNode>, transport: Arc<Transport>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    const HEAD_BYTES_MAX: usize = 8192;
-    loop {
-        let Ok((mut s, _)) = listener.accept().await else {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            continue;
-        };
-        let node = node.clone();
-        let transport = transport.clone();
-        tokio::spawn(async move {
-            let mut head = Vec::new();
-            let mut buf = [0u8; 1024];
-            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < HEAD_BYTES_MAX {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return false,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
-                true
-            })
-            .await;
-            if read != Ok(true) {
-                return;
-            }
-            let (status, body) = if head.starts_with(b"GET /metrics ") {
-                ("200 OK", node_metrics(&node.stats(), &transport))
-            } else {
-                ("404 Not Found", "not found: GET /metrics\n".to_string())
-            };
-            let resp = format!(
-                "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = s.write_all(resp.as_bytes()).await;
-            let _ = s.shutdown().await;
-        });
-    }
-}
-
-/// Prometheus text of a PD node's counters (served on the node's metrics
-/// port).
-pub fn node_metrics(s: &PdStats, t: &Transport) -> String {
-    let mut o = String::new();
+/// A PD node's counters, as samples for a Prometheus encoder (the
+/// binary serves them on the node's metrics port, and as JSON for the
+/// supervising gateway).
+pub fn node_samples(s: &PdStats, t: &Transport) -> Vec<MetricSample> {
+    let mut o = Vec::new();
     let mut metric = |kind: &str, name: &str, help: &str, v: u64| {
-        let _ = writeln!(o, "# HELP isoserve_node_{name} {help}");
-        let _ = writeln!(o, "# TYPE isoserve_node_{name} {kind}");
-        let _ = writeln!(o, "isoserve_node_{name} {v}");
+        let name = format!("isoserve_node_{name}");
+        o.push(if kind == "counter" {
+            MetricSample::counter(name, help, v as f64)
+        } else {
+            MetricSample::gauge(name, help, v as f64)
+        });
     };
     let p = s.engine.pool;
     metric(
@@ -357,15 +317,10 @@ pub fn node_metrics(s: &PdStats, t: &Transport) -> String {
         "Transfers timed (decode: first page to checked Done)",
         s.transfers_timed_total,
     );
-    let _ = writeln!(
-        o,
-        "# HELP isoserve_node_transfer_seconds_total Wall time from a transfer's first page to its checked end (decode), summed"
-    );
-    let _ = writeln!(o, "# TYPE isoserve_node_transfer_seconds_total counter");
-    let _ = writeln!(
-        o,
-        "isoserve_node_transfer_seconds_total {}",
-        s.transfer_seconds_total
-    );
+    o.push(MetricSample::counter(
+        "isoserve_node_transfer_seconds_total",
+        "Wall time from a transfer's first page to its checked end (decode), summed",
+        s.transfer_seconds_total,
+    ));
     o
 }

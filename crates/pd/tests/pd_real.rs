@@ -706,3 +706,69 @@ fn random_cancels_never_leak_and_the_set_keeps_serving() {
     assert_eq!(ids.len(), 4);
     assert!(text.contains("Paris"), "{text:?}");
 }
+
+/// The gateway's per-request event channel is bounded too
+/// (`request::REQUEST_EVENTS_MAX`), and a remote decode cannot be paused:
+/// a client that stops reading gets exactly the tokens that fit, then
+/// `client_too_slow` as its last event (the last slot is kept for it); the
+/// gateway cancels the request on both nodes, which free every page, and
+/// the set keeps serving. Without the gateway's check, tokens beyond the
+/// bound are dropped silently and the stream never ends: the test's read
+/// of the end fails.
+#[test]
+fn a_pd_client_that_stops_reading_is_ended_as_too_slow() {
+    let stack = Stack::start(StackCfg::default());
+    stack.wait_ready();
+    let prompt = stack.tok.encode("Once upon a time", true).unwrap();
+    let mut h = stack
+        .gateway
+        .submit(GenRequest {
+            ignore_eos: true,
+            ..GenRequest::greedy(TenantId(1), prompt, 900)
+        })
+        .unwrap();
+    let events = stack.rt.block_on(async move {
+        // Let decode run far past the bound before reading anything.
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        let mut events = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while let Some(ev) = tokio::time::timeout_at(deadline, h.next())
+            .await
+            .expect("the stream ends")
+        {
+            events.push(ev);
+        }
+        events
+    });
+    let tokens = events
+        .iter()
+        .filter(|e| matches!(e, Event::Token(_)))
+        .count();
+    assert_eq!(
+        tokens,
+        request::REQUEST_EVENTS_MAX - 1,
+        "tokens before the end"
+    );
+    assert!(
+        matches!(
+            events.last(),
+            Some(Event::Error(RequestError::ClientTooSlow { limit })) if *limit == request::REQUEST_EVENTS_MAX
+        ),
+        "last event: {:?}",
+        events.last()
+    );
+    let (p, d) = stack.pools_free();
+    assert_eq!(p.safety_refusals() + d.safety_refusals(), 0);
+    let text = stack
+        .run(greedy(&stack.tok, 2, "The capital of France is", 3))
+        .unwrap()
+        .1;
+    assert!(text.starts_with(" Paris"), "{text:?}");
+    let samples = stack.gateway.metric_samples();
+    assert!(
+        samples
+            .iter()
+            .any(|s| s.name == "isoserve_gateway_client_too_slow_total" && s.value == 1.0),
+        "{samples:?}"
+    );
+}

@@ -191,6 +191,10 @@ pub enum RequestError {
     QueueFull { waiting: usize, limit: usize },
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The client read its stream so slowly that `limit` events waited
+    /// unread while the request could not be paused (PD).
+    #[error("the client fell {limit} events behind its stream; the request was cancelled")]
+    ClientTooSlow { limit: usize },
     #[error("internal error: {0}")]
     Internal(String),
     /// Refused or failed on a remote node (PD): that node's original error,
@@ -211,6 +215,7 @@ impl RequestError {
             RequestError::InvalidParam { .. } => "invalid_parameter",
             RequestError::QueueFull { .. } => "queue_full",
             RequestError::ShuttingDown => "shutting_down",
+            RequestError::ClientTooSlow { .. } => "client_too_slow",
             RequestError::Internal(_) => "internal_error",
             RequestError::Remote { .. } => "remote_error",
         }
@@ -285,10 +290,67 @@ pub enum Event {
     Error(RequestError),
 }
 
+/// Events a request's channel holds. The unified engine does not step a
+/// request whose reader has fallen this far behind (back-pressure: a slow
+/// client slows only its own request, its pages stay reserved, nothing is
+/// lost); the PD gateway, which cannot pause a remote decode, ends such a
+/// request with [`RequestError::ClientTooSlow`].
+pub const REQUEST_EVENTS_MAX: usize = 256;
+
+/// What a metric sample is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+}
+
+/// One sample of a metric that a backend or a node reports, for an HTTP
+/// layer to expose through its Prometheus encoder (nobody writes the
+/// exposition by hand). Samples of one metric share `name`, `help` and
+/// `kind` and differ in `labels`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MetricSample {
+    /// The full name; a counter's ends in `_total`.
+    pub name: String,
+    pub help: String,
+    pub kind: MetricKind,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+impl MetricSample {
+    pub fn counter(name: impl Into<String>, help: impl Into<String>, value: f64) -> MetricSample {
+        MetricSample {
+            name: name.into(),
+            help: help.into(),
+            kind: MetricKind::Counter,
+            labels: Vec::new(),
+            value,
+        }
+    }
+
+    pub fn gauge(name: impl Into<String>, help: impl Into<String>, value: f64) -> MetricSample {
+        MetricSample {
+            kind: MetricKind::Gauge,
+            ..MetricSample::counter(name, help, value)
+        }
+    }
+
+    pub fn label(mut self, key: &str, value: impl Into<String>) -> MetricSample {
+        self.labels.push((key.to_string(), value.into()));
+        self
+    }
+}
+
+/// A request's event channel, bounded by [`REQUEST_EVENTS_MAX`].
+pub fn event_channel() -> (tmpsc::Sender<Event>, tmpsc::Receiver<Event>) {
+    tmpsc::channel(REQUEST_EVENTS_MAX)
+}
+
 /// The caller's side of a request: events, and cancellation on drop.
 pub struct RequestHandle {
     pub id: RequestId,
-    events: tmpsc::UnboundedReceiver<Event>,
+    events: tmpsc::Receiver<Event>,
     cancel: Arc<AtomicBool>,
     /// Called once on the first cancel (a backend that must be told, e.g.
     /// the PD gateway, rather than poll the flag).
@@ -323,9 +385,12 @@ pub trait Backend: Send + Sync {
     fn ready(&self) -> bool {
         true
     }
-    /// More Prometheus text for `/metrics` (a PD gateway's counters).
-    fn metrics_text(&self) -> String {
-        String::new()
+    /// More metrics for `/metrics` (a PD gateway's counters and, under
+    /// `serve --disaggregated`, its nodes'), encoded by the HTTP layer's
+    /// Prometheus library. May block briefly (the HTTP layer calls it off
+    /// its async threads).
+    fn metric_samples(&self) -> Vec<MetricSample> {
+        Vec::new()
     }
 }
 
@@ -334,7 +399,7 @@ impl RequestHandle {
     /// flag it polls, `pages` the page count it keeps.
     pub fn local(
         id: RequestId,
-        events: tmpsc::UnboundedReceiver<Event>,
+        events: tmpsc::Receiver<Event>,
         cancel: Arc<AtomicBool>,
         pages: Arc<AtomicU64>,
     ) -> RequestHandle {
@@ -371,7 +436,7 @@ impl RequestHandle {
     /// engine); `on_cancel` runs once when the caller cancels or drops it.
     pub fn new(
         id: RequestId,
-        events: tmpsc::UnboundedReceiver<Event>,
+        events: tmpsc::Receiver<Event>,
         on_cancel: Box<dyn Fn() + Send + Sync>,
     ) -> RequestHandle {
         RequestHandle {

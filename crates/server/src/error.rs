@@ -345,6 +345,13 @@ impl ApiError {
                 e
             }
             RequestError::ShuttingDown => ApiError::shutting_down(),
+            RequestError::ClientTooSlow { .. } => ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "timeout_error",
+                Reason::Timeout,
+                e.to_string(),
+            )
+            .code("client_too_slow"),
             RequestError::Internal(why) => ApiError::internal(why),
             RequestError::Remote {
                 status,

@@ -81,19 +81,12 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     st.metrics.set_inflight(st.inflight());
-    let mut text = st.metrics.render(st.engine.stats());
-    let extra = st.engine.metrics_text();
-    if !extra.is_empty() {
-        // The backend's families go before the end marker, if any.
-        let eof = text.ends_with("# EOF\n");
-        if eof {
-            text.truncate(text.len() - "# EOF\n".len());
-        }
-        text.push_str(&extra);
-        if eof {
-            text.push_str("# EOF\n");
-        }
-    }
+    // A backend may ask its nodes (bounded, loopback): off the async threads.
+    let backend = st.engine.clone();
+    let samples = tokio::task::spawn_blocking(move || backend.metric_samples())
+        .await
+        .unwrap_or_default();
+    let text = st.metrics.render(st.engine.stats(), samples);
     (
         [(
             header::CONTENT_TYPE,

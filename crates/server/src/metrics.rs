@@ -19,7 +19,7 @@ use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use request::EngineStats;
+use request::{EngineStats, MetricKind, MetricSample};
 
 use crate::error::Reason;
 
@@ -44,6 +44,73 @@ pub struct Metrics {
     pub e2e: Histogram,
     http_inflight: Gauge,
     engine: Arc<EngineCollector>,
+    backend: Arc<SamplesCollector>,
+}
+
+/// Samples a backend (or a node) reports, encoded through the registry.
+#[derive(Debug, Default)]
+struct SamplesCollector {
+    samples: Mutex<Vec<MetricSample>>,
+}
+
+impl Collector for SamplesCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
+        // One family per name, in order of first appearance; its kind and
+        // help are its first sample's.
+        let mut names: Vec<&str> = Vec::new();
+        for s in samples.iter() {
+            if !names.contains(&s.name.as_str()) {
+                names.push(&s.name);
+            }
+        }
+        for name in names {
+            let group: Vec<&MetricSample> = samples.iter().filter(|s| s.name == name).collect();
+            let first = group[0];
+            let (ty, base) = match first.kind {
+                // The encoder appends `_total` to a counter's name.
+                MetricKind::Counter => (
+                    MetricType::Counter,
+                    name.strip_suffix("_total").unwrap_or(name),
+                ),
+                MetricKind::Gauge => (MetricType::Gauge, name),
+            };
+            let mut m = enc.encode_descriptor(base, &first.help, None, ty)?;
+            if group.len() == 1 && first.labels.is_empty() {
+                encode_value(first, m)?;
+                continue;
+            }
+            for s in group {
+                encode_value(s, m.encode_family(&s.labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Encodes one sample's value as its metric kind.
+fn encode_value(
+    s: &MetricSample,
+    m: prometheus_client::encoding::MetricEncoder,
+) -> Result<(), std::fmt::Error> {
+    match s.kind {
+        MetricKind::Counter => ConstCounter::new(s.value).encode(m),
+        MetricKind::Gauge => ConstGauge::new(s.value).encode(m),
+    }
+}
+
+/// Prometheus text of `samples` alone (a PD node's `/metrics`).
+pub fn encode_samples(samples: Vec<MetricSample>) -> String {
+    let mut registry = Registry::default();
+    let c = Arc::new(SamplesCollector {
+        samples: Mutex::new(samples),
+    });
+    registry.register_collector(Box::new(c));
+    let mut out = String::with_capacity(4096);
+    if let Err(e) = prometheus_client::encoding::prometheus_text::encode(&mut out, &registry) {
+        tracing::error!("cannot encode metrics: {e}");
+    }
+    out
 }
 
 impl std::fmt::Debug for Metrics {
@@ -273,6 +340,8 @@ impl Metrics {
         );
         let engine = Arc::new(EngineCollector::default());
         registry.register_collector(Box::new(engine.clone()));
+        let backend = Arc::new(SamplesCollector::default());
+        registry.register_collector(Box::new(backend.clone()));
         Metrics {
             registry,
             requests,
@@ -285,6 +354,7 @@ impl Metrics {
             e2e,
             http_inflight,
             engine,
+            backend,
         }
     }
 
@@ -309,9 +379,15 @@ impl Metrics {
         self.http_inflight.set(n as i64);
     }
 
-    /// The exposition, with the engine's state as of `stats`.
-    pub fn render(&self, stats: EngineStats) -> String {
+    /// The exposition, with the engine's state as of `stats` and the
+    /// backend's own samples.
+    pub fn render(&self, stats: EngineStats, backend: Vec<MetricSample>) -> String {
         *self.engine.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+        *self
+            .backend
+            .samples
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = backend;
         let mut out = String::with_capacity(8192);
         if let Err(e) =
             prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry)
@@ -352,7 +428,7 @@ mod tests {
         s.pool.pages_owned = 4;
         s.pool.refused_stale_handle = 3;
         s.running = 2;
-        let text = m.render(s);
+        let text = m.render(s, Vec::new());
         assert_eq!(
             value(&text, "isoserve_rejections_total{reason=\"queue_full\"}"),
             Some(2.0)
@@ -403,5 +479,46 @@ mod tests {
         assert!((sum - 10.003).abs() < 1e-9);
         assert!(text.contains("# TYPE isoserve_inter_token_latency_seconds histogram"));
         assert!(text.contains("# TYPE isoserve_queue_time_seconds histogram"));
+    }
+
+    /// A backend's samples go through the same encoder: counters get one
+    /// `_total`, labelled samples of one name are one family, and a value
+    /// is encoded as its kind.
+    #[test]
+    fn backend_samples_are_encoded_as_families() {
+        let samples = vec![
+            MetricSample::counter("isoserve_gateway_requests_total", "Requests", 5.0),
+            MetricSample::gauge("isoserve_gateway_node_up", "Up", 1.0).label("node", "a:1"),
+            MetricSample::gauge("isoserve_gateway_node_up", "Up", 0.0).label("node", "b:2"),
+            MetricSample::counter("isoserve_node_transfer_seconds_total", "Seconds", 1.5)
+                .label("node", "decode-0"),
+        ];
+        let text = encode_samples(samples);
+        assert_eq!(value(&text, "isoserve_gateway_requests_total"), Some(5.0));
+        assert_eq!(
+            value(&text, "isoserve_gateway_node_up{node=\"a:1\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&text, "isoserve_gateway_node_up{node=\"b:2\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            value(
+                &text,
+                "isoserve_node_transfer_seconds_total{node=\"decode-0\"}"
+            ),
+            Some(1.5)
+        );
+        assert_eq!(
+            text.matches("# TYPE isoserve_gateway_node_up gauge")
+                .count(),
+            1
+        );
+        assert!(
+            text.contains("# TYPE isoserve_gateway_requests_total counter"),
+            "{text}"
+        );
+        assert!(!text.contains("_total_total"), "{text}");
     }
 }

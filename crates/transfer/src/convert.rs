@@ -60,6 +60,7 @@ pub fn refusal_of(e: &RequestError) -> Refusal {
         | RequestError::InvalidParam { .. } => 400,
         RequestError::QueueFull { .. } => 429,
         RequestError::ShuttingDown => 503,
+        RequestError::ClientTooSlow { .. } => 408,
         RequestError::Internal(_) => 500,
         RequestError::Remote { status, .. } => *status,
     };

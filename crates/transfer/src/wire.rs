@@ -47,10 +47,11 @@ pub struct KvLayout {
     pub head_dim: u32,
 }
 
-/// Most stop strings of one request on the wire.
-pub const STOPS_MAX: usize = 16;
-/// Most alternatives in a token's `top_logprobs`.
-pub const TOP_LOGPROBS_MAX: usize = 32;
+/// Most stop strings of one request on the wire: the request's own limit
+/// (one constant for the API, the engine and the wire).
+pub const STOPS_MAX: usize = request::STOP_STRINGS_MAX;
+/// Most alternatives in a token's `top_logprobs`: the request's own limit.
+pub const TOP_LOGPROBS_MAX: usize = request::TOP_LOGPROBS_MAX;
 
 /// How a request samples: everything decode needs to continue what prefill
 /// started, and prefill needs to pick the first token. Floats travel as

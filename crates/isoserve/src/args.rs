@@ -1,0 +1,304 @@
+//! The command line's argument structs and what they configure: one
+//! source of truth for `serve`, `prefill`, `decode`, `gateway` and the
+//! children `serve --disaggregated` starts ([`NodeEngineArgs::to_cli_args`]
+//! derives a child's engine flags from the struct itself, so a new engine
+//! flag cannot miss the children).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use engine::EngineConfig;
+use server::ServerConfig;
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub http: HttpArgs,
+    #[command(flatten)]
+    pub engine: NodeEngineArgs,
+    /// Run disaggregated: this process is the gateway and supervises one
+    /// prefill and one decode node as child processes on loopback, which
+    /// hand KV pages over TCP (checksums, canaries, deferred release). A
+    /// child that dies is restarted (at most 5 times a minute, then the
+    /// set comes down). Engine flags apply to both nodes.
+    #[arg(long)]
+    pub disaggregated: bool,
+}
+
+/// The HTTP side of `serve` and `gateway`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct HttpArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on; 0 picks a free port. Once listening, the server
+    /// prints `isoserve: listening on http://HOST:PORT` to stdout.
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Tenants file (TOML: `[[tenant]] name, api_key_sha256,
+    /// max_concurrent, max_tokens_per_minute`). Without it, every request
+    /// runs as one anonymous tenant and no API key is checked.
+    #[arg(long)]
+    pub tenants: Option<PathBuf>,
+    /// Append one JSON line per request (id, tenant, token counts, timings,
+    /// pages, outcome) to this file. Default: no request log.
+    #[arg(long)]
+    pub request_log: Option<PathBuf>,
+    /// Also write prompt text to the request log (off: prompts are
+    /// customer data).
+    #[arg(long)]
+    pub log_prompts: bool,
+    /// Largest request body (bytes or with a suffix, e.g. 4MiB); larger
+    /// bodies get 413.
+    #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
+    pub max_body: u64,
+    /// max_tokens of a request that sets none: the rest of the context
+    /// window, capped at this (pages for prompt + max_tokens are reserved
+    /// up front).
+    #[arg(long, default_value_t = 1024)]
+    pub default_max_tokens: usize,
+    /// Most open client connections (more wait in the listen backlog).
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
+    /// After SIGTERM or Ctrl-C: seconds running requests get to finish
+    /// before they are cancelled (new requests get 503 meanwhile).
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_secs: u64,
+}
+
+/// The engine side of `serve`, `prefill` and `decode`.
+#[derive(clap::Args, Debug, Clone, PartialEq, serde::Serialize)]
+pub struct NodeEngineArgs {
+    /// A LLaMA-family GGUF file (default: the cached default model, fetched
+    /// if missing). Its file stem is the model id clients must name (or
+    /// `default`).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Advertise a context window smaller than the model's (needed when
+    /// the KV pool holds less than the model's window).
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    /// KV pool memory budget: bytes, or with a suffix (512MiB, 1GiB, 2GB;
+    /// K/M/G alone are binary).
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    pub kv_memory: u64,
+    /// KV pool size in pages (overrides --kv-memory).
+    #[arg(long)]
+    pub kv_pages: Option<u64>,
+    /// Token slots per KV page.
+    #[arg(long, default_value_t = 16)]
+    pub page_size: usize,
+    /// Requests that may wait for admission; beyond it new requests get 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
+    /// Requests the engine runs at once (at most --step-tokens).
+    #[arg(long, default_value_t = 32)]
+    pub max_running: usize,
+    /// Token budget of one forward step (decode rows plus prefill chunks).
+    #[arg(long, default_value_t = 256)]
+    pub step_tokens: usize,
+    /// PD only: KV pages a transfer may have in flight before decode
+    /// acknowledges them (the bounded transfer batch).
+    #[arg(long, default_value_t = 8)]
+    pub transfer_window_pages: u32,
+}
+
+/// `1234`, `4KiB`, `512MiB`, `1GiB`, `2GB`, `64k`, `1g`: bytes.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let mult: u64 = match unit.as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => {
+            return Err(format!(
+                "unknown size unit `{unit}` (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ))
+        }
+    };
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 512MiB)"))?;
+    let bytes = value * mult as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(format!("`{s}` is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+#[derive(clap::Args, Debug, Clone, PartialEq)]
+pub struct NodeArgs {
+    /// Address to listen on for the PD protocol.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port; 0 picks a free one. Once listening, the node prints
+    /// `isoserve: ROLE node NAME listening on HOST:PORT` to stdout.
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// This node's name (unique in a deployment).
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Serve `GET /metrics` (pool, transfer checks, transport) on this
+    /// port of --host; 0 picks one. Once listening, the node prints
+    /// `isoserve: metrics on http://HOST:PORT/metrics`. Default: none.
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
+    #[command(flatten)]
+    pub engine: NodeEngineArgs,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct GatewayArgs {
+    /// A prefill node's `host:port` (repeat for several).
+    #[arg(long, required = true)]
+    pub prefill: Vec<String>,
+    /// A decode node's `host:port` (repeat for several).
+    #[arg(long, required = true)]
+    pub decode: Vec<String>,
+    /// The GGUF the nodes serve (tokenizer, chat template, fingerprint);
+    /// default: the cached default model.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Advertise a window smaller than the model's (the gateway advertises
+    /// the minimum over this, the model and every node's limit).
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    #[command(flatten)]
+    pub http: HttpArgs,
+}
+
+/// The engine configuration of `serve`, `prefill` and `decode`.
+pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
+    EngineConfig {
+        page_size_tokens: e.page_size,
+        kv_pages: e.kv_pages,
+        kv_memory_bytes: e.kv_memory,
+        max_context: e.max_context,
+        step_tokens_max: e.step_tokens,
+        running_max: e.max_running,
+        queue_max: e.max_queue,
+        ..EngineConfig::default()
+    }
+}
+
+/// The HTTP layer's configuration of `serve` and `gateway`.
+pub(crate) fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerConfig> {
+    let mut scfg = ServerConfig::new(model_id.to_string());
+    scfg.body_limit = usize::try_from(http.max_body).context("--max-body is too large")?;
+    scfg.default_max_tokens = http.default_max_tokens.max(1);
+    scfg.max_connections = http.max_connections.max(1);
+    scfg.shutdown_grace = Duration::from_secs(http.shutdown_grace_secs);
+    scfg.log_prompts = http.log_prompts;
+    Ok(scfg)
+}
+
+impl NodeEngineArgs {
+    /// These arguments as command-line flags (`--page-size 16 ...`), for a
+    /// child process that parses them back with the same struct. Derived
+    /// from the struct's fields (serde), not listed by hand: a field is a
+    /// flag of the same name in kebab case (clap's rule), `None` is left
+    /// out, `true` is a bare flag.
+    pub fn to_cli_args(&self) -> Vec<String> {
+        let value = serde_json::to_value(self).expect("plain data serialises");
+        let mut out = Vec::new();
+        for (field, v) in value.as_object().expect("a struct is an object") {
+            let flag = format!("--{}", field.replace('_', "-"));
+            match v {
+                serde_json::Value::Null | serde_json::Value::Bool(false) => {}
+                serde_json::Value::Bool(true) => out.push(flag),
+                serde_json::Value::String(s) => out.extend([flag, s.clone()]),
+                other => out.extend([flag, other.to_string()]),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{engine_config, parse_bytes, NodeEngineArgs};
+    use clap::{Args, Parser};
+
+    /// `serve --disaggregated` hands its engine flags to the children
+    /// through [`NodeEngineArgs::to_cli_args`]: every flag clap knows for
+    /// the struct is there, and a child parses them back to the same
+    /// arguments and engine configuration.
+    #[test]
+    fn every_engine_flag_of_serve_disaggregated_reaches_the_children() {
+        // A value other than the default for every engine flag.
+        let parent = [
+            "isoserve",
+            "serve",
+            "--disaggregated",
+            "--model",
+            "/m/x.gguf",
+            "--max-context",
+            "4000",
+            "--kv-memory",
+            "3MiB",
+            "--kv-pages",
+            "77",
+            "--page-size",
+            "32",
+            "--max-queue",
+            "9",
+            "--max-running",
+            "5",
+            "--step-tokens",
+            "100",
+            "--transfer-window-pages",
+            "4",
+        ];
+        let crate::Cmd::Serve(serve) = crate::Cli::try_parse_from(parent).expect("parses").command
+        else {
+            panic!("not serve");
+        };
+        let flags = serve.engine.to_cli_args();
+        let cmd = NodeEngineArgs::augment_args(clap::Command::new("engine"));
+        for a in cmd.get_arguments() {
+            let long = a.get_long().expect("every engine flag is a long flag");
+            assert!(
+                flags.contains(&format!("--{long}")),
+                "--{long} is not passed to the children: {flags:?}"
+            );
+        }
+        let mut child = vec!["isoserve".to_string(), "prefill".into()];
+        child.extend(flags);
+        let crate::Cmd::Prefill(node) = crate::Cli::try_parse_from(&child).expect("parses").command
+        else {
+            panic!("not prefill");
+        };
+        assert_eq!(node.engine, serve.engine);
+        assert_eq!(
+            format!("{:?}", engine_config(&node.engine)),
+            format!("{:?}", engine_config(&serve.engine))
+        );
+    }
+
+    #[test]
+    fn sizes_parse_with_and_without_units() {
+        assert_eq!(parse_bytes("1234"), Ok(1234));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes("1g"), Ok(1 << 30));
+        assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
+        assert_eq!(parse_bytes("1.5KiB"), Ok(1536));
+        assert_eq!(parse_bytes(" 4 MiB "), Ok(4 << 20));
+        assert!(parse_bytes("12XB").is_err());
+        assert!(parse_bytes("MiB").is_err());
+        assert!(parse_bytes("-1").is_err());
+        assert!(parse_bytes("1e30TiB").is_err());
+    }
+}
