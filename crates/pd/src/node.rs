@@ -313,6 +313,12 @@ pub fn node_samples(s: &PdStats, t: &Transport) -> Vec<MetricSample> {
     );
     metric(
         "counter",
+        "transport_connections_refused_total",
+        "Connections closed unread: the node had connections_max open",
+        t.stats.connections_refused_total.load(Ordering::Relaxed),
+    );
+    metric(
+        "counter",
         "transfers_timed_total",
         "Transfers timed (decode: first page to checked Done)",
         s.transfers_timed_total,

@@ -30,6 +30,10 @@ pub struct TransportConfig {
     /// not reading and is disconnected.
     pub queue_frames_max: usize,
     pub dial_timeout: Duration,
+    /// Live connections at most; an accepted connection beyond it is
+    /// closed at once, before any byte is read, and counted
+    /// (`connections_refused_total`).
+    pub connections_max: usize,
 }
 
 impl Default for TransportConfig {
@@ -39,6 +43,7 @@ impl Default for TransportConfig {
             heartbeat_timeout: Duration::from_secs(5),
             queue_frames_max: 16_384,
             dial_timeout: Duration::from_secs(5),
+            connections_max: 1024,
         }
     }
 }
@@ -63,6 +68,7 @@ pub struct TransportStats {
     pub heartbeat_timeouts_total: AtomicU64,
     pub slow_peer_disconnects_total: AtomicU64,
     pub connections_total: AtomicU64,
+    pub connections_refused_total: AtomicU64,
 }
 
 /// The transport of one node.
@@ -90,10 +96,24 @@ impl Transport {
     }
 
     /// An accepted stream: `Accepted` is reported before any of its
-    /// messages.
-    pub async fn accepted(self: &Arc<Self>, stream: TcpStream) -> u64 {
-        self.register_gated(stream, |conn| NetEvent::Accepted { conn })
-            .await
+    /// messages. Beyond `connections_max` live connections the stream is
+    /// dropped unread (`None`).
+    pub async fn accepted(self: &Arc<Self>, stream: TcpStream) -> Option<u64> {
+        let live = self.conns.lock().unwrap_or_else(|e| e.into_inner()).len();
+        if live >= self.cfg.connections_max {
+            self.stats
+                .connections_refused_total
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "{live} connections open (limit {}): refusing one",
+                self.cfg.connections_max
+            );
+            return None;
+        }
+        Some(
+            self.register_gated(stream, |conn| NetEvent::Accepted { conn })
+                .await,
+        )
     }
 
     /// Registers a stream, reports `first(conn)`, then starts its reader

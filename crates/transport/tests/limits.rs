@@ -1,0 +1,61 @@
+//! The transport's limit on live connections: one past it is closed
+//! unread and counted, the ones within it stay up. Loopback only.
+
+use std::io::Read;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use transfer::node::NetEvent;
+use transport::{Transport, TransportConfig};
+
+#[test]
+fn a_connection_past_the_limit_is_closed_unread_and_counted() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+    let cfg = TransportConfig {
+        connections_max: 2,
+        ..TransportConfig::default()
+    };
+    let t = Transport::new(cfg, rt.handle().clone(), tx);
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let acc = t.clone();
+    rt.spawn(async move {
+        for _ in 0..3 {
+            let (s, _) = listener.accept().await.unwrap();
+            acc.accepted(s).await;
+        }
+    });
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let c = std::net::TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        clients.push(c);
+        // One at a time, so the third is the one past the limit.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The third sees its connection end without a byte.
+    let mut buf = [0u8; 16];
+    assert_eq!(clients[2].read(&mut buf).unwrap(), 0);
+    assert_eq!(t.stats.connections_refused_total.load(Ordering::Relaxed), 1);
+    assert_eq!(t.stats.connections_total.load(Ordering::Relaxed), 2);
+    let accepted = rt.block_on(async {
+        let mut n = 0;
+        while let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(300), rx.recv()).await {
+            n += usize::from(matches!(ev, NetEvent::Accepted { .. }));
+        }
+        n
+    });
+    assert_eq!(accepted, 2);
+    // The first two are still open: a heartbeat arrives within a second.
+    clients[0]
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    assert!(clients[0].read(&mut buf).unwrap() > 0);
+}
