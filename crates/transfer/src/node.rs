@@ -155,6 +155,48 @@ pub struct GlueMutations {
     pub start_before_verdict: bool,
 }
 
+/// The engine's parameter check of a request arriving at a node (`Prefill`
+/// on prefill, `Reserve` on decode: `on_decode` says which), before the
+/// machine allocates: false (and the original error sent back) when it
+/// fails. Other messages pass.
+fn checked(
+    engine: &mut impl NodeEngine,
+    on_decode: bool,
+    conn: ConnId,
+    msg: &Message,
+    cmds: &mut Vec<NetCommand>,
+) -> bool {
+    let (req, tenant, tokens, max_tokens, gen) = match msg {
+        Message::Prefill {
+            req,
+            tenant,
+            tokens,
+            max_tokens,
+            gen,
+            ..
+        } if !on_decode => (req, tenant, tokens, max_tokens, gen),
+        Message::Reserve {
+            req,
+            tenant,
+            tokens,
+            max_tokens,
+            gen,
+            ..
+        } if on_decode => (req, tenant, tokens, max_tokens, gen),
+        _ => return true,
+    };
+    match engine.check(*tenant, tokens, *max_tokens, gen) {
+        Ok(()) => true,
+        Err(error) => {
+            cmds.push(NetCommand::Send {
+                conn,
+                msg: Message::Rejected { req: *req, error },
+            });
+            false
+        }
+    }
+}
+
 /// Reports drained per call before the glue returns (bounds the loop: each
 /// report may make the engine report again, e.g. a first token that ends
 /// a request).
@@ -183,23 +225,8 @@ impl<E: PrefillEngine> Prefill<E> {
                     .connect_failed(self.engine.pool(), &addr, &why, &mut out)
             }
             NetEvent::Message { conn, msg } => {
-                if let Message::Prefill {
-                    req,
-                    tenant,
-                    tokens,
-                    max_tokens,
-                    gen,
-                    ..
-                } = &msg
-                {
-                    if let Err(error) = self.engine.check(*tenant, tokens, *max_tokens, gen) {
-                        let req = *req;
-                        cmds.push(NetCommand::Send {
-                            conn,
-                            msg: Message::Rejected { req, error },
-                        });
-                        return;
-                    }
+                if !checked(&mut self.engine, false, conn, &msg, cmds) {
+                    return;
                 }
                 self.machine
                     .message(self.engine.pool(), conn, msg, &mut out)
@@ -291,23 +318,8 @@ impl<E: DecodeEngine> Decode<E> {
             }
             NetEvent::DialFailed { .. } => {}
             NetEvent::Message { conn, msg } => {
-                if let Message::Reserve {
-                    req,
-                    tenant,
-                    tokens,
-                    max_tokens,
-                    gen,
-                    ..
-                } = &msg
-                {
-                    if let Err(error) = self.engine.check(*tenant, tokens, *max_tokens, gen) {
-                        let req = *req;
-                        cmds.push(NetCommand::Send {
-                            conn,
-                            msg: Message::Rejected { req, error },
-                        });
-                        return;
-                    }
+                if !checked(&mut self.engine, true, conn, &msg, cmds) {
+                    return;
                 }
                 #[cfg(any(test, feature = "mutations"))]
                 self.start_before_verdict(&msg);
