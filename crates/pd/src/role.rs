@@ -157,8 +157,19 @@ impl PdNode {
         let stats = Arc::new(Mutex::new(PdStats::default()));
         let waiting = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let max_request = capacity.max_request_tokens;
-        #[allow(unused_mut)]
-        let mut glue = match role {
+        #[cfg(feature = "fault-incident")]
+        incident_pool(&mut pool);
+        // The batch core, the glue's engine on either role.
+        let engine = CoreEngine::new(Core::new(
+            model,
+            tokenizer,
+            pool,
+            cfg,
+            max_request,
+            Arc::new(Mutex::new(EngineStats::default())),
+            waiting,
+        ));
+        let glue = match role {
             PdRole::Prefill => {
                 let machine = PrefillNode::new(PrefillConfig {
                     identity,
@@ -169,17 +180,8 @@ impl PdNode {
                     tombstones_max: 4096,
                 });
                 #[cfg(feature = "fault-incident")]
-                let machine = incident_prefill(machine, &mut pool);
-                let core = Core::new(
-                    model,
-                    tokenizer,
-                    pool,
-                    cfg,
-                    max_request,
-                    Arc::new(Mutex::new(EngineStats::default())),
-                    waiting,
-                );
-                Glue::Prefill(node::Prefill::new(machine, CoreEngine::new(core)))
+                let machine = incident_prefill(machine);
+                Glue::Prefill(node::Prefill::new(machine, engine))
             }
             PdRole::Decode => {
                 let machine = DecodeNode::new(DecodeConfig {
@@ -190,17 +192,8 @@ impl PdNode {
                     ack_every_pages: pd.window_pages.div_ceil(2).max(1),
                 });
                 #[cfg(feature = "fault-incident")]
-                let machine = incident_decode(machine, &mut pool);
-                let core = Core::new(
-                    model,
-                    tokenizer,
-                    pool,
-                    cfg,
-                    max_request,
-                    Arc::new(Mutex::new(EngineStats::default())),
-                    waiting,
-                );
-                Glue::Decode(node::Decode::new(machine, CoreEngine::new(core)))
+                let machine = incident_decode(machine);
+                Glue::Decode(node::Decode::new(machine, engine))
             }
         };
         let (tx, rx) = mpsc::sync_channel(pd.events_max);
@@ -280,15 +273,13 @@ fn incident_pool(pool: &mut kv::Pool) {
 }
 
 #[cfg(feature = "fault-incident")]
-fn incident_prefill(mut m: PrefillNode, pool: &mut kv::Pool) -> PrefillNode {
-    incident_pool(pool);
+fn incident_prefill(mut m: PrefillNode) -> PrefillNode {
     m.set_mutations(transfer::prefill::PrefillMutations { placeholder: true });
     m
 }
 
 #[cfg(feature = "fault-incident")]
-fn incident_decode(mut m: DecodeNode, pool: &mut kv::Pool) -> DecodeNode {
-    incident_pool(pool);
+fn incident_decode(mut m: DecodeNode) -> DecodeNode {
     m.set_mutations(transfer::decode::DecodeMutations {
         skip_completeness_check: true,
         ..Default::default()
