@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId};
 use model::sample::{FinishReason, Sampler, StopStrings};
-use model::{Model, Row, Scratch, SeqCtx};
+use model::{Forward, Row, Runner, SeqCtx};
 use tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
@@ -166,8 +166,10 @@ pub struct PrefillJob {
     pub pages: Vec<PageRef>,
 }
 
-pub struct Core {
-    model: Model,
+/// The batch core over a forward step `F` (production: the real model,
+/// [`Runner`]; schedule tests: a stand-in).
+pub struct Core<F: Forward = Runner> {
+    fwd: F,
     tokenizer: Tokenizer,
     pool: Pool,
     cfg: EngineConfig,
@@ -176,7 +178,6 @@ pub struct Core {
     max_request: usize,
     waiting: VecDeque<Submitted>,
     running: Vec<Active>,
-    scratch: Scratch,
     rows: Vec<Row>,
     stats: Arc<Mutex<EngineStats>>,
     waiting_count: Arc<AtomicU64>,
@@ -184,19 +185,18 @@ pub struct Core {
     shutdown: Option<bool>,
 }
 
-impl Core {
+impl<F: Forward> Core<F> {
     pub fn new(
-        model: Model,
+        fwd: F,
         tokenizer: Tokenizer,
         pool: Pool,
         cfg: EngineConfig,
         max_request: usize,
         stats: Arc<Mutex<EngineStats>>,
         waiting_count: Arc<AtomicU64>,
-    ) -> Core {
-        let scratch = Scratch::new(&model, cfg.step_tokens_max);
+    ) -> Core<F> {
         Core {
-            model,
+            fwd,
             tokenizer,
             outbox: Vec::new(),
             rows: Vec::with_capacity(cfg.step_tokens_max),
@@ -206,7 +206,6 @@ impl Core {
             pool,
             cfg,
             max_request,
-            scratch,
             stats,
             waiting_count,
             shutdown: None,
@@ -235,12 +234,7 @@ impl Core {
                     }
                 }
             }
-            if self.shutdown == Some(false) {
-                self.cancel_all(RequestError::ShuttingDown);
-            }
-            self.reap_cancelled();
-            self.admit();
-            if !self.running.is_empty() && !self.step() {
+            if !self.tick() {
                 // Every running request waits for its reader: wait for a
                 // command or a reader, polling (readers do not wake us).
                 match rx.recv_timeout(BACKPRESSURE_POLL) {
@@ -256,7 +250,20 @@ impl Core {
         self.publish();
     }
 
-    fn command(&mut self, cmd: Command) {
+    /// One turn of the unified loop after intake: cancel everything on a
+    /// hard shutdown, reap cancelled requests, admit from the queue, run a
+    /// step. False when requests run but none could take a row (every one
+    /// waits for its reader).
+    pub(crate) fn tick(&mut self) -> bool {
+        if self.shutdown == Some(false) {
+            self.cancel_all(RequestError::ShuttingDown);
+        }
+        self.reap_cancelled();
+        self.admit();
+        self.running.is_empty() || self.step()
+    }
+
+    pub(crate) fn command(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(sub) => self.waiting.push_back(*sub),
             Command::Shutdown { drain } => {
@@ -340,7 +347,7 @@ impl Core {
             };
             let need_tokens = sub.req.prompt.len() + sub.req.max_tokens;
             // Re-check on this node, before any allocation (K8).
-            if let Err(e) = crate::validate(&sub.req, self.max_request, self.model.config.vocab) {
+            if let Err(e) = crate::validate(&sub.req, self.max_request, self.fwd.vocab()) {
                 let sub = self.waiting.pop_front().expect("front exists");
                 self.left_queue(1);
                 let _ = sub.events.try_send(Event::Error(e));
@@ -473,10 +480,18 @@ impl Core {
             })
             .collect();
         let started = Instant::now();
-        let result = self
-            .model
-            .forward(&mut self.pool, &seqs, &self.rows, &mut self.scratch);
+        let mut result = self.fwd.forward(&mut self.pool, &seqs, &self.rows);
         drop(seqs);
+        let vocab = self.fwd.vocab();
+        let logit_rows = self.rows.iter().filter(|r| r.logits).count();
+        if result.is_ok() && self.fwd.logits().len() < logit_rows * vocab {
+            // A forward that returned fewer logits than asked for is a bug;
+            // fail the batch rather than sample from stale numbers.
+            result = Err(model::ModelError::Batch(format!(
+                "the forward step returned {} logits for {logit_rows} rows of {vocab}",
+                self.fwd.logits().len()
+            )));
+        }
         self.local.steps_total += 1;
         let secs = started.elapsed().as_secs_f64();
         if result.is_ok() && self.rows.len() >= PREFILL_RATE_ROWS_MIN && secs > 0.0 {
@@ -515,7 +530,7 @@ impl Core {
             }
         }
         // Sample for every row that produced logits, in row order.
-        let vocab = self.model.config.vocab;
+        let all_logits = self.fwd.logits();
         let mut k = 0;
         // (index in `running`, how it ended; `None`: handed back to the
         // prefill role's transfer).
@@ -525,7 +540,7 @@ impl Core {
             if !r.logits {
                 continue;
             }
-            let logits = &mut self.scratch.logits[k * vocab..(k + 1) * vocab];
+            let logits = &mut all_logits[k * vocab..(k + 1) * vocab];
             k += 1;
             let a = &mut self.running[r.seq];
             let (lp, top) = match a.logprobs {
@@ -730,7 +745,7 @@ impl Core {
     }
 
     pub fn vocab(&self) -> usize {
-        self.model.config.vocab
+        self.fwd.vocab()
     }
 }
 
@@ -799,3 +814,6 @@ fn logprobs_of(logits: &[f32], n: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
     }
     (lp, top)
 }
+
+#[cfg(test)]
+mod tests;

@@ -48,7 +48,7 @@ use std::thread::JoinHandle;
 
 pub use crate::core::{Core, DecodeJob, Outcome, PrefillJob, PREFILL_RATE_ROWS_MIN};
 use kv::{DType, KvShape, Poison, RequestId};
-use model::Model;
+use model::{Forward, Model, Runner};
 /// The request vocabulary (re-exported: callers of the engine speak it).
 pub use request::{
     validate, Backend, DoneEvent, EngineStats, Event, GenRequest, RequestError, RequestHandle,
@@ -208,7 +208,17 @@ impl Engine {
         tokenizer: Tokenizer,
         cfg: EngineConfig,
     ) -> Result<Engine, StartError> {
-        let (shape, pages, capacity) = measure(&model, &cfg)?;
+        let rows = cfg.step_tokens_max;
+        Engine::start_with(Runner::new(model, rows), tokenizer, cfg)
+    }
+
+    /// [`Engine::start`] over any forward step (tests: a stand-in model).
+    pub fn start_with<F: Forward>(
+        fwd: F,
+        tokenizer: Tokenizer,
+        cfg: EngineConfig,
+    ) -> Result<Engine, StartError> {
+        let (shape, pages, capacity) = measure(&fwd, &cfg)?;
         let max_request = capacity.max_request_tokens;
         #[allow(unused_mut)]
         let mut pool = kv::Pool::new(shape, pages, kv::PoolOptions { poison: cfg.poison })?;
@@ -226,10 +236,10 @@ impl Engine {
         let (tx, rx) = mpsc::sync_channel(cfg.queue_max);
         let stats = Arc::new(Mutex::new(EngineStats::new(pool.stats())));
         let waiting = Arc::new(AtomicU64::new(0));
-        let vocab = model.config.vocab;
+        let vocab = fwd.vocab();
         let eos = tokenizer.eos_ids().to_vec();
         let core = core::Core::new(
-            model,
+            fwd,
             tokenizer,
             pool,
             cfg.clone(),
@@ -341,13 +351,13 @@ impl Drop for Engine {
 /// model's window (K8): the pool's shape, its page count and the capacity
 /// table, or the reason the node must not start.
 pub fn measure(
-    model: &Model,
+    model: &impl Forward,
     cfg: &EngineConfig,
 ) -> Result<(KvShape, u64, CapacityInfo), StartError> {
-    if cfg.step_tokens_max == 0 || cfg.step_tokens_max > model::BATCH_ROWS_MAX {
+    if cfg.step_tokens_max == 0 || cfg.step_tokens_max > model.rows_max() {
         return Err(StartError::Config(format!(
             "step token budget must be 1..={}",
-            model::BATCH_ROWS_MAX
+            model.rows_max()
         )));
     }
     if cfg.running_max == 0 || cfg.running_max > cfg.step_tokens_max {
@@ -366,7 +376,7 @@ pub fn measure(
         None => kv::pages_for_budget(&shape, cfg.kv_memory_bytes),
     };
     let pool_tokens = kv::capacity_tokens(&shape, pages);
-    let window = model.config.context_length;
+    let window = model.context_length();
     let max_request = match cfg.max_context {
         Some(mc) => {
             if mc == 0 {

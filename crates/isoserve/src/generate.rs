@@ -1,19 +1,22 @@
-//! `isoserve generate` and `isoserve bench`: one sequence, straight through
-//! the model and the KV pool (the server's engine batches many).
+//! `isoserve generate`, `isoserve bench` and `isoserve tokenize`: one
+//! request at a time through the same engine the server runs (the batch
+//! core, its pool checks and its sampler), and through the same prompt
+//! encoder (`tokenizer::encode_text` / `encode_chat`).
 
 use std::io::Write;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use kv::{DType, Owner, PageRef, Pool, PoolOptions, RequestId, TenantId};
-use model::sample::{FinishReason, Sampler, SamplingParams, StopStrings};
-use model::{Model, Row, Scratch, SeqCtx};
+use engine::{Engine, EngineConfig, Event, GenRequest};
+use kv::TenantId;
+use model::sample::{FinishReason, SamplingParams};
+use model::Model;
 use tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 /// Token slots per KV page.
 pub const PAGE_SIZE_TOKENS: usize = 16;
-/// Rows per prefill chunk.
+/// Rows per forward step: prefill runs in chunks of this many tokens.
 pub const PREFILL_CHUNK_ROWS: usize = 512;
 
 pub struct Loaded {
@@ -47,147 +50,106 @@ pub struct GenerateArgs {
 pub struct Timings {
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
+    /// Admission to the first token: the prompt's forward steps and the
+    /// first sample.
     pub prefill: Duration,
+    /// First token to the end: one forward step per further token.
     pub decode: Duration,
     pub finish: FinishReason,
 }
 
-impl Loaded {
-    /// Prompt token ids: the chat template applied if `chat`, special tokens
-    /// recognised in the text, BOS prepended when the model asks for it.
-    pub fn prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
-        let text = if chat {
-            let t = self
-                .template
-                .as_ref()
-                .context("--chat: the model has no chat template")?;
-            t.render(&[ChatMessage::user(prompt)], true)?
-        } else {
-            prompt.to_string()
-        };
-        let mut ids = self.tokenizer.encode(&text, true)?;
-        if self.tokenizer.add_bos() {
-            if let Some(b) = self.tokenizer.bos_id() {
-                ids.insert(0, b);
-            }
-        }
-        if ids.is_empty() {
-            bail!("the prompt is empty");
-        }
-        Ok(ids)
+/// Prompt token ids as the server computes them: with `chat`, the text as
+/// one user message through the chat template (only the template's text
+/// may produce special tokens); without, raw text in which special tokens
+/// are recognised. BOS as the model asks.
+pub fn prompt_ids(
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    prompt: &str,
+    chat: bool,
+) -> Result<Vec<u32>> {
+    let ids = if chat {
+        let t = template.context("--chat: the model has no chat template")?;
+        tokenizer::encode_chat(tokenizer, t, &[ChatMessage::user(prompt)])?.ids
+    } else {
+        tokenizer::encode_text(tokenizer, prompt)?
+    };
+    if ids.is_empty() {
+        bail!("the prompt is empty");
     }
+    Ok(ids)
+}
 
-    /// Generates from `ids`, calling `emit` with each piece of text.
-    pub fn generate(
-        &self,
-        ids: &[u32],
-        args: &GenerateArgs,
-        mut emit: impl FnMut(&str) -> Result<()>,
-    ) -> Result<Timings> {
-        args.params.validate()?;
-        let m = &self.model;
-        let window = m.config.context_length;
-        if ids.len() + args.max_tokens > window {
-            bail!(
-                "prompt ({} tokens) + max tokens ({}) = {} exceeds the model's context window of {window} tokens",
-                ids.len(),
-                args.max_tokens,
-                ids.len() + args.max_tokens
-            );
-        }
-        let shape = m.kv_shape(PAGE_SIZE_TOKENS, DType::F32)?;
-        let need = ids.len() + args.max_tokens;
-        let pages_n = shape.pages_for_tokens(need as u64).max(1);
-        let mut pool = Pool::new(shape, pages_n, PoolOptions::default())?;
-        let owner = Owner::new(RequestId(1), TenantId(1));
-        let mut pages: Vec<PageRef> = Vec::new();
-        pool.alloc(owner, pages_n as usize, &mut pages)?;
-        let mut scratch = Scratch::new(m, PREFILL_CHUNK_ROWS);
-        let mut sampler = Sampler::new(args.params.clone());
-        let mut stops = StopStrings::new(args.stop.clone())?;
-        let mut decoder = self.tokenizer.stream_decoder().skip_special(true);
-        let mut history: Vec<u32> = ids.to_vec();
-        let mut rows = Vec::with_capacity(PREFILL_CHUNK_ROWS);
+/// An engine for one request at a time of up to `tokens_max` tokens
+/// (prompt + generated), its pool sized for exactly that.
+pub fn one_request_engine(model: Model, tokenizer: Tokenizer, tokens_max: usize) -> Result<Engine> {
+    let window = model.config.context_length;
+    let pages = tokens_max.max(1).div_ceil(PAGE_SIZE_TOKENS);
+    let cfg = EngineConfig {
+        page_size_tokens: PAGE_SIZE_TOKENS,
+        kv_pages: Some(pages as u64),
+        max_context: Some(window.min(pages * PAGE_SIZE_TOKENS)),
+        step_tokens_max: PREFILL_CHUNK_ROWS,
+        running_max: 1,
+        queue_max: 1,
+        ..EngineConfig::default()
+    };
+    Ok(Engine::start(model, tokenizer, cfg)?)
+}
 
-        let t0 = Instant::now();
-        for (c, chunk) in ids.chunks(PREFILL_CHUNK_ROWS).enumerate() {
-            rows.clear();
-            let base = c * PREFILL_CHUNK_ROWS;
-            rows.extend(chunk.iter().enumerate().map(|(i, &token)| Row {
-                seq: 0,
-                pos: base + i,
-                token,
-                logits: base + i == ids.len() - 1,
-            }));
-            let seqs = [SeqCtx {
-                owner,
-                pages: &pages,
-            }];
-            m.forward(&mut pool, &seqs, &rows, &mut scratch)?;
+/// Runs one request on `engine`, calling `emit` with each piece of text.
+pub fn generate(
+    engine: &Engine,
+    ids: &[u32],
+    args: &GenerateArgs,
+    mut emit: impl FnMut(&str) -> Result<()>,
+) -> Result<Timings> {
+    let req = GenRequest {
+        tenant: TenantId(1),
+        prompt: ids.to_vec(),
+        max_tokens: args.max_tokens,
+        params: args.params.clone(),
+        stop: args.stop.clone(),
+        ignore_eos: args.ignore_eos,
+        logprobs: None,
+    };
+    let mut h = engine.submit(req)?;
+    while let Some(ev) = h.blocking_next() {
+        match ev {
+            Event::Token(t) => {
+                if !t.text.is_empty() {
+                    emit(&t.text)?;
+                }
+            }
+            Event::Done(d) => {
+                if !d.tail_text.is_empty() {
+                    emit(&d.tail_text)?;
+                }
+                let ms = |x: f64| Duration::from_secs_f64(x.max(0.0) / 1e3);
+                return Ok(Timings {
+                    prompt_tokens: d.usage.prompt_tokens,
+                    generated_tokens: d.usage.completion_tokens,
+                    prefill: ms(d.ttft_ms - d.queue_ms),
+                    decode: ms(d.total_ms - d.ttft_ms),
+                    finish: d.finish,
+                });
+            }
+            Event::Error(e) => return Err(e.into()),
         }
-        let prefill = t0.elapsed();
-        let t1 = Instant::now();
-        let mut generated = 0;
-        let mut finish = FinishReason::Length;
-        while generated < args.max_tokens {
-            let next = sampler.sample(&mut scratch.logits, &history);
-            generated += 1;
-            history.push(next);
-            if !args.ignore_eos && self.tokenizer.is_eos(next) {
-                finish = FinishReason::Stop;
-                break;
-            }
-            let piece = decoder.push(next)?;
-            let (out, stopped) = stops.push(&piece);
-            if !out.is_empty() {
-                emit(&out)?;
-            }
-            if stopped {
-                finish = FinishReason::Stop;
-                break;
-            }
-            if generated == args.max_tokens {
-                break;
-            }
-            let pos = history.len() - 1;
-            let row = [Row {
-                seq: 0,
-                pos,
-                token: next,
-                logits: true,
-            }];
-            let seqs = [SeqCtx {
-                owner,
-                pages: &pages,
-            }];
-            m.forward(&mut pool, &seqs, &row, &mut scratch)?;
-        }
-        if finish == FinishReason::Length {
-            let rest = stops.flush();
-            if !rest.is_empty() {
-                emit(&rest)?;
-            }
-        }
-        let decode = t1.elapsed();
-        for h in pages {
-            pool.free(h, owner)?;
-        }
-        debug_assert_eq!(pool.pages_free(), pool.pages_total());
-        Ok(Timings {
-            prompt_tokens: ids.len(),
-            generated_tokens: generated,
-            prefill,
-            decode,
-            finish,
-        })
     }
+    bail!("the engine ended the request without a result")
 }
 
 pub fn run_generate(model_path: &Path, args: GenerateArgs) -> Result<()> {
-    let loaded = load(model_path)?;
-    let ids = loaded.prompt_ids(&args.prompt, args.chat)?;
+    let Loaded {
+        model,
+        tokenizer,
+        template,
+    } = load(model_path)?;
+    let ids = prompt_ids(&tokenizer, template.as_ref(), &args.prompt, args.chat)?;
+    let engine = one_request_engine(model, tokenizer, ids.len() + args.max_tokens)?;
     let stdout = std::io::stdout();
-    let t = loaded.generate(&ids, &args, |s| {
+    let t = generate(&engine, &ids, &args, |s| {
         let mut out = stdout.lock();
         out.write_all(s.as_bytes())?;
         out.flush()?;
@@ -222,13 +184,17 @@ pub fn run_bench(
     if prompt_tokens == 0 || gen_tokens < 2 {
         bail!("--prompt-tokens must be ≥ 1 and --gen-tokens ≥ 2");
     }
-    let loaded = load(model_path)?;
+    let Loaded {
+        model, tokenizer, ..
+    } = load(model_path)?;
+    let threads = model.threads().n_threads();
     // A deterministic pseudo-prompt of ordinary tokens (ids 100.. avoid the
     // special tokens at the start of the vocabulary).
-    let vocab = loaded.model.config.vocab as u32;
+    let vocab = model.config.vocab as u32;
     let ids: Vec<u32> = (0..prompt_tokens as u32)
         .map(|i| 100 + (i * 7919) % (vocab - 100))
         .collect();
+    let engine = one_request_engine(model, tokenizer, prompt_tokens + gen_tokens + 1)?;
     let args = |max_tokens| GenerateArgs {
         prompt: String::new(),
         chat: false,
@@ -239,15 +205,15 @@ pub fn run_bench(
     };
     let (mut pp, mut tg, mut tg_ctx) = (Vec::new(), Vec::new(), Vec::new());
     // One warm-up run (page faults of the mmapped weights).
-    loaded.generate(&ids, &args(2), |_| Ok(()))?;
+    generate(&engine, &ids, &args(2), |_| Ok(()))?;
     for _ in 0..reps.max(1) {
-        let t = loaded.generate(&ids, &args(1), |_| Ok(()))?;
+        let t = generate(&engine, &ids, &args(1), |_| Ok(()))?;
         pp.push(prompt_tokens as f64 / t.prefill.as_secs_f64());
         // The first token comes from the prompt's logits; the decode time
         // covers the remaining gen_tokens forward steps.
-        let t = loaded.generate(&ids[..1], &args(gen_tokens + 1), |_| Ok(()))?;
+        let t = generate(&engine, &ids[..1], &args(gen_tokens + 1), |_| Ok(()))?;
         tg.push(gen_tokens as f64 / t.decode.as_secs_f64());
-        let t = loaded.generate(&ids, &args(gen_tokens + 1), |_| Ok(()))?;
+        let t = generate(&engine, &ids, &args(gen_tokens + 1), |_| Ok(()))?;
         tg_ctx.push(gen_tokens as f64 / t.decode.as_secs_f64());
     }
     let summary = |v: &mut Vec<f64>| {
@@ -260,7 +226,7 @@ pub fn run_bench(
     println!(
         "prefill pp{prompt_tokens}: {p:.1} tok/s (min {pl:.1}, max {ph:.1}); decode tg{gen_tokens}: {d:.1} tok/s (min {dl:.1}, max {dh:.1}); decode tg{gen_tokens} after pp{prompt_tokens}: {c:.1} tok/s (min {cl:.1}, max {ch:.1}); {} reps, {} threads, kernels {:?}",
         reps.max(1),
-        loaded.model.threads().n_threads(),
+        threads,
         kernels::KernelLevel::active(),
     );
     Ok(())

@@ -12,6 +12,7 @@ mod serve;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -61,9 +62,10 @@ enum Cmd {
         /// Drop tokens less likely than min_p × the most likely (0: off).
         #[arg(long, default_value_t = 0.0)]
         min_p: f32,
-        /// Repetition penalty (1: off).
-        #[arg(long, default_value_t = 1.0)]
-        repeat_penalty: f32,
+        /// Repetition penalty (1: off); `--repeat-penalty` (llama.cpp's
+        /// name) is accepted too.
+        #[arg(long, alias = "repeat-penalty", default_value_t = 1.0)]
+        repetition_penalty: f32,
         /// Presence penalty, OpenAI style (0: off).
         #[arg(long, default_value_t = 0.0)]
         presence_penalty: f32,
@@ -171,7 +173,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             top_k,
             top_p,
             min_p,
-            repeat_penalty,
+            repetition_penalty,
             presence_penalty,
             frequency_penalty,
             seed,
@@ -185,7 +187,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 top_k,
                 top_p,
                 min_p,
-                repetition_penalty: repeat_penalty,
+                repetition_penalty,
                 presence_penalty,
                 frequency_penalty,
                 seed,
@@ -213,8 +215,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Tokenize { text, chat, model } => {
             let path = fetch::resolve_model(model.as_deref(), false)?;
-            let loaded = generate::load(&path)?;
-            let ids = loaded.prompt_ids(&text, chat)?;
+            // The tokenizer and template only: the weights are not needed.
+            let file = gguf::GgufFile::open(&path)
+                .with_context(|| format!("cannot open model {}", path.display()))?;
+            let tok =
+                tokenizer::Tokenizer::from_gguf(&file).context("cannot build the tokenizer")?;
+            let template = tokenizer::ChatTemplate::from_gguf(&file).ok();
+            let ids = generate::prompt_ids(&tok, template.as_ref(), &text, chat)?;
             println!("{ids:?}");
         }
         Cmd::Serve(args) if args.disaggregated => disagg::run_supervised(args)?,

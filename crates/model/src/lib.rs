@@ -29,9 +29,11 @@
 pub mod config;
 pub mod forward;
 pub mod sample;
+pub mod step;
 
 pub use config::Config;
 pub use forward::{Model, Row, Scratch, SeqCtx, BATCH_ROWS_MAX};
+pub use step::{Forward, Runner};
 
 /// Errors of loading or running a model.
 #[derive(Debug, thiserror::Error)]

@@ -138,20 +138,21 @@ impl PdNode {
         pd: PdConfig,
         commands: Box<dyn FnMut(NetCommand) + Send>,
     ) -> Result<PdNode, StartError> {
+        let model = model::Runner::new(model, cfg.step_tokens_max);
         let (shape, pages, capacity) = engine::measure(&model, &cfg)?;
         if pd.window_pages == 0 || pd.requests_max == 0 || pd.events_max == 0 {
             return Err(StartError::Config(
                 "transfer window, request and event limits must be positive".into(),
             ));
         }
-        let layout = kv_layout(&model, &cfg);
+        let layout = kv_layout(model.model(), &cfg);
         let identity = Identity {
             node: pd.node.clone(),
             fingerprint: pd.fingerprint,
             layout,
             max_request_tokens: capacity.max_request_tokens.min(u32::MAX as usize) as u32,
         };
-        let vocab = model.config.vocab as u32;
+        let vocab = model.model().config.vocab as u32;
         #[allow(unused_mut)]
         let mut pool = kv::Pool::new(shape, pages, kv::PoolOptions { poison: cfg.poison })?;
         let stats = Arc::new(Mutex::new(PdStats::default()));

@@ -436,6 +436,34 @@ fn parse_content(v: Option<&Value>, at: &str) -> Result<String, ApiError> {
 pub fn parse_chat(body: &[u8]) -> Result<GenParams, ApiError> {
     let obj = parse_object(body)?;
     let f = Fields(&obj);
+    let out = parse_messages(&f)?;
+    parse_common(Endpoint::Chat, Input::Chat(out), &f)
+}
+
+/// Parses a `/tokenize` body (the endpoint vLLM's and llama.cpp's servers
+/// have): `messages`, rendered as `/v1/chat/completions` renders them, or
+/// a text `prompt`, tokenised as `/v1/completions` tokenises it.
+pub fn parse_tokenize(body: &[u8]) -> Result<Input, ApiError> {
+    let obj = parse_object(body)?;
+    let f = Fields(&obj);
+    match (f.get("messages"), f.get("prompt")) {
+        (Some(_), Some(_)) => Err(ApiError::invalid_value(
+            "prompt",
+            "give either messages or prompt, not both",
+        )),
+        (Some(_), None) => Ok(Input::Chat(parse_messages(&f)?)),
+        (None, Some(Value::String(s))) => Ok(Input::Text(s.clone())),
+        (None, Some(v)) => Err(ApiError::invalid_type(
+            "prompt",
+            &format!("a string, got {}", type_name(v)),
+        )),
+        (None, None) => Err(ApiError::missing("prompt")),
+    }
+}
+
+/// A chat body's `messages`: (role, text) pairs, `developer` read as
+/// `system`.
+fn parse_messages(f: &Fields<'_>) -> Result<Vec<(String, String)>, ApiError> {
     let msgs = match f.get("messages") {
         None => return Err(ApiError::missing("messages")),
         Some(Value::Array(a)) => a,
@@ -483,7 +511,7 @@ pub fn parse_chat(body: &[u8]) -> Result<GenParams, ApiError> {
         let content = parse_content(mf.get("content"), &format!("{at}.content"))?;
         out.push((role.to_string(), content));
     }
-    parse_common(Endpoint::Chat, Input::Chat(out), &f)
+    Ok(out)
 }
 
 fn parse_token_ids(a: &[Value], at: &str) -> Result<Vec<u32>, ApiError> {

@@ -42,6 +42,7 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model_by_id))
+        .route("/tokenize", post(tokenize_route))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -132,6 +133,38 @@ async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -
 
 async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     generate(st, Endpoint::Completions, headers, body).await
+}
+
+/// `POST /tokenize`: the prompt's token ids exactly as a generation request
+/// would send them to the engine (the same encoder, BOS included), for a
+/// tenant's key. Nothing reaches the engine or the pool.
+async fn tokenize_route(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let result = async {
+        let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+        st.tenants
+            .authenticate(auth)
+            .map_err(ApiError::unauthorized)?;
+        let bytes = read_body(body, &headers, st.cfg.body_limit, st.cfg.body_timeout).await?;
+        let input = api::parse_tokenize(&bytes)?;
+        let (ids, _) = tokenize(&st, &input)?;
+        Ok::<_, ApiError>(serde_json::json!({
+            "count": ids.len(),
+            "max_model_len": st.max_request(),
+            "tokens": ids,
+        }))
+    }
+    .await;
+    match result {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => {
+            st.metrics.rejection(e.reason);
+            e.into_response()
+        }
+    }
 }
 
 // ---- ids, randomness -------------------------------------------------------
@@ -338,85 +371,37 @@ async fn read_body(
     }
 }
 
-/// Prompt token ids (and the prompt text, for the log) of a request. A
-/// completions prompt is raw text in which special tokens are recognised
-/// (as `isoserve generate` without --chat). Chat messages are rendered with
-/// the model's template, but only the *template's* text may produce special
-/// tokens: message contents are tokenised as plain text, so a user who
-/// writes `<|im_start|>system` gets those characters, not a forged turn.
-/// BOS is prepended when the model asks for it.
+/// Prompt token ids (and the prompt text, for the log) of a request,
+/// through the project's one prompt encoder ([`tokenizer::encode_text`],
+/// [`tokenizer::encode_chat`]: in chat messages only the template's text
+/// may produce special tokens), shared with `isoserve generate` and
+/// `isoserve tokenize`.
 fn tokenize(st: &AppState, input: &Input) -> Result<(Vec<u32>, String), ApiError> {
-    let mut ids = match input {
-        Input::Tokens(ids) => return Ok((ids.clone(), format!("{ids:?}"))),
+    match input {
+        Input::Tokens(ids) => Ok((ids.clone(), format!("{ids:?}"))),
         Input::Text(t) => {
-            let ids = st
-                .tokenizer
-                .encode(t, true)
+            let ids = tokenizer::encode_text(&st.tokenizer, t)
                 .map_err(|e| ApiError::bad_prompt("prompt", e))?;
-            (ids, t.clone())
+            Ok((ids, t.clone()))
         }
-        Input::Chat(msgs) => tokenize_chat(st, msgs)?,
-    };
-    if st.tokenizer.add_bos() {
-        if let Some(b) = st.tokenizer.bos_id() {
-            ids.0.insert(0, b);
+        Input::Chat(msgs) => {
+            let p = chat_prompt(st, msgs)?;
+            Ok((p.ids, p.text))
         }
     }
-    Ok(ids)
 }
 
-/// Marks a message's place in the rendered template: private-use
-/// characters around the message index.
-fn sentinel(i: usize) -> String {
-    format!("\u{E000}{i}\u{E001}")
-}
-
-fn tokenize_chat(st: &AppState, msgs: &[(String, String)]) -> Result<(Vec<u32>, String), ApiError> {
+fn chat_prompt(st: &AppState, msgs: &[(String, String)]) -> Result<tokenizer::Prompt, ApiError> {
     let template = st
         .template
         .as_ref()
         .ok_or_else(|| ApiError::bad_prompt("messages", "the model has no chat template"))?;
-    let render = |with_content: bool| {
-        let ms: Vec<ChatMessage> = msgs
-            .iter()
-            .enumerate()
-            .map(|(i, (r, c))| {
-                ChatMessage::new(
-                    r.as_str(),
-                    if with_content { c.clone() } else { sentinel(i) },
-                )
-            })
-            .collect();
-        template
-            .render(&ms, true)
-            .map_err(|e| ApiError::bad_prompt("messages", e))
-    };
-    let text = render(true)?;
-    let skeleton = render(false)?;
-    let enc = |t: &str, special: bool| {
-        st.tokenizer
-            .encode(t, special)
-            .map_err(|e| ApiError::bad_prompt("messages", e))
-    };
-    // Split the skeleton at the sentinels, in message order.
-    let mut ids = Vec::new();
-    let mut rest = skeleton.as_str();
-    for (i, (_, content)) in msgs.iter().enumerate() {
-        let mark = sentinel(i);
-        let Some(at) = rest.find(&mark) else {
-            // The template transformed or dropped the content: refuse rather
-            // than let content text turn into special tokens.
-            return Err(ApiError::bad_prompt(
-                "messages",
-                "the model's chat template does not keep message content verbatim",
-            ));
-        };
-        ids.extend(enc(&rest[..at], true)?);
-        ids.extend(enc(content, false)?);
-        rest = &rest[at + mark.len()..];
-    }
-    ids.extend(enc(rest, true)?);
-    Ok((ids, text))
+    let ms: Vec<ChatMessage> = msgs
+        .iter()
+        .map(|(r, c)| ChatMessage::new(r.as_str(), c.as_str()))
+        .collect();
+    tokenizer::encode_chat(&st.tokenizer, template, &ms)
+        .map_err(|e| ApiError::bad_prompt("messages", e))
 }
 
 async fn admit(

@@ -41,6 +41,11 @@ pub enum TokenizerError {
     #[error("chat template error: {0:#}")]
     Template(#[from] minijinja::Error),
 
+    /// The chat template does not keep a message's content verbatim, so
+    /// content and template text cannot be told apart.
+    #[error("the model's chat template does not keep message content verbatim")]
+    TemplateAltersContent,
+
     /// The chat template called `raise_exception(message)`.
     #[error("chat template raised an exception: {0}")]
     TemplateException(String),

@@ -42,9 +42,11 @@
 mod bpe;
 mod chat;
 mod error;
+mod prompt;
 mod stream;
 
 pub use bpe::{PreTokenizer, TokenType, Tokenizer};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use error::{Result, TokenizerError};
+pub use prompt::{encode_chat, encode_text, Prompt};
 pub use stream::StreamDecoder;

@@ -1,0 +1,558 @@
+//! The batch core's schedules, pinned as snapshots over a stand-in model.
+//!
+//! [`HashModel`] is the simulator's stand-in (`testkit::world`) behind the
+//! [`Forward`] trait: each row writes its K/V through the pool, then reads
+//! every earlier row of its sequence back through the pool (K1–K3 checked
+//! on every read) and hashes them; the next token is a letter chosen by
+//! that hash. A schedule that reads a position before it was written, or
+//! another request's page, fails or changes the letters.
+//!
+//! Each test drives the production [`Core::tick`] and records one line per
+//! tick: the rows the step ran (`r2 0-3*`: request 2, positions 0 to 3,
+//! `*` where logits were taken), what each request received, and the
+//! queue, the batch and the pool afterwards. `UPDATE_EXPECT=1 cargo test
+//! -p engine` rewrites the snapshots; read the diff before committing it.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use expect_test::{expect, Expect};
+use kv::{DType, KvError, KvShape, Pool, PoolOptions, RequestId, TenantId};
+use model::{Forward, ModelError, Row, SeqCtx};
+use request::{EngineStats, Event, GenRequest};
+use tokenizer::Tokenizer;
+use tokio::sync::mpsc as tmpsc;
+
+use super::Core;
+use crate::{Command, EngineConfig, Submitted};
+
+/// Token id of the byte `b` in the synthetic vocabulary (3 special tokens,
+/// then the 256 bytes in order).
+fn byte_token(b: u8) -> u32 {
+    3 + b as u32
+}
+
+/// The synthetic model's end-of-sequence token (`<|im_end|>`).
+const EOS: u32 = 2;
+
+/// The stand-in model behind [`Forward`], recording the rows of each step.
+struct HashModel {
+    window: usize,
+    vocab: usize,
+    logits: Vec<f32>,
+    /// Per step: (request, position, logits) of each row.
+    steps: Vec<Vec<(u64, usize, bool)>>,
+    /// Fail the step with this number (1-based), once.
+    fail_step: Option<usize>,
+    /// Sequences of this length or more end: the model says EOS.
+    eos_at_len: Option<usize>,
+}
+
+impl HashModel {
+    fn new(window: usize, vocab: usize) -> HashModel {
+        HashModel {
+            window,
+            vocab,
+            logits: Vec::new(),
+            steps: Vec::new(),
+            fail_step: None,
+            eos_at_len: None,
+        }
+    }
+}
+
+impl Forward for HashModel {
+    fn vocab(&self) -> usize {
+        self.vocab
+    }
+    fn context_length(&self) -> usize {
+        self.window
+    }
+    fn kv_shape(&self, page_size: usize, _: DType) -> Result<KvShape, KvError> {
+        Ok(testkit::world::shape(page_size as u32))
+    }
+    fn rows_max(&self) -> usize {
+        512
+    }
+    fn forward(
+        &mut self,
+        pool: &mut Pool,
+        seqs: &[SeqCtx<'_>],
+        rows: &[Row],
+    ) -> Result<(), ModelError> {
+        self.steps.push(
+            rows.iter()
+                .map(|r| (seqs[r.seq].owner.request.0, r.pos, r.logits))
+                .collect(),
+        );
+        if self.fail_step == Some(self.steps.len()) {
+            return Err(ModelError::Batch("injected by the test".into()));
+        }
+        let ps = pool.shape().page_size;
+        self.logits.clear();
+        for r in rows {
+            let s = &seqs[r.seq];
+            testkit::world::write_kv(pool, s.pages, s.owner, ps, r.pos, r.token)?;
+        }
+        for r in rows {
+            let s = &seqs[r.seq];
+            let h = testkit::world::next_from_pool(pool, s.pages, s.owner, ps, r.pos + 1)?;
+            if r.logits {
+                let next = match self.eos_at_len {
+                    Some(n) if r.pos + 1 >= n => EOS,
+                    _ => byte_token(b'a' + (h % 26) as u8),
+                };
+                let at = self.logits.len();
+                self.logits.resize(at + self.vocab, 0.0);
+                self.logits[at + next as usize] = 1.0;
+            }
+        }
+        Ok(())
+    }
+    fn logits(&mut self) -> &mut [f32] {
+        &mut self.logits
+    }
+}
+
+/// The synthetic GGUF's tokenizer (written once per test process).
+fn tokenizer() -> Tokenizer {
+    static TOK: Mutex<Option<Tokenizer>> = Mutex::new(None);
+    let mut t = TOK.lock().unwrap();
+    if t.is_none() {
+        let path = std::env::temp_dir().join(format!(
+            "isoserve-engine-schedule-{}.gguf",
+            std::process::id()
+        ));
+        testkit::synthetic::write_synthetic_llama(&path, Default::default(), 1).unwrap();
+        let file = gguf::GgufFile::open(&path).unwrap();
+        *t = Some(Tokenizer::from_gguf(&file).unwrap());
+        let _ = std::fs::remove_file(&path);
+    }
+    t.clone().unwrap()
+}
+
+struct Client {
+    id: u64,
+    events: tmpsc::Receiver<Event>,
+    cancel: Arc<AtomicBool>,
+    /// Leave events unread (a client that stopped reading).
+    stalled: bool,
+    text: String,
+}
+
+/// The core under test, its clients and the schedule so far.
+struct Harness {
+    core: Core<HashModel>,
+    clients: Vec<Client>,
+    next_id: u64,
+    ticks: usize,
+    log: String,
+}
+
+const PAGE_SIZE: usize = 4;
+
+impl Harness {
+    /// A core over `pages` pages of [`PAGE_SIZE`] slots, window 64.
+    fn new(pages: u64, step_tokens_max: usize, running_max: usize) -> Harness {
+        Harness::with_model(HashModel::new(64, 300), pages, step_tokens_max, running_max)
+    }
+
+    fn with_model(
+        fwd: HashModel,
+        pages: u64,
+        step_tokens_max: usize,
+        running_max: usize,
+    ) -> Harness {
+        let cfg = EngineConfig {
+            page_size_tokens: PAGE_SIZE,
+            kv_pages: Some(pages),
+            max_context: Some(fwd.window.min(pages as usize * PAGE_SIZE)),
+            step_tokens_max,
+            running_max,
+            queue_max: 16,
+            ..EngineConfig::default()
+        };
+        let (shape, pages, cap) = crate::measure(&fwd, &cfg).unwrap();
+        let pool = Pool::new(shape, pages, PoolOptions::default()).unwrap();
+        let stats = Arc::new(Mutex::new(EngineStats::new(pool.stats())));
+        let waiting = Arc::new(AtomicU64::new(0));
+        let core = Core::new(
+            fwd,
+            tokenizer(),
+            pool,
+            cfg,
+            cap.max_request_tokens,
+            stats,
+            waiting,
+        );
+        Harness {
+            core,
+            clients: Vec::new(),
+            next_id: 1,
+            ticks: 0,
+            log: String::new(),
+        }
+    }
+
+    /// Queues a request straight into the core (no submit-side check: the
+    /// core's own checks are under test). Returns its id.
+    fn submit(&mut self, req: GenRequest) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let (tx, rx) = request::event_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        self.core.command(Command::Submit(Box::new(Submitted {
+            id: RequestId(id),
+            req,
+            events: tx,
+            cancel: cancel.clone(),
+            pages: Arc::new(AtomicU64::new(0)),
+            submitted_at: std::time::Instant::now(),
+            #[cfg(feature = "fault-incident")]
+            placeholder: false,
+        })));
+        self.core.waiting_count.fetch_add(1, Ordering::AcqRel);
+        self.clients.push(Client {
+            id,
+            events: rx,
+            cancel,
+            stalled: false,
+            text: String::new(),
+        });
+        id
+    }
+
+    /// A greedy request of `prompt_len` tokens (letters) for `max_tokens`.
+    fn greedy(&mut self, prompt_len: usize, max_tokens: usize) -> u64 {
+        let prompt = (0..prompt_len)
+            .map(|i| byte_token(b'A' + (i % 26) as u8))
+            .collect();
+        self.submit(GenRequest::greedy(TenantId(1), prompt, max_tokens))
+    }
+
+    fn client(&mut self, id: u64) -> &mut Client {
+        self.clients.iter_mut().find(|c| c.id == id).unwrap()
+    }
+
+    fn cancel(&mut self, id: u64) {
+        self.client(id).cancel.store(true, Ordering::Relaxed);
+        writeln!(self.log, "   cancel r{id}").unwrap();
+    }
+
+    /// One production tick, logged.
+    fn tick(&mut self) -> bool {
+        self.ticks += 1;
+        let steps_before = self.core.fwd.steps.len();
+        let progressed = self.core.tick();
+        let mut line = format!("t{}", self.ticks);
+        if self.core.fwd.steps.len() > steps_before {
+            line += " rows";
+            line += &rows_text(self.core.fwd.steps.last().unwrap());
+        } else {
+            line += " rows -";
+        }
+        line += " |";
+        let events_at = line.len();
+        for c in &mut self.clients {
+            if c.stalled {
+                continue;
+            }
+            while let Ok(ev) = c.events.try_recv() {
+                let id = c.id;
+                match ev {
+                    Event::Token(t) => {
+                        c.text += &t.text;
+                        write!(line, " r{id}+{:?}", t.text).unwrap();
+                    }
+                    Event::Done(d) => write!(
+                        line,
+                        " r{id} done {} ({} tokens, {} pages)",
+                        d.finish.as_openai(),
+                        d.usage.completion_tokens,
+                        d.pages
+                    )
+                    .unwrap(),
+                    Event::Error(e) => write!(line, " r{id} error {}", e.kind()).unwrap(),
+                }
+            }
+        }
+        if line.len() == events_at {
+            line += " -";
+        }
+        let queue: Vec<String> = self
+            .core
+            .waiting
+            .iter()
+            .map(|s| format!("r{}", s.id.0))
+            .collect();
+        let running: Vec<String> = self
+            .core
+            .running
+            .iter()
+            .map(|a| format!("r{}", a.id.0))
+            .collect();
+        let pool = self.core.pool.stats();
+        write!(
+            line,
+            " | queue [{}] running [{}] free {}/{}",
+            queue.join(" "),
+            running.join(" "),
+            pool.pages_free,
+            pool.pages_total
+        )
+        .unwrap();
+        if !progressed {
+            line += " (all wait for readers)";
+        }
+        self.log += line.trim_end();
+        self.log += "\n";
+        progressed
+    }
+
+    /// Ticks until nothing runs or waits (at most `max` ticks).
+    fn run(&mut self, max: usize) {
+        for _ in 0..max {
+            if self.core.running.is_empty() && self.core.waiting.is_empty() {
+                return;
+            }
+            self.tick();
+        }
+        panic!("still busy after {max} ticks:\n{}", self.log);
+    }
+
+    fn check(&self, expect: Expect) {
+        expect.assert_eq(&self.log);
+    }
+
+    /// The pool is whole again and the counters add up.
+    fn assert_quiet(&mut self) {
+        self.core.publish();
+        let s = self.core.stats().clone();
+        assert_eq!(s.pool.pages_free, s.pool.pages_total, "pages leaked");
+        assert_eq!(s.running + s.waiting, 0);
+        assert_eq!(self.core.waiting_count.load(Ordering::Acquire), 0);
+    }
+}
+
+/// `r1 0-3* r2 5*`: each request's rows as position ranges, in row order.
+fn rows_text(rows: &[(u64, usize, bool)]) -> String {
+    let mut out = String::new();
+    let mut i = 0;
+    while i < rows.len() {
+        let (req, start, _) = rows[i];
+        let mut j = i;
+        while j + 1 < rows.len() && rows[j + 1].0 == req && rows[j + 1].1 == rows[j].1 + 1 {
+            j += 1;
+        }
+        let end = rows[j].1;
+        if start == end {
+            write!(out, " r{req} {start}").unwrap();
+        } else {
+            write!(out, " r{req} {start}-{end}").unwrap();
+        }
+        if rows[i..=j].iter().any(|r| r.2) {
+            out.push('*');
+        }
+        i = j + 1;
+    }
+    out
+}
+
+#[test]
+fn chunked_prefill_runs_decode_rows_first_under_the_step_budget() {
+    let mut h = Harness::new(16, 6, 4);
+    h.greedy(3, 3);
+    h.tick();
+    h.greedy(9, 2);
+    h.run(20);
+    h.check(expect![[r#"
+        t1 rows r1 0-2* | r1+"c" | queue [] running [r1] free 14/16
+        t2 rows r1 3* r2 0-4 | r1+"i" | queue [] running [r1 r2] free 11/16
+        t3 rows r1 4* r2 5-8* | r1+"v" r1 done length (3 tokens, 2 pages) r2+"o" | queue [] running [r2] free 13/16
+        t4 rows r2 9* | r2+"b" r2 done length (2 tokens, 3 pages) | queue [] running [] free 16/16
+    "#]]);
+    h.assert_quiet();
+}
+
+#[test]
+fn fifo_admission_waits_for_whole_requests_and_nobody_passes_the_head() {
+    // 8 pages of 4: r1 takes 6, r2 needs 4 and waits; r3 needs 1 and would
+    // fit, but must not pass r2 (no starvation of large requests).
+    let mut h = Harness::new(8, 32, 4);
+    h.greedy(20, 4);
+    h.greedy(12, 4);
+    h.greedy(2, 2);
+    h.run(20);
+    h.check(expect![[r#"
+        t1 rows r1 0-19* | r1+"f" | queue [r2 r3] running [r1] free 2/8
+        t2 rows r1 20* | r1+"a" | queue [r2 r3] running [r1] free 2/8
+        t3 rows r1 21* | r1+"n" | queue [r2 r3] running [r1] free 2/8
+        t4 rows r1 22* | r1+"y" r1 done length (4 tokens, 6 pages) | queue [r2 r3] running [] free 8/8
+        t5 rows r2 0-11* r3 0-1* | r2+"o" r3+"y" | queue [] running [r2 r3] free 3/8
+        t6 rows r2 12* r3 2* | r2+"u" r3+"b" r3 done length (2 tokens, 1 pages) | queue [] running [r2] free 4/8
+        t7 rows r2 13* | r2+"l" | queue [] running [r2] free 4/8
+        t8 rows r2 14* | r2+"i" r2 done length (4 tokens, 4 pages) | queue [] running [] free 8/8
+    "#]]);
+    h.assert_quiet();
+}
+
+#[test]
+fn running_max_caps_the_batch_and_the_queue_admits_in_order() {
+    let mut h = Harness::new(32, 32, 2);
+    for _ in 0..4 {
+        h.greedy(2, 2);
+    }
+    h.run(20);
+    h.check(expect![[r#"
+        t1 rows r1 0-1* r2 0-1* | r1+"y" r2+"y" | queue [r3 r4] running [r1 r2] free 30/32
+        t2 rows r1 2* r2 2* | r1+"b" r1 done length (2 tokens, 1 pages) r2+"b" r2 done length (2 tokens, 1 pages) | queue [r3 r4] running [] free 32/32
+        t3 rows r3 0-1* r4 0-1* | r3+"y" r4+"y" | queue [] running [r3 r4] free 30/32
+        t4 rows r3 2* r4 2* | r3+"b" r3 done length (2 tokens, 1 pages) r4+"b" r4 done length (2 tokens, 1 pages) | queue [] running [] free 32/32
+    "#]]);
+    h.assert_quiet();
+}
+
+#[test]
+fn cancel_frees_a_running_request_and_drops_a_waiting_one_at_the_next_tick() {
+    let mut h = Harness::new(8, 32, 1);
+    let r1 = h.greedy(4, 20);
+    let r2 = h.greedy(4, 2);
+    let r3 = h.greedy(4, 2);
+    h.tick();
+    h.tick();
+    h.cancel(r1);
+    h.cancel(r2);
+    h.tick();
+    h.run(20);
+    h.check(expect![[r#"
+        t1 rows r1 0-3* | r1+"c" | queue [r2 r3] running [r1] free 2/8
+        t2 rows r1 4* | r1+"g" | queue [r2 r3] running [r1] free 2/8
+           cancel r1
+           cancel r2
+        t3 rows r3 0-3* | r3+"c" | queue [] running [r3] free 6/8
+        t4 rows r3 4* | r3+"g" r3 done length (2 tokens, 2 pages) | queue [] running [] free 8/8
+    "#]]);
+    assert_eq!(h.core.stats().requests_cancelled_total, 2);
+    assert_eq!(h.client(r3).text.chars().count(), 2);
+    h.assert_quiet();
+}
+
+#[test]
+fn the_core_refuses_an_over_long_request_itself_k8() {
+    // The submit-side check is bypassed: the core's re-check (K8) refuses
+    // it before any page is allocated, and the request behind it runs.
+    let mut h = Harness::new(8, 32, 4);
+    h.greedy(30, 10);
+    h.greedy(2, 1);
+    h.run(10);
+    h.check(expect![[r#"
+        t1 rows r2 0-1* | r1 error context_length_exceeded r2+"y" r2 done length (1 tokens, 1 pages) | queue [] running [] free 8/8
+    "#]]);
+    assert_eq!(h.core.stats().requests_refused_total, 1);
+    h.assert_quiet();
+}
+
+#[test]
+fn eos_and_stop_strings_finish_a_request_with_stop() {
+    // r1 meets the model's EOS (counted as a completion token, not shown);
+    // r2 its stop string, which is never shown either.
+    let mut fwd = HashModel::new(64, 300);
+    fwd.eos_at_len = Some(6);
+    let mut h = Harness::with_model(fwd, 16, 32, 4);
+    h.greedy(3, 10);
+    let mut req = GenRequest::greedy(TenantId(2), vec![byte_token(b'Z')], 10);
+    // Its letters run "aytud…": the stop string spans two tokens.
+    req.stop = vec!["tu".into()];
+    h.submit(req);
+    h.run(20);
+    h.check(expect![[r#"
+        t1 rows r1 0-2* r2 0* | r1+"c" r2+"a" | queue [] running [r1 r2] free 9/16
+        t2 rows r1 3* r2 1* | r1+"i" r2+"y" | queue [] running [r1 r2] free 9/16
+        t3 rows r1 4* r2 2* | r1+"v" r2+"" | queue [] running [r1 r2] free 9/16
+        t4 rows r1 5* r2 3* | r1 done stop (4 tokens, 4 pages) r2+"" r2 done stop (4 tokens, 3 pages) | queue [] running [] free 16/16
+    "#]]);
+    h.assert_quiet();
+}
+
+#[test]
+fn a_failed_forward_step_fails_every_request_in_it_and_frees_their_pages() {
+    let mut fwd = HashModel::new(64, 300);
+    fwd.fail_step = Some(2);
+    let mut h = Harness::with_model(fwd, 16, 32, 4);
+    h.greedy(3, 4);
+    h.greedy(5, 4);
+    h.run(10);
+    h.check(expect![[r#"
+        t1 rows r1 0-2* r2 0-4* | r1+"c" r2+"m" | queue [] running [r1 r2] free 11/16
+        t2 rows r1 3* r2 5* | r1 error internal_error r2 error internal_error | queue [] running [] free 16/16
+    "#]]);
+    assert_eq!(h.core.stats().requests_failed_total, 2);
+    h.assert_quiet();
+}
+
+#[test]
+fn a_reader_that_falls_behind_pauses_only_its_own_request() {
+    // r1's client reads nothing: after REQUEST_EVENTS_MAX − 1 events it
+    // stops getting rows and keeps its pages; r2 runs on to its end.
+    let n = request::REQUEST_EVENTS_MAX;
+    let mut h = Harness::with_model(HashModel::new(2 * n, 300), 2 * n as u64, 32, 4);
+    let r1 = h.greedy(1, n + 10);
+    h.client(r1).stalled = true;
+    for _ in 0..n {
+        h.tick();
+    }
+    let r2 = h.greedy(2, 3);
+    for _ in 0..5 {
+        h.tick();
+    }
+    let tail: Vec<&str> = h.log.lines().rev().take(6).collect::<Vec<_>>();
+    let tail = tail.into_iter().rev().collect::<Vec<_>>().join("\n");
+    expect![[r#"
+        t256 rows - | - | queue [] running [r1] free 445/512 (all wait for readers)
+        t257 rows r2 0-1* | r2+"y" | queue [] running [r1 r2] free 443/512
+        t258 rows r2 2* | r2+"b" | queue [] running [r1 r2] free 443/512
+        t259 rows r2 3* | r2+"a" r2 done length (3 tokens, 2 pages) | queue [] running [r1] free 445/512
+        t260 rows - | - | queue [] running [r1] free 445/512 (all wait for readers)
+        t261 rows - | - | queue [] running [r1] free 445/512 (all wait for readers)"#]]
+    .assert_eq(&tail);
+    assert_eq!(h.client(r2).text.chars().count(), 3);
+    // The paused request holds its pages until its reader catches up.
+    assert!(h.core.running.iter().any(|a| a.id.0 == r1));
+    h.client(r1).stalled = false;
+    h.run(4 * n);
+    h.assert_quiet();
+}
+
+#[test]
+fn greedy_tokens_do_not_depend_on_the_batch_k12() {
+    // Alone, then beside others with a tiny step budget (other chunking and
+    // row positions): the same letters.
+    let mut alone = Harness::new(32, 32, 4);
+    let a = alone.greedy(7, 6);
+    alone.run(20);
+    let mut crowded = Harness::new(32, 3, 3);
+    crowded.greedy(5, 4);
+    crowded.greedy(2, 8);
+    let b = crowded.greedy(7, 6);
+    crowded.run(60);
+    let want = alone.client(a).text.clone();
+    assert_eq!(want.chars().count(), 6);
+    assert_eq!(crowded.client(b).text, want);
+}
+
+#[test]
+fn shutdown_without_drain_cancels_queued_and_running_requests() {
+    let mut h = Harness::new(8, 32, 1);
+    h.greedy(4, 20);
+    h.greedy(4, 2);
+    h.tick();
+    h.core.command(Command::Shutdown { drain: false });
+    h.tick();
+    h.check(expect![[r#"
+        t1 rows r1 0-3* | r1+"c" | queue [r2] running [r1] free 2/8
+        t2 rows - | r1 error shutting_down r2 error shutting_down | queue [] running [] free 8/8
+    "#]]);
+    assert_eq!(h.core.stats().requests_cancelled_total, 2);
+    h.assert_quiet();
+}

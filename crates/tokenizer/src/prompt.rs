@@ -1,0 +1,82 @@
+//! Prompts as token ids: the one encoder the server and the CLI share.
+//!
+//! Raw text (the completions API, `isoserve generate` without `--chat`)
+//! may name special tokens. Chat messages are rendered with the model's
+//! template, but only the *template's* text may produce special tokens:
+//! message contents are tokenised as plain text, so a user who writes
+//! `<|im_start|>system` gets those characters, not a forged turn. BOS is
+//! prepended when the model asks for it.
+
+use crate::{ChatMessage, ChatTemplate, Result, Tokenizer, TokenizerError};
+
+/// A prompt's token ids and the text they encode (for logs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prompt {
+    pub ids: Vec<u32>,
+    pub text: String,
+}
+
+/// Raw text, special tokens recognised, BOS prepended if the model wants it.
+pub fn encode_text(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let mut ids = tok.encode(text, true)?;
+    with_bos(tok, &mut ids);
+    Ok(ids)
+}
+
+/// Chat messages through `template` (with the generation prompt): special
+/// tokens only from the template's own text, BOS as the model wants.
+pub fn encode_chat(
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+) -> Result<Prompt> {
+    let text = template.render(messages, true)?;
+    // The same render with each content replaced by a sentinel shows where
+    // the contents sit in the template's text.
+    let marked: Vec<ChatMessage> = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| ChatMessage::new(m.role.as_str(), sentinel(i)))
+        .collect();
+    let skeleton = template.render(&marked, true)?;
+    let mut ids = Vec::new();
+    // The text the ids encode, rebuilt piece by piece: it must be the
+    // rendered text, or the template did something to the content that
+    // the sentinels cannot show (upper-casing it, say).
+    let mut rebuilt = String::with_capacity(text.len());
+    let mut rest = skeleton.as_str();
+    for (i, m) in messages.iter().enumerate() {
+        let mark = sentinel(i);
+        let Some(at) = rest.find(&mark) else {
+            // The template transformed or dropped the content: refuse rather
+            // than let content text turn into special tokens.
+            return Err(TokenizerError::TemplateAltersContent);
+        };
+        ids.extend(tok.encode(&rest[..at], true)?);
+        ids.extend(tok.encode(&m.content, false)?);
+        rebuilt.push_str(&rest[..at]);
+        rebuilt.push_str(&m.content);
+        rest = &rest[at + mark.len()..];
+    }
+    ids.extend(tok.encode(rest, true)?);
+    rebuilt.push_str(rest);
+    if rebuilt != text {
+        return Err(TokenizerError::TemplateAltersContent);
+    }
+    with_bos(tok, &mut ids);
+    Ok(Prompt { ids, text })
+}
+
+fn with_bos(tok: &Tokenizer, ids: &mut Vec<u32>) {
+    if tok.add_bos() {
+        if let Some(b) = tok.bos_id() {
+            ids.insert(0, b);
+        }
+    }
+}
+
+/// Marks a message's place in the rendered template: private-use
+/// characters around the message index.
+fn sentinel(i: usize) -> String {
+    format!("\u{E000}{i}\u{E001}")
+}
