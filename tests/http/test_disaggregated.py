@@ -302,9 +302,20 @@ def children_of(pid):
 
 
 def test_serve_disaggregated_one_command_and_clean_sigterm(tmp_root):
-    s = Server(["--disaggregated"] + NODE_ARGS, tmp_root, "disagg")
+    # Every engine flag, off its default: each child must run with it.
+    flags = {"max_running": "5", "step_tokens": "100", "max_queue": "9",
+             "transfer_window_pages": "4", "page_size": "32"}
+    extra = [a for k, v in flags.items() for a in ("--" + k.replace("_", "-"), v)]
+    s = Server(["--disaggregated"] + NODE_ARGS + extra, tmp_root, "disagg")
     kids = children_of(s.proc.pid)
     assert len(kids) == 2, kids
+    configs = dict(re.findall(r"^(prefill|decode)-0 config: (.*)$", s.stderr(), re.M))
+    assert set(configs) == {"prefill", "decode"}, s.stderr()
+    for role, line in configs.items():
+        got = dict(kv.split("=", 1) for kv in line.split())
+        for k, v in flags.items():
+            assert got[k] == v, (role, k, line)
+        assert got["max_context"] == "2048" and got["kv_memory_bytes"] == str(256 << 20), line
     r = chat(s, PROMPTS[0])
     assert r.status_code == 200, r.text
     assert "Paris" in r.json()["choices"][0]["message"]["content"]

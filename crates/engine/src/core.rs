@@ -199,9 +199,9 @@ impl<F: Forward> Core<F> {
             fwd,
             tokenizer,
             outbox: Vec::new(),
-            rows: Vec::with_capacity(cfg.step_tokens_max),
-            waiting: VecDeque::with_capacity(cfg.queue_max),
-            running: Vec::with_capacity(cfg.running_max),
+            rows: Vec::with_capacity(cfg.step_tokens),
+            waiting: VecDeque::with_capacity(cfg.max_queue),
+            running: Vec::with_capacity(cfg.max_running),
             local: EngineStats::new(pool.stats()),
             pool,
             cfg,
@@ -341,7 +341,7 @@ impl<F: Forward> Core<F> {
     /// request (all or nothing). No request behind it passes it, so none
     /// starves.
     fn admit(&mut self) {
-        while self.running.len() < self.cfg.running_max {
+        while self.running.len() < self.cfg.max_running {
             let Some(sub) = self.waiting.front() else {
                 break;
             };
@@ -431,7 +431,7 @@ impl<F: Forward> Core<F> {
     /// budget. False when no row could run (every request waits for its
     /// reader).
     fn step(&mut self) -> bool {
-        let budget = self.cfg.step_tokens_max;
+        let budget = self.cfg.step_tokens;
         self.rows.clear();
         // Which running request each row belongs to: `seq` indexes `running`.
         for (i, a) in self.running.iter().enumerate() {

@@ -70,13 +70,35 @@ pub struct EngineConfig {
     /// than the model's window).
     pub max_context: Option<usize>,
     /// Rows (tokens) per forward step: decode rows plus prefill chunks.
-    pub step_tokens_max: usize,
+    pub step_tokens: usize,
     /// Requests running at once.
-    pub running_max: usize,
+    pub max_running: usize,
     /// Requests waiting for admission (beyond it: `QueueFull`, HTTP 429).
-    pub queue_max: usize,
+    pub max_queue: usize,
     pub kv_dtype: DType,
     pub poison: Poison,
+}
+
+impl EngineConfig {
+    /// The effective configuration as one `key=value` line (flag names
+    /// with `_`), logged at start so an operator — and the tests — see what
+    /// every process really runs with.
+    pub fn summary(&self) -> String {
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        format!(
+            "page_size={} kv_pages={} kv_memory_bytes={} max_context={} step_tokens={} \
+             max_running={} max_queue={} kv_dtype={:?} kv_poison={:?}",
+            self.page_size_tokens,
+            opt(self.kv_pages.map(|p| p.to_string())),
+            self.kv_memory_bytes,
+            opt(self.max_context.map(|c| c.to_string())),
+            self.step_tokens,
+            self.max_running,
+            self.max_queue,
+            self.kv_dtype,
+            self.poison,
+        )
+    }
 }
 
 /// Default KV budget: 1 GiB, about 23k tokens of the default model in f32.
@@ -88,9 +110,9 @@ impl Default for EngineConfig {
             kv_pages: None,
             kv_memory_bytes: KV_MEMORY_BYTES_DEFAULT,
             max_context: None,
-            step_tokens_max: 256,
-            running_max: 32,
-            queue_max: 256,
+            step_tokens: 256,
+            max_running: 32,
+            max_queue: 256,
             kv_dtype: DType::F32,
             poison: Poison::Nan,
         }
@@ -197,7 +219,7 @@ pub struct Engine {
     waiting: Arc<AtomicU64>,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    queue_max: usize,
+    max_queue: usize,
 }
 
 impl Engine {
@@ -208,7 +230,7 @@ impl Engine {
         tokenizer: Tokenizer,
         cfg: EngineConfig,
     ) -> Result<Engine, StartError> {
-        let rows = cfg.step_tokens_max;
+        let rows = cfg.step_tokens;
         Engine::start_with(Runner::new(model, rows), tokenizer, cfg)
     }
 
@@ -233,7 +255,7 @@ impl Engine {
         if cfg.poison == Poison::Off {
             tracing::warn!("freed KV pages will not be poisoned (--kv-poison off)");
         }
-        let (tx, rx) = mpsc::sync_channel(cfg.queue_max);
+        let (tx, rx) = mpsc::sync_channel(cfg.max_queue);
         let stats = Arc::new(Mutex::new(EngineStats::new(pool.stats())));
         let waiting = Arc::new(AtomicU64::new(0));
         let vocab = fwd.vocab();
@@ -261,7 +283,7 @@ impl Engine {
             waiting,
             stats,
             thread: Mutex::new(Some(thread)),
-            queue_max: cfg.queue_max,
+            max_queue: cfg.max_queue,
         })
     }
 
@@ -300,11 +322,11 @@ impl Engine {
         // Take a queue slot first (count on submit, give back when the
         // request leaves the queue), so the limit holds exactly.
         let waiting = self.waiting.fetch_add(1, Ordering::AcqRel) as usize;
-        if waiting >= self.queue_max {
+        if waiting >= self.max_queue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(RequestError::QueueFull {
                 waiting,
-                limit: self.queue_max,
+                limit: self.max_queue,
             });
         }
         match self.tx.try_send(Command::Submit(Box::new(sub))) {
@@ -312,8 +334,8 @@ impl Engine {
             Err(TrySendError::Full(_)) => {
                 self.waiting.fetch_sub(1, Ordering::AcqRel);
                 Err(RequestError::QueueFull {
-                    waiting: self.queue_max,
-                    limit: self.queue_max,
+                    waiting: self.max_queue,
+                    limit: self.max_queue,
                 })
             }
             Err(TrySendError::Disconnected(_)) => {
@@ -354,18 +376,18 @@ pub fn measure(
     model: &impl Forward,
     cfg: &EngineConfig,
 ) -> Result<(KvShape, u64, CapacityInfo), StartError> {
-    if cfg.step_tokens_max == 0 || cfg.step_tokens_max > model.rows_max() {
+    if cfg.step_tokens == 0 || cfg.step_tokens > model.rows_max() {
         return Err(StartError::Config(format!(
             "step token budget must be 1..={}",
             model.rows_max()
         )));
     }
-    if cfg.running_max == 0 || cfg.running_max > cfg.step_tokens_max {
+    if cfg.max_running == 0 || cfg.max_running > cfg.step_tokens {
         return Err(StartError::Config(
             "running requests must be 1..=step token budget (each decodes one row per step)".into(),
         ));
     }
-    if cfg.queue_max == 0 {
+    if cfg.max_queue == 0 {
         return Err(StartError::Config(
             "queue must hold at least one request".into(),
         ));

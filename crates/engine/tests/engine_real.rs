@@ -69,8 +69,8 @@ fn paris_through_the_engine() {
 #[test]
 fn concurrent_greedy_outputs_equal_alone() {
     let cfg = EngineConfig {
-        step_tokens_max: 24,
-        running_max: 24,
+        step_tokens: 24,
+        max_running: 24,
         ..small_cfg()
     };
     let (engine, tok) = start(cfg);

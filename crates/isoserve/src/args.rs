@@ -186,9 +186,9 @@ pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
         kv_pages: e.kv_pages,
         kv_memory_bytes: e.kv_memory,
         max_context: e.max_context,
-        step_tokens_max: e.step_tokens,
-        running_max: e.max_running,
-        queue_max: e.max_queue,
+        step_tokens: e.step_tokens,
+        max_running: e.max_running,
+        max_queue: e.max_queue,
         ..EngineConfig::default()
     }
 }
@@ -196,7 +196,7 @@ pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
 /// The HTTP layer's configuration of `serve` and `gateway`.
 pub(crate) fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerConfig> {
     let mut scfg = ServerConfig::new(model_id.to_string());
-    scfg.body_limit = usize::try_from(http.max_body).context("--max-body is too large")?;
+    scfg.max_body_bytes = usize::try_from(http.max_body).context("--max-body is too large")?;
     scfg.default_max_tokens = http.default_max_tokens.max(1);
     scfg.max_connections = http.max_connections.max(1);
     scfg.shutdown_grace = Duration::from_secs(http.shutdown_grace_secs);

@@ -60,7 +60,7 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
     let pd = PdConfig {
         node: node_name.clone(),
         fingerprint,
-        window_pages: args.engine.transfer_window_pages,
+        transfer_window_pages: args.engine.transfer_window_pages,
         requests_max: args.engine.max_queue.max(1) + args.engine.max_running.max(1),
         waiting_max: args.engine.max_queue.max(1),
         ..PdConfig::default()
@@ -72,6 +72,7 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     let cfg = engine_config(&args.engine);
+    let cfg_summary = cfg.summary();
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await
@@ -87,6 +88,10 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
             TransportConfig::default(),
         )?;
         eprintln!("{}", node.node.capacity().table());
+        eprintln!(
+            "{node_name} config: {} transfer_window_pages={}",
+            cfg_summary, args.engine.transfer_window_pages
+        );
         let metrics = match args.metrics_port {
             Some(port) => {
                 let l = tokio::net::TcpListener::bind((args.host.as_str(), port))

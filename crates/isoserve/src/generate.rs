@@ -89,9 +89,9 @@ pub fn one_request_engine(model: Model, tokenizer: Tokenizer, tokens_max: usize)
         page_size_tokens: PAGE_SIZE_TOKENS,
         kv_pages: Some(pages as u64),
         max_context: Some(window.min(pages * PAGE_SIZE_TOKENS)),
-        step_tokens_max: PREFILL_CHUNK_ROWS,
-        running_max: 1,
-        queue_max: 1,
+        step_tokens: PREFILL_CHUNK_ROWS,
+        max_running: 1,
+        max_queue: 1,
         ..EngineConfig::default()
     };
     Ok(Engine::start(model, tokenizer, cfg)?)

@@ -84,9 +84,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
     }
     let ecfg = engine_config(&e);
+    let summary = ecfg.summary();
     // K8: refuses to start when the pool cannot hold one full window.
     let engine = Engine::start(model, tokenizer.clone(), ecfg)?;
     eprintln!("{}", engine.capacity().table());
+    eprintln!("config: {summary}");
 
     let scfg = server_config(&model_id, &http)?;
     let server = Server::new(engine, tokenizer, template, tenants, reqlog, scfg);

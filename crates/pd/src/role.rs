@@ -58,7 +58,7 @@ pub struct PdConfig {
     pub fingerprint: [u8; 32],
     /// Pages in flight per transfer before an acknowledgement (the bounded
     /// transfer batch).
-    pub window_pages: u32,
+    pub transfer_window_pages: u32,
     /// Requests the node knows at once.
     pub requests_max: usize,
     /// Requests waiting for free pages.
@@ -72,7 +72,7 @@ impl Default for PdConfig {
         PdConfig {
             node: "node".into(),
             fingerprint: [0; 32],
-            window_pages: 8,
+            transfer_window_pages: 8,
             requests_max: 256,
             waiting_max: 256,
             events_max: 1024,
@@ -138,9 +138,9 @@ impl PdNode {
         pd: PdConfig,
         commands: Box<dyn FnMut(NetCommand) + Send>,
     ) -> Result<PdNode, StartError> {
-        let model = model::Runner::new(model, cfg.step_tokens_max);
+        let model = model::Runner::new(model, cfg.step_tokens);
         let (shape, pages, capacity) = engine::measure(&model, &cfg)?;
-        if pd.window_pages == 0 || pd.requests_max == 0 || pd.events_max == 0 {
+        if pd.transfer_window_pages == 0 || pd.requests_max == 0 || pd.events_max == 0 {
             return Err(StartError::Config(
                 "transfer window, request and event limits must be positive".into(),
             ));
@@ -177,7 +177,7 @@ impl PdNode {
                     vocab,
                     requests_max: pd.requests_max,
                     queue_max: pd.waiting_max,
-                    window_pages: pd.window_pages,
+                    window_pages: pd.transfer_window_pages,
                     tombstones_max: 4096,
                 });
                 #[cfg(feature = "fault-incident")]
@@ -190,7 +190,7 @@ impl PdNode {
                     vocab,
                     requests_max: pd.requests_max,
                     waiting_max: pd.waiting_max,
-                    ack_every_pages: pd.window_pages.div_ceil(2).max(1),
+                    ack_every_pages: pd.transfer_window_pages.div_ceil(2).max(1),
                 });
                 #[cfg(feature = "fault-incident")]
                 let machine = incident_decode(machine);

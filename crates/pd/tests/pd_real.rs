@@ -159,7 +159,7 @@ impl Stack {
             PdConfig {
                 node: "decode-0".into(),
                 fingerprint: cfg.decode_fingerprint.unwrap_or(fp),
-                window_pages: 4,
+                transfer_window_pages: 4,
                 ..PdConfig::default()
             },
             bind(),
@@ -174,7 +174,7 @@ impl Stack {
             PdConfig {
                 node: "prefill-0".into(),
                 fingerprint: fp,
-                window_pages: 4,
+                transfer_window_pages: 4,
                 ..PdConfig::default()
             },
             bind(),

@@ -148,7 +148,7 @@ async fn tokenize_route(
         st.tenants
             .authenticate(auth)
             .map_err(ApiError::unauthorized)?;
-        let bytes = read_body(body, &headers, st.cfg.body_limit, st.cfg.body_timeout).await?;
+        let bytes = read_body(body, &headers, st.cfg.max_body_bytes, st.cfg.body_timeout).await?;
         let input = api::parse_tokenize(&bytes)?;
         let (ids, _) = tokenize(&st, &input)?;
         Ok::<_, ApiError>(serde_json::json!({
@@ -420,7 +420,7 @@ async fn admit(
         .authenticate(auth)
         .map_err(ApiError::unauthorized)?;
     tr.rec.tenant = Some(tenant.name.clone());
-    let bytes = read_body(body, headers, st.cfg.body_limit, st.cfg.body_timeout).await?;
+    let bytes = read_body(body, headers, st.cfg.max_body_bytes, st.cfg.body_timeout).await?;
     let params = match ep {
         Endpoint::Chat => api::parse_chat(&bytes)?,
         Endpoint::Completions => api::parse_completion(&bytes)?,

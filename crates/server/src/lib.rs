@@ -78,7 +78,7 @@ pub struct ServerConfig {
     /// The served model's id (the GGUF file stem); `default` is an alias.
     pub model_id: String,
     /// Largest request body.
-    pub body_limit: usize,
+    pub max_body_bytes: usize,
     /// Time to receive a request body.
     pub body_timeout: Duration,
     /// Largest request head (request line and headers).
@@ -100,13 +100,13 @@ pub struct ServerConfig {
 }
 
 /// Default body limit: 4 MiB.
-pub const BODY_LIMIT_DEFAULT: usize = 4 << 20;
+pub const MAX_BODY_BYTES_DEFAULT: usize = 4 << 20;
 
 impl ServerConfig {
     pub fn new(model_id: impl Into<String>) -> ServerConfig {
         ServerConfig {
             model_id: model_id.into(),
-            body_limit: BODY_LIMIT_DEFAULT,
+            max_body_bytes: MAX_BODY_BYTES_DEFAULT,
             body_timeout: Duration::from_secs(30),
             header_limit: 64 << 10,
             max_headers: 100,
@@ -123,7 +123,7 @@ impl ServerConfig {
         if self.model_id.is_empty() {
             return bad("the model id is empty");
         }
-        if self.body_limit == 0 {
+        if self.max_body_bytes == 0 {
             return bad("the body limit must be positive");
         }
         if self.header_limit < 1024 {

@@ -265,7 +265,7 @@ async fn errors_are_openai_shaped_and_counted() {
         key_sha256_hex(key)
     );
     let (app, _) = router(Tenants::from_toml(&file).expect("tenants"), |c| {
-        c.body_limit = 1024;
+        c.max_body_bytes = 1024;
     });
     let chat = |v: Value, k: Option<&str>| post_raw("/v1/chat/completions", v.to_string(), k);
     let msgs = json!([{"role": "user", "content": "Hi"}]);

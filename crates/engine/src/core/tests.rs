@@ -154,23 +154,18 @@ const PAGE_SIZE: usize = 4;
 
 impl Harness {
     /// A core over `pages` pages of [`PAGE_SIZE`] slots, window 64.
-    fn new(pages: u64, step_tokens_max: usize, running_max: usize) -> Harness {
-        Harness::with_model(HashModel::new(64, 300), pages, step_tokens_max, running_max)
+    fn new(pages: u64, step_tokens: usize, max_running: usize) -> Harness {
+        Harness::with_model(HashModel::new(64, 300), pages, step_tokens, max_running)
     }
 
-    fn with_model(
-        fwd: HashModel,
-        pages: u64,
-        step_tokens_max: usize,
-        running_max: usize,
-    ) -> Harness {
+    fn with_model(fwd: HashModel, pages: u64, step_tokens: usize, max_running: usize) -> Harness {
         let cfg = EngineConfig {
             page_size_tokens: PAGE_SIZE,
             kv_pages: Some(pages),
             max_context: Some(fwd.window.min(pages as usize * PAGE_SIZE)),
-            step_tokens_max,
-            running_max,
-            queue_max: 16,
+            step_tokens,
+            max_running,
+            max_queue: 16,
             ..EngineConfig::default()
         };
         let (shape, pages, cap) = crate::measure(&fwd, &cfg).unwrap();
@@ -398,7 +393,7 @@ fn fifo_admission_waits_for_whole_requests_and_nobody_passes_the_head() {
 }
 
 #[test]
-fn running_max_caps_the_batch_and_the_queue_admits_in_order() {
+fn max_running_caps_the_batch_and_the_queue_admits_in_order() {
     let mut h = Harness::new(32, 32, 2);
     for _ in 0..4 {
         h.greedy(2, 2);
