@@ -161,7 +161,7 @@ def assert_pool_clean(m: dict):
     assert m["isoserve_kv_pages{state=\"release_pending\"}"] == 0
     assert m["isoserve_requests_running"] == 0
     refusals = {k: v for k, v in m.items() if k.startswith("isoserve_kv_refusals_total")}
-    assert len(refusals) == 12, refusals
+    assert len(refusals) == 16, refusals
     assert all(v == 0 for v in refusals.values()), refusals
     assert m["isoserve_kv_safety_refusals_total"] == 0
 

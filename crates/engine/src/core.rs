@@ -355,7 +355,7 @@ impl<F: Forward> Core<F> {
                 continue;
             }
             let need_pages = need_tokens.div_ceil(self.cfg.page_size_tokens);
-            if need_pages > self.pool.pages_free() as usize {
+            if need_pages > self.pool.pages_available() as usize {
                 break;
             }
             let sub = self.waiting.pop_front().expect("front exists");

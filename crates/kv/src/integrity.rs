@@ -13,16 +13,18 @@ use crate::Owner;
 const CANARY_DOMAIN: u64 = 0x6b76_2d63_616e_6172; // "kv-canar"
 const CHECKSUM_DOMAIN: u64 = 0x6b76_2d63_6865_636b; // "kv-check"
 
-/// The canary of a page: a function of (owner, epoch, index), so a page that
-/// changed hands, or a handle of another epoch, never shows the expected
-/// value, and a stray write into the trailer is caught.
+/// The canary of a page: a function of (owner with its scope, epoch,
+/// index), so a page that changed hands, or a handle of another epoch,
+/// never shows the expected value, and a stray write into the trailer is
+/// caught.
 pub fn canary_value(owner: Owner, epoch: u64, index: u32) -> u64 {
-    let mut buf = [0u8; 40];
+    let mut buf = [0u8; 48];
     buf[0..8].copy_from_slice(&CANARY_DOMAIN.to_le_bytes());
     buf[8..16].copy_from_slice(&owner.request.0.to_le_bytes());
     buf[16..24].copy_from_slice(&owner.tenant.0.to_le_bytes());
     buf[24..32].copy_from_slice(&epoch.to_le_bytes());
     buf[32..36].copy_from_slice(&index.to_le_bytes());
+    buf[40..48].copy_from_slice(&owner.scope.0.to_le_bytes());
     let v = xxh3_64(&buf);
     // Never the poison pattern nor zero, whatever the inputs.
     if v == 0 || v == u64::MAX {
@@ -62,6 +64,8 @@ mod tests {
             base,
             canary_value(Owner::new(RequestId(1), TenantId(9)), 3, 4)
         );
+        let other_scope = Owner::scoped(RequestId(1), TenantId(2), crate::Scope::derived(7));
+        assert_ne!(base, canary_value(other_scope, 3, 4));
         assert_ne!(base, canary_value(o, 5, 4));
         assert_ne!(base, canary_value(o, 3, 5));
         assert_eq!(base, canary_value(o, 3, 4));

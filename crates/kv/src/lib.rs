@@ -38,7 +38,8 @@
 //!   tenant); every access names its owner and another owner is refused
 //!   ([`KvError::ForeignOwner`]). A free page has no owner.
 //! * **K2 generation** — a page's epoch is odd while allocated, even while
-//!   free, and bumped on every allocation and every free. A [`PageRef`] is
+//!   free, and bumped on every allocation and every free (and by two when
+//!   the page enters the prefix cache). A [`PageRef`] is
 //!   `(index, epoch)`; any access whose epoch differs is refused
 //!   ([`KvError::StaleHandle`]) and counted. Epochs are u64 and never wrap.
 //! * **K3 written-before-read** — each (page, layer) has a watermark of slots
@@ -58,6 +59,18 @@
 //!   end of the KV data, or a page that changed hands, fails it.
 //! * **K10 once** — [`Pool::import_page`] accepts a transferred page only if
 //!   no slot of it was written in this epoch.
+//! * **K11 tenant-scoped reuse** — a page whose every slot was written in
+//!   its epoch (K3) may be published to the prefix cache ([`Pool::publish`])
+//!   under a key in its owner's [`Scope`]: its epoch moves on (the private
+//!   handle goes stale), it becomes read-only (a write or free is refused,
+//!   [`KvError::SharedPage`]), readable only by owners of that scope
+//!   ([`KvError::ForeignScope`]), and reference-counted ([`Pool::acquire`],
+//!   [`Pool::release`]; a release without a reference is refused). At zero
+//!   references and no lease it is evictable; [`Pool::alloc`] evicts the
+//!   oldest idle pages when the free list is short (epoch bumped, poisoned
+//!   — a free by another name), so [`Pool::pages_available`] (free +
+//!   evictable) is what admission may count on (K8). `docs/prefix-cache.md`
+//!   has the design.
 //! * Freed pages are poisoned with 0xFF bytes (NaN in f16 and f32) by
 //!   default ([`Poison`]); [`Pool::export_page`] zeroes unwritten slots, so
 //!   an earlier owner's bytes never leave the node.
@@ -90,10 +103,16 @@
 //! | canary (K7) | `stray_write_into_trailer_fails_canary` |
 //! | checksum (K6) | `corrupted_transfer_fails_checksum` |
 //! | poison | `freed_page_is_poisoned` |
+//! | scope (K11) | `cached_page_is_read_only_within_its_scope` |
+//! | shared write/free (K11) | `cached_page_cannot_be_written_or_freed` |
+//! | publish only written pages (K3) | `only_wholly_written_pages_enter_the_cache` |
+//! | reference count (K5) | `references_never_go_negative_or_leak` |
 //!
 //! The property test `tests/model.rs` runs random alloc / write / read /
-//! lease / free / cancel sequences over many requests and tenants against a
-//! small reference model and asserts K1–K5 after every step.
+//! lease / free / cancel / publish / acquire / release sequences over many
+//! requests and tenants against a small reference model (eviction order
+//! included) and asserts K1–K5 and K11 after every step; with any one check
+//! switched off it finds a failing sequence.
 
 mod integrity;
 mod pool;
@@ -106,7 +125,7 @@ pub use integrity::{canary_value, page_checksum};
 pub use pool::Faults;
 pub use pool::{
     FreeOutcome, LayerView, LeaseOutcome, Poison, Pool, PoolOptions, LEASES_PER_PAGE_MAX,
-    POISON_NAN_BYTE, POOL_BYTES_MAX, POOL_PAGES_MAX,
+    POISON_NAN_BYTE, POOL_BYTES_MAX, POOL_PAGES_MAX, REFS_PER_PAGE_MAX,
 };
 /// The ids and the pool's counters are part of the request vocabulary.
 pub use request::{PoolStats, RequestId, TenantId};
@@ -115,11 +134,37 @@ pub use shape::{
     PAGE_SIZE_MAX_TOKENS, TRAILER_BYTES,
 };
 
-/// The owner of a page: one request of one tenant.
+/// A prefix-cache scope (K11): the set of requests that may read each
+/// other's cached pages. Opaque to the pool, which only compares it; the
+/// engine derives it (a tenant, or an operator-named group, narrowed by a
+/// request's salt — `docs/prefix-cache.md`). [`Scope::tenant`] values have
+/// the top bit clear, [`Scope::derived`] ones set, so a derived scope never
+/// equals a tenant's own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Scope(pub u64);
+
+impl Scope {
+    const DERIVED_BIT: u64 = 1 << 63;
+
+    /// The tenant's own scope (the default).
+    pub const fn tenant(t: TenantId) -> Scope {
+        Scope(t.0 & !Scope::DERIVED_BIT)
+    }
+
+    /// A scope derived by hashing (a sharing group, a salt).
+    pub const fn derived(hash: u64) -> Scope {
+        Scope(hash | Scope::DERIVED_BIT)
+    }
+}
+
+/// The owner of a page: one request of one tenant, in one cache scope.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Owner {
     pub request: RequestId,
     pub tenant: TenantId,
+    /// Whose cached pages this request may read (K11); a request's owners
+    /// always carry the same scope.
+    pub scope: Scope,
 }
 
 impl Owner {
@@ -127,10 +172,44 @@ impl Owner {
     pub const NONE: Owner = Owner {
         request: RequestId(u64::MAX),
         tenant: TenantId(u64::MAX),
+        scope: Scope(u64::MAX),
     };
 
+    /// The request id of cached pages' owner ([`Owner::cached`]); never a
+    /// request's.
+    pub const CACHE_REQUEST: RequestId = RequestId(u64::MAX - 1);
+
+    /// A request of `tenant` in the tenant's own cache scope.
     pub const fn new(request: RequestId, tenant: TenantId) -> Owner {
-        Owner { request, tenant }
+        Owner {
+            request,
+            tenant,
+            scope: Scope::tenant(tenant),
+        }
+    }
+
+    /// A request of `tenant` in `scope`.
+    pub const fn scoped(request: RequestId, tenant: TenantId, scope: Scope) -> Owner {
+        Owner {
+            request,
+            tenant,
+            scope,
+        }
+    }
+
+    /// The owner the pool records for a cached page of `scope`: no request
+    /// is it, so no request can write or free the page.
+    pub const fn cached(scope: Scope) -> Owner {
+        Owner {
+            request: Owner::CACHE_REQUEST,
+            tenant: TenantId(u64::MAX),
+            scope,
+        }
+    }
+
+    /// Whether this is a real request's owner (not free, not the cache).
+    pub fn is_request(&self) -> bool {
+        self.request != Owner::NONE.request && self.request != Owner::CACHE_REQUEST
     }
 }
 
@@ -194,6 +273,16 @@ pub enum KvError {
     PageBytes { expected: usize, got: usize },
     #[error("the reserved owner id cannot own pages")]
     InvalidOwner,
+    #[error("page {index} is a cached, shared page: it can be read, acquired and released, never written or freed")]
+    SharedPage { index: u32 },
+    #[error("page {index} cannot be cached: {why}")]
+    NotPublishable { index: u32, why: &'static str },
+    #[error("page {index} is cached in another scope")]
+    ForeignScope { index: u32 },
+    #[error("release of page {index} without a reference")]
+    RefUnderflow { index: u32 },
+    #[error("page {index} has too many references")]
+    RefLimit { index: u32 },
     #[error("invalid KV shape: {why}")]
     InvalidShape { why: String },
     #[error("invalid pool size: {why}")]

@@ -1,6 +1,7 @@
 //! The pool: fixed page memory plus per-page metadata, and every check.
 
 use std::alloc::{self, Layout};
+use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -8,7 +9,7 @@ use half::f16;
 
 use crate::integrity::{canary_value, page_checksum};
 use crate::shape::{DType, KvShape, PAGE_ALIGN_BYTES, TRAILER_BYTES};
-use crate::{KvError, Owner, PageRef, PoolStats};
+use crate::{KvError, Owner, PageRef, PoolStats, Scope};
 
 /// Largest pool this crate will allocate. A limit on everything: a typo in
 /// a memory flag gets an error, not an attempt to reserve a terabyte.
@@ -17,6 +18,8 @@ pub const POOL_BYTES_MAX: u64 = 1 << 40;
 pub const POOL_PAGES_MAX: u64 = 1 << 30;
 /// Largest number of simultaneous leases on one page.
 pub const LEASES_PER_PAGE_MAX: u32 = 1024;
+/// Largest number of requests holding one cached page (K11).
+pub const REFS_PER_PAGE_MAX: u32 = 1 << 20;
 
 /// Byte written over a freed page. 0xFF.. is a NaN in both f16 and f32, so
 /// a read that slipped past every check would still poison the logits
@@ -85,12 +88,22 @@ impl LayerView<'_> {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Meta {
-    /// Odd while allocated, even while free; bumped on every alloc and free.
+    /// Odd while allocated, even while free; bumped on every alloc and free
+    /// (by one) and on publication to the cache (by two).
     epoch: u64,
+    /// A request's, or for a cached page [`Owner::cached`] of its scope.
     owner: Owner,
     leases: u32,
     /// The owner freed the page while it was leased (K4).
     free_pending: bool,
+    /// Cached and shared (K11): read-only, readable in `owner.scope`,
+    /// held by `refs` requests, filed under `key`.
+    shared: bool,
+    refs: u32,
+    key: u64,
+    /// When a shared page last became idle (no reference, no lease): its
+    /// place in the eviction order.
+    idle_since: u64,
 }
 
 impl Meta {
@@ -127,6 +140,14 @@ pub struct Faults {
     pub skip_canary_check: bool,
     pub skip_checksum_check: bool,
     pub skip_poison: bool,
+    /// K11: let a request read a cached page of another scope.
+    pub skip_scope_check: bool,
+    /// K11: let a request write or free a cached (shared) page.
+    pub skip_shared_write_check: bool,
+    /// K3 for the cache: publish a page not every slot of which was written.
+    pub skip_publish_check: bool,
+    /// K5 for the cache: let a release take a reference that is not there.
+    pub skip_refcount_check: bool,
 }
 
 #[cfg(any(test, feature = "fault-injection"))]
@@ -157,9 +178,15 @@ struct Counters {
     refused_lease_limit: AtomicU64,
     canary_mismatch: AtomicU64,
     checksum_mismatch: AtomicU64,
+    refused_shared_write: AtomicU64,
+    refused_foreign_scope: AtomicU64,
+    refused_ref_underflow: AtomicU64,
+    refused_unpublishable: AtomicU64,
     allocs: AtomicU64,
     frees: AtomicU64,
     frees_deferred: AtomicU64,
+    cache_publishes: AtomicU64,
+    cache_evictions: AtomicU64,
 }
 
 impl Counters {
@@ -178,9 +205,15 @@ impl Counters {
             refused_lease_limit: c(&self.refused_lease_limit),
             canary_mismatch: c(&self.canary_mismatch),
             checksum_mismatch: c(&self.checksum_mismatch),
+            refused_shared_write: c(&self.refused_shared_write),
+            refused_foreign_scope: c(&self.refused_foreign_scope),
+            refused_ref_underflow: c(&self.refused_ref_underflow),
+            refused_unpublishable: c(&self.refused_unpublishable),
             allocs: c(&self.allocs),
             frees: c(&self.frees),
             frees_deferred: c(&self.frees_deferred),
+            cache_publishes: c(&self.cache_publishes),
+            cache_evictions: c(&self.cache_evictions),
         }
     }
 }
@@ -257,6 +290,14 @@ pub struct Pool {
     free_list: Vec<u32>,
     pages_leased: u32,
     pages_release_pending: u32,
+    /// Cached pages by (scope, key) (K11): one entry per shared page, so
+    /// the index is bounded by the pool.
+    cache_index: BTreeMap<(Scope, u64), u32>,
+    /// Shared pages without references or leases, by `idle_since`:
+    /// evicted oldest first when an allocation needs pages.
+    evictable: BTreeMap<u64, u32>,
+    idle_clock: u64,
+    pages_shared: u32,
     counters: Counters,
     #[cfg(any(test, feature = "fault-injection"))]
     faults: Faults,
@@ -294,6 +335,10 @@ impl Clone for Pool {
             free_list: self.free_list.clone(),
             pages_leased: self.pages_leased,
             pages_release_pending: self.pages_release_pending,
+            cache_index: self.cache_index.clone(),
+            evictable: self.evictable.clone(),
+            idle_clock: self.idle_clock,
+            pages_shared: self.pages_shared,
             counters: self.counters.snapshot(),
             #[cfg(any(test, feature = "fault-injection"))]
             faults: self.faults,
@@ -322,6 +367,9 @@ impl PartialEq for Pool {
             && self.free_list == other.free_list
             && self.pages_leased == other.pages_leased
             && self.pages_release_pending == other.pages_release_pending
+            && self.cache_index == other.cache_index
+            && self.evictable == other.evictable
+            && self.idle_clock == other.idle_clock
             && self.stats() == other.stats()
             && same_faults
             && self.memory.bytes() == other.memory.bytes()
@@ -338,6 +386,9 @@ impl std::hash::Hash for Pool {
         self.free_list.hash(state);
         self.pages_leased.hash(state);
         self.pages_release_pending.hash(state);
+        self.cache_index.hash(state);
+        self.evictable.hash(state);
+        self.idle_clock.hash(state);
         self.stats().fields().hash(state);
         self.memory.bytes().hash(state);
     }
@@ -368,6 +419,10 @@ impl Pool {
             owner: Owner::NONE,
             leases: 0,
             free_pending: false,
+            shared: false,
+            refs: 0,
+            key: 0,
+            idle_since: 0,
         };
         // Reverse order so that page 0 is handed out first.
         let free_list: Vec<u32> = (0..pages_u32).rev().collect();
@@ -381,6 +436,10 @@ impl Pool {
             free_list,
             pages_leased: 0,
             pages_release_pending: 0,
+            cache_index: BTreeMap::new(),
+            evictable: BTreeMap::new(),
+            idle_clock: 0,
+            pages_shared: 0,
             counters: Counters::default(),
             #[cfg(any(test, feature = "fault-injection"))]
             faults: Faults::default(),
@@ -418,8 +477,27 @@ impl Pool {
         self.pages
     }
 
+    /// Pages on the free list (cached pages not counted).
     pub fn pages_free(&self) -> u32 {
         self.free_list.len() as u32
+    }
+
+    /// Cached pages no request holds and no transfer leases: an allocation
+    /// evicts them when the free list runs short.
+    pub fn pages_evictable(&self) -> u32 {
+        self.evictable.len() as u32
+    }
+
+    /// What an allocation can get: free plus evictable pages. Admission
+    /// compares with this, so a warm cache never refuses a request an empty
+    /// pool would take (K8).
+    pub fn pages_available(&self) -> u32 {
+        self.pages_free() + self.pages_evictable()
+    }
+
+    /// Pages cached (shared), held or not.
+    pub fn pages_cached(&self) -> u32 {
+        self.pages_shared
     }
 
     /// Tokens the whole pool holds (K8).
@@ -462,24 +540,53 @@ impl Pool {
                 page_epoch: meta.epoch,
             });
         }
-        if meta.owner != owner && !fault!(self, skip_owner_check) {
-            bump(&self.counters.refused_foreign_owner);
-            return Err(KvError::ForeignOwner { index: h.index });
+        if meta.owner != owner {
+            if meta.shared && owner.is_request() {
+                // A cached page: readable in its scope only (K11).
+                if meta.owner.scope != owner.scope && !fault!(self, skip_scope_check) {
+                    bump(&self.counters.refused_foreign_scope);
+                    return Err(KvError::ForeignScope { index: h.index });
+                }
+            } else if !fault!(self, skip_owner_check) {
+                bump(&self.counters.refused_foreign_owner);
+                return Err(KvError::ForeignOwner { index: h.index });
+            }
         }
         Ok(meta)
     }
 
-    /// `check_handle` plus "not released": the owner's own reads and writes.
-    /// The happy path is one bounds check and four compares; the error paths
-    /// are out of line.
+    /// `check_handle` plus "not released": reads of the owner's own pages
+    /// and of cached pages in its scope. The happy path is one bounds check
+    /// and a few compares; the error paths are out of line.
     #[inline]
-    fn check_live(&self, h: PageRef, owner: Owner) -> Result<(), KvError> {
+    fn check_read(&self, h: PageRef, owner: Owner) -> Result<(), KvError> {
+        if let Some(m) = self.meta.get(h.index as usize) {
+            if m.epoch == h.epoch
+                && h.epoch & 1 == 1
+                && !m.free_pending
+                && (m.owner == owner || (m.shared && m.owner.scope == owner.scope))
+            {
+                return Ok(());
+            }
+        }
+        self.check_live_slow(h, owner)
+    }
+
+    /// [`Pool::check_read`] for writes: the owner's own private pages only;
+    /// a cached page is read-only (K11), a write to it refused and counted.
+    #[inline]
+    fn check_write(&self, h: PageRef, owner: Owner) -> Result<(), KvError> {
         if let Some(m) = self.meta.get(h.index as usize) {
             if m.epoch == h.epoch && h.epoch & 1 == 1 && m.owner == owner && !m.free_pending {
                 return Ok(());
             }
         }
-        self.check_live_slow(h, owner)
+        self.check_live_slow(h, owner)?;
+        if self.meta[h.index as usize].shared && !fault!(self, skip_shared_write_check) {
+            bump(&self.counters.refused_shared_write);
+            return Err(KvError::SharedPage { index: h.index });
+        }
+        Ok(())
     }
 
     #[cold]
@@ -509,16 +616,24 @@ impl Pool {
     /// Allocates `n` pages for `owner`, all or nothing, appending their
     /// handles to `out`. Each page's epoch is bumped, its watermarks are zero
     /// and its canary is written.
+    /// Evicts idle cached pages (oldest first) when the free list is short.
     pub fn alloc(&mut self, owner: Owner, n: usize, out: &mut Vec<PageRef>) -> Result<(), KvError> {
-        if n > self.free_list.len() {
+        if n > self.pages_available() as usize {
             bump(&self.counters.refused_out_of_pages);
             return Err(KvError::OutOfPages {
                 requested: n,
-                free: self.free_list.len(),
+                free: self.pages_available() as usize,
             });
         }
-        if owner == Owner::NONE {
+        if !owner.is_request() {
             return Err(KvError::InvalidOwner);
+        }
+        while self.free_list.len() < n {
+            let (_, index) = self
+                .evictable
+                .pop_first()
+                .expect("pages_available counted enough evictable pages");
+            self.evict(index);
         }
         out.reserve(n);
         for _ in 0..n {
@@ -566,7 +681,12 @@ impl Pool {
             bump(&self.counters.refused_double_free);
             return Err(KvError::DoubleFree { index: h.index });
         }
-        if meta.owner != owner && !fault!(self, skip_owner_check) {
+        if meta.shared && !fault!(self, skip_shared_write_check) {
+            // A cached page leaves by release and eviction only (K11).
+            bump(&self.counters.refused_shared_write);
+            return Err(KvError::SharedPage { index: h.index });
+        }
+        if meta.owner != owner && !meta.shared && !fault!(self, skip_owner_check) {
             bump(&self.counters.refused_foreign_owner);
             return Err(KvError::ForeignOwner { index: h.index });
         }
@@ -603,6 +723,18 @@ impl Pool {
         if m.free_pending {
             self.pages_release_pending -= 1;
         }
+        if m.shared {
+            // Only an eviction (or a fault test's free) gets here.
+            let (scope, key, idle) = (m.owner.scope, m.key, m.idle_since);
+            m.shared = false;
+            m.refs = 0;
+            self.pages_shared -= 1;
+            self.cache_index.remove(&(scope, key));
+            if self.evictable.get(&idle) == Some(&index) {
+                self.evictable.remove(&idle);
+            }
+        }
+        let m = &mut self.meta[index as usize];
         m.epoch += 1;
         m.owner = Owner::NONE;
         m.free_pending = false;
@@ -626,12 +758,18 @@ impl Pool {
     /// Leases a page to an in-flight transfer (K4): until the lease is
     /// released, a free of the page is deferred.
     pub fn lease(&mut self, h: PageRef, owner: Owner) -> Result<(), KvError> {
-        self.check_live(h, owner)?;
+        self.check_read(h, owner)?;
         let m = &mut self.meta[h.index as usize];
         if m.leases >= LEASES_PER_PAGE_MAX {
             bump(&self.counters.refused_lease_limit);
             return Err(KvError::LeaseLimit { index: h.index });
         }
+        if m.shared && m.refs == 0 && m.leases == 0 {
+            // Leased, so no longer evictable.
+            let idle = m.idle_since;
+            self.evictable.remove(&idle);
+        }
+        let m = &mut self.meta[h.index as usize];
         m.leases += 1;
         if m.leases == 1 {
             self.pages_leased += 1;
@@ -656,7 +794,151 @@ impl Pool {
             self.release_page(h.index);
             return Ok(LeaseOutcome::ReleasedAndFreed);
         }
+        if m.shared && m.refs == 0 {
+            self.make_idle(h.index);
+        }
         Ok(LeaseOutcome::Released)
+    }
+
+    // ------------------------------------------------------ the cache (K11)
+
+    /// Caches a private page under `key` in its owner's scope: the page
+    /// becomes read-only and shared, its epoch moves on (the private handle
+    /// goes stale), and the caller holds its first reference through the
+    /// returned handle. Only a page every slot of every layer of which was
+    /// written in this epoch (K3), not leased and not being released, can
+    /// be cached. `Ok(None)`: the scope already caches that key (the page
+    /// stays private to the caller).
+    pub fn publish(
+        &mut self,
+        h: PageRef,
+        owner: Owner,
+        key: u64,
+    ) -> Result<Option<PageRef>, KvError> {
+        self.check_write(h, owner)?;
+        let i = h.index as usize;
+        if self.meta[i].leases > 0 {
+            bump(&self.counters.refused_unpublishable);
+            return Err(KvError::NotPublishable {
+                index: h.index,
+                why: "it is leased to a transfer",
+            });
+        }
+        let layers = self.shape.layers;
+        let full = self.watermarks[i * layers..(i + 1) * layers]
+            .iter()
+            .all(|&w| w as usize == self.shape.page_size);
+        if !full && !fault!(self, skip_publish_check) {
+            bump(&self.counters.refused_unpublishable);
+            return Err(KvError::NotPublishable {
+                index: h.index,
+                why: "not every slot was written in this epoch",
+            });
+        }
+        if self.cache_index.contains_key(&(owner.scope, key)) {
+            return Ok(None);
+        }
+        let m = &mut self.meta[i];
+        m.epoch += 2;
+        m.owner = Owner::cached(owner.scope);
+        m.shared = true;
+        m.refs = 1;
+        m.key = key;
+        let (cached, epoch) = (m.owner, m.epoch);
+        self.write_canary(h.index, canary_value(cached, epoch, h.index));
+        self.cache_index.insert((owner.scope, key), h.index);
+        self.pages_shared += 1;
+        bump(&self.counters.cache_publishes);
+        Ok(Some(PageRef {
+            index: h.index,
+            epoch,
+        }))
+    }
+
+    /// The cached page of `scope` under `key`, if any (not acquired).
+    pub fn lookup(&self, scope: Scope, key: u64) -> Option<PageRef> {
+        let &index = self.cache_index.get(&(scope, key))?;
+        let epoch = self.meta[index as usize].epoch;
+        Some(PageRef { index, epoch })
+    }
+
+    /// Takes a reference to a cached page of the owner's scope: it stays
+    /// cached (not evictable) until released.
+    pub fn acquire(&mut self, h: PageRef, owner: Owner) -> Result<(), KvError> {
+        self.check_read(h, owner)?;
+        let m = &mut self.meta[h.index as usize];
+        if !m.shared {
+            return Err(KvError::NotPublishable {
+                index: h.index,
+                why: "only cached pages are acquired",
+            });
+        }
+        if m.refs >= REFS_PER_PAGE_MAX {
+            bump(&self.counters.refused_lease_limit);
+            return Err(KvError::RefLimit { index: h.index });
+        }
+        if m.refs == 0 && m.leases == 0 {
+            let idle = m.idle_since;
+            self.evictable.remove(&idle);
+        }
+        let m = &mut self.meta[h.index as usize];
+        m.refs += 1;
+        Ok(())
+    }
+
+    /// Drops a reference to a cached page. At no reference and no lease
+    /// the page becomes evictable (it stays cached until an allocation
+    /// needs it). A release without a reference is refused and counted:
+    /// reference counts never go negative (K5).
+    pub fn release(&mut self, h: PageRef, owner: Owner) -> Result<(), KvError> {
+        self.check_handle(h, owner)?;
+        let m = &mut self.meta[h.index as usize];
+        if !m.shared {
+            return Err(KvError::NotPublishable {
+                index: h.index,
+                why: "only cached pages are released; private pages are freed",
+            });
+        }
+        if m.refs == 0 {
+            if !fault!(self, skip_refcount_check) {
+                bump(&self.counters.refused_ref_underflow);
+                return Err(KvError::RefUnderflow { index: h.index });
+            }
+            // Fault test: the count wraps — the page is held forever.
+            m.refs = u32::MAX;
+            return Ok(());
+        }
+        m.refs -= 1;
+        if m.refs == 0 && m.leases == 0 {
+            self.make_idle(h.index);
+        }
+        Ok(())
+    }
+
+    /// Evicts every idle cached page (tests, `--prefix-cache off` at run
+    /// time); returns how many.
+    pub fn evict_idle(&mut self) -> usize {
+        let n = self.evictable.len();
+        while let Some((_, index)) = self.evictable.pop_first() {
+            self.evict(index);
+        }
+        n
+    }
+
+    fn make_idle(&mut self, index: u32) {
+        self.idle_clock += 1;
+        let clock = self.idle_clock;
+        self.meta[index as usize].idle_since = clock;
+        self.evictable.insert(clock, index);
+    }
+
+    /// An idle cached page back to the free list: out of the index, epoch
+    /// bumped (K2: every handle to it goes stale), poisoned.
+    fn evict(&mut self, index: u32) {
+        let m = self.meta[index as usize];
+        debug_assert!(m.shared && m.refs == 0 && m.leases == 0);
+        self.release_page(index);
+        bump(&self.counters.cache_evictions);
     }
 
     // ---------------------------------------------------------- reads/writes
@@ -700,7 +982,7 @@ impl Pool {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), KvError> {
-        self.check_live(h, owner)?;
+        self.check_write(h, owner)?;
         self.check_layer(layer)?;
         let width = self.shape.token_width();
         if k.len() != width || v.len() != width {
@@ -747,7 +1029,7 @@ impl Pool {
         layer: usize,
         n: usize,
     ) -> Result<LayerView<'_>, KvError> {
-        self.check_live(h, owner)?;
+        self.check_read(h, owner)?;
         self.check_layer(layer)?;
         let wm = self.watermarks[h.index as usize * self.shape.layers + layer] as usize;
         if n > wm && !fault!(self, skip_watermark_check) {
@@ -847,7 +1129,7 @@ impl Pool {
         bytes: &[u8],
         slots: usize,
     ) -> Result<(), KvError> {
-        self.check_live(h, owner)?;
+        self.check_write(h, owner)?;
         let shape = self.shape;
         if bytes.len() != shape.data_bytes() {
             return Err(KvError::PageBytes {
@@ -881,11 +1163,13 @@ impl Pool {
     /// Checks the page's canary (K7): the trailer must hold the value derived
     /// from (owner, epoch, index) in all eight words.
     pub fn check_canary(&self, h: PageRef, owner: Owner) -> Result<(), KvError> {
-        self.check_handle(h, owner)?;
+        let meta = self.check_handle(h, owner)?;
         if fault!(self, skip_canary_check) {
             return Ok(());
         }
-        let expected = canary_value(owner, h.epoch, h.index);
+        // A cached page carries its scope's cache owner.
+        let expected_owner = if meta.shared { meta.owner } else { owner };
+        let expected = canary_value(expected_owner, h.epoch, h.index);
         let data = self.shape.data_bytes();
         let trailer = &self.page(h.index)[data..data + TRAILER_BYTES];
         let intact = trailer
@@ -984,9 +1268,17 @@ impl Pool {
             refused_lease_limit: r(&c.refused_lease_limit),
             canary_mismatch: r(&c.canary_mismatch),
             checksum_mismatch: r(&c.checksum_mismatch),
+            refused_shared_write: r(&c.refused_shared_write),
+            refused_foreign_scope: r(&c.refused_foreign_scope),
+            refused_ref_underflow: r(&c.refused_ref_underflow),
+            refused_unpublishable: r(&c.refused_unpublishable),
             allocs: r(&c.allocs),
             frees: r(&c.frees),
             frees_deferred: r(&c.frees_deferred),
+            pages_cached: self.pages_shared as u64,
+            pages_evictable: self.evictable.len() as u64,
+            cache_publishes: r(&c.cache_publishes),
+            cache_evictions: r(&c.cache_evictions),
         }
     }
 
@@ -1005,7 +1297,7 @@ impl Pool {
             }
             *slot = true;
         }
-        let (mut leased, mut pending) = (0u32, 0u32);
+        let (mut leased, mut pending, mut shared) = (0u32, 0u32, 0u32);
         for (i, m) in self.meta.iter().enumerate() {
             if m.allocated() == on_free_list[i] {
                 return Err(format!(
@@ -1025,8 +1317,43 @@ impl Pool {
             if m.free_pending && m.leases == 0 {
                 return Err(format!("page {i} pending release without a lease"));
             }
+            if m.shared {
+                if !m.allocated() || m.owner != Owner::cached(m.owner.scope) || m.free_pending {
+                    return Err(format!(
+                        "cached page {i} is free, privately owned or released"
+                    ));
+                }
+                if self.cache_index.get(&(m.owner.scope, m.key)) != Some(&(i as u32)) {
+                    return Err(format!("cached page {i} is not in the index under its key"));
+                }
+                let idle = m.refs == 0 && m.leases == 0;
+                let listed = self.evictable.get(&m.idle_since) == Some(&(i as u32));
+                if idle != listed {
+                    return Err(format!(
+                        "cached page {i}: {} references, {} leases, but evictable = {listed}",
+                        m.refs, m.leases,
+                    ));
+                }
+                if m.refs > REFS_PER_PAGE_MAX {
+                    return Err(format!("cached page {i} holds {} references", m.refs));
+                }
+                shared += 1;
+            } else if m.refs != 0 || (m.allocated() && !m.owner.is_request()) {
+                return Err(format!("private page {i} has references or a cache owner"));
+            }
             leased += (m.leases > 0) as u32;
             pending += m.free_pending as u32;
+        }
+        if shared != self.pages_shared
+            || self.cache_index.len() != shared as usize
+            || self.evictable.len() > shared as usize
+        {
+            return Err(format!(
+                "cache counts drifted: {shared} shared pages, kept {}, index {}, evictable {}",
+                self.pages_shared,
+                self.cache_index.len(),
+                self.evictable.len()
+            ));
         }
         if leased != self.pages_leased || pending != self.pages_release_pending {
             return Err(format!(

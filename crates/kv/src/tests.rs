@@ -621,3 +621,252 @@ fn a_cloned_pool_is_independent_and_compares_by_content() {
     assert!(a.read_layer(pages[1], BOB, 0, 1).is_err());
     assert!(a != e);
 }
+
+// ------------------------------------------------------------------ K11 cache
+
+/// Alice's first page, wholly written and published in her scope.
+fn cached_page(p: &mut Pool, value: f32) -> PageRef {
+    let a = alloc(p, ALICE, 1)[0];
+    fill_page(p, a, ALICE, value, 4);
+    p.publish(a, ALICE, 0xabc)
+        .unwrap()
+        .expect("not cached before")
+}
+
+fn scenario_scope(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let c = cached_page(&mut p, 7.0);
+    // Another request of Alice's tenant: same scope, reads the page.
+    let sibling = Owner::new(RequestId(3), ALICE.tenant);
+    check(p.lookup(sibling.scope, 0xabc) == Some(c), "lookup in scope")?;
+    p.acquire(c, sibling).map_err(|e| e.to_string())?;
+    check(
+        p.read_layer(c, sibling, 0, 4)
+            .is_ok_and(|v| k_values(v) == row(7.0).repeat(4)),
+        "in-scope read refused",
+    )?;
+    // Bob's scope neither finds nor reads it, even holding the handle.
+    check(
+        p.lookup(BOB.scope, 0xabc).is_none(),
+        "found from another scope",
+    )?;
+    check(
+        matches!(
+            p.read_layer(c, BOB, 0, 4),
+            Err(KvError::ForeignScope { .. })
+        ),
+        "out-of-scope read served",
+    )?;
+    check(
+        matches!(p.acquire(c, BOB), Err(KvError::ForeignScope { .. })),
+        "out-of-scope acquire accepted",
+    )?;
+    // A salt-narrowed scope of Alice's own tenant is another scope too.
+    let salted = Owner::scoped(RequestId(4), ALICE.tenant, Scope::derived(99));
+    check(
+        p.read_layer(c, salted, 0, 1).is_err(),
+        "salted scope read served",
+    )?;
+    check(
+        p.stats().refused_foreign_scope == 3,
+        "out-of-scope accesses not counted",
+    )
+}
+
+#[test]
+fn cached_page_is_read_only_within_its_scope() {
+    scenario_scope(Faults::default()).unwrap();
+}
+
+#[test]
+fn scope_check_fails_without_the_check() {
+    let f = Faults {
+        skip_scope_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_scope(f).is_err());
+}
+
+fn scenario_shared_write(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let a = alloc(&mut p, ALICE, 1)[0];
+    fill_page(&mut p, a, ALICE, 7.0, 4);
+    let c = p.publish(a, ALICE, 1).unwrap().unwrap();
+    // The private handle went stale with publication.
+    check(
+        matches!(
+            p.write_token(a, ALICE, 0, 0, &row(9.0), &row(9.0)),
+            Err(KvError::StaleHandle { .. })
+        ),
+        "private handle still writes a cached page",
+    )?;
+    let sibling = Owner::new(RequestId(3), ALICE.tenant);
+    p.acquire(c, sibling).unwrap();
+    for o in [ALICE, sibling] {
+        let w = p.write_token(c, o, 0, 0, &row(9.0), &row(9.0));
+        check(
+            matches!(w, Err(KvError::SharedPage { .. })),
+            "write to a cached page accepted",
+        )?;
+    }
+    check(
+        matches!(p.free(c, sibling), Err(KvError::SharedPage { .. })),
+        "free of a cached page accepted",
+    )?;
+    check(
+        p.read_layer(c, sibling, 0, 4)
+            .is_ok_and(|v| k_values(v) == row(7.0).repeat(4)),
+        "cached page changed",
+    )?;
+    check(
+        p.stats().refused_shared_write == 3,
+        "shared writes not counted",
+    )
+}
+
+#[test]
+fn cached_page_cannot_be_written_or_freed() {
+    scenario_shared_write(Faults::default()).unwrap();
+}
+
+#[test]
+fn shared_write_fails_without_the_check() {
+    let f = Faults {
+        skip_shared_write_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_shared_write(f).is_err());
+}
+
+fn scenario_publish_unwritten(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let a = alloc(&mut p, ALICE, 1)[0];
+    // Three of four slots written, in every layer: not cacheable (K3).
+    fill_page(&mut p, a, ALICE, 7.0, 3);
+    check(
+        matches!(p.publish(a, ALICE, 5), Err(KvError::NotPublishable { .. })),
+        "partly written page cached",
+    )?;
+    // Leased pages are not cacheable either.
+    let b = alloc(&mut p, ALICE, 1)[0];
+    fill_page(&mut p, b, ALICE, 7.0, 4);
+    p.lease(b, ALICE).unwrap();
+    check(p.publish(b, ALICE, 6).is_err(), "leased page cached")?;
+    check(
+        p.stats().refused_unpublishable == 2 && p.pages_cached() == 0,
+        "refusals not counted",
+    )
+}
+
+#[test]
+fn only_wholly_written_pages_enter_the_cache() {
+    scenario_publish_unwritten(Faults::default()).unwrap();
+}
+
+#[test]
+fn publish_check_fails_without_the_check() {
+    let f = Faults {
+        skip_publish_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_publish_unwritten(f).is_err());
+}
+
+fn scenario_refcount(faults: Faults) -> Result<(), String> {
+    let mut p = pool(faults);
+    let c = cached_page(&mut p, 7.0);
+    p.release(c, ALICE).unwrap();
+    check(p.pages_evictable() == 1, "idle page not evictable")?;
+    // One release too many: refused, counted, the page still evictable.
+    check(
+        matches!(p.release(c, ALICE), Err(KvError::RefUnderflow { .. })),
+        "release without a reference accepted",
+    )?;
+    check(
+        p.stats().refused_ref_underflow == 1,
+        "underflow not counted",
+    )?;
+    // Every page comes back: the whole pool can be allocated.
+    let mut all = Vec::new();
+    check(
+        p.alloc(BOB, 8, &mut all).is_ok(),
+        "cached page leaked: the pool cannot be allocated whole",
+    )?;
+    p.check_invariants()
+}
+
+#[test]
+fn references_never_go_negative_or_leak() {
+    scenario_refcount(Faults::default()).unwrap();
+}
+
+#[test]
+fn refcount_check_fails_without_the_check() {
+    let f = Faults {
+        skip_refcount_check: true,
+        ..Faults::default()
+    };
+    assert!(scenario_refcount(f).is_err());
+}
+
+#[test]
+fn eviction_takes_idle_pages_oldest_first_and_stales_their_handles() {
+    let mut p = pool(Faults::default());
+    // Three cached pages; released in the order 2, 0, 1.
+    let mut cached = Vec::new();
+    for k in 0..3u64 {
+        let a = alloc(&mut p, ALICE, 1)[0];
+        fill_page(&mut p, a, ALICE, k as f32, 4);
+        cached.push(p.publish(a, ALICE, k).unwrap().unwrap());
+    }
+    let held = Owner::new(RequestId(3), ALICE.tenant);
+    for &i in &[2usize, 0, 1] {
+        p.release(cached[i], ALICE).unwrap();
+    }
+    // A lease keeps page 0 cached though idle of references.
+    p.lease(cached[0], held).unwrap();
+    assert_eq!(p.pages_free(), 5);
+    assert_eq!(p.pages_available(), 7);
+    // Six pages: the free five and the oldest idle one (key 2).
+    let got = alloc(&mut p, BOB, 6);
+    assert_eq!(p.lookup(ALICE.scope, 2), None);
+    assert!(got.iter().any(|g| g.index == cached[2].index));
+    assert!(matches!(
+        p.read_layer(cached[2], held, 0, 1),
+        Err(KvError::StaleHandle { .. })
+    ));
+    assert_eq!(p.stats().cache_evictions, 1);
+    // Key 1 is next; key 0 is leased and stays.
+    alloc(&mut p, BOB, 1);
+    assert_eq!(p.lookup(ALICE.scope, 1), None);
+    assert_eq!(p.lookup(ALICE.scope, 0), Some(cached[0]));
+    assert!(matches!(
+        p.alloc(BOB, 1, &mut Vec::new()),
+        Err(KvError::OutOfPages { .. })
+    ));
+    // The lease ends: the page becomes evictable, then evicted.
+    p.release_lease(cached[0], held).unwrap();
+    assert_eq!(p.pages_available(), 1);
+    assert_eq!(p.evict_idle(), 1);
+    assert_eq!(p.pages_cached(), 0);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn a_second_publish_of_a_key_keeps_the_first_and_canaries_follow_the_cache() {
+    let mut p = pool(Faults::default());
+    let c = cached_page(&mut p, 7.0);
+    let sibling = Owner::new(RequestId(3), ALICE.tenant);
+    let b = alloc(&mut p, sibling, 1)[0];
+    fill_page(&mut p, b, sibling, 7.0, 4);
+    assert_eq!(p.publish(b, sibling, 0xabc).unwrap(), None);
+    // `b` stays private to its owner; the cached page keeps its key.
+    p.write_token(b, sibling, 0, 0, &row(1.0), &row(1.0))
+        .unwrap();
+    assert_eq!(p.lookup(ALICE.scope, 0xabc), Some(c));
+    // The cached page's canary is its cache owner's, checked from the scope.
+    p.check_canary(c, sibling).unwrap();
+    p.scribble_trailer(c.index);
+    assert!(p.check_canary(c, sibling).is_err());
+    p.check_invariants().unwrap();
+}

@@ -1,14 +1,17 @@
 //! Property test: random sequences of alloc / write / read / lease / release
-//! / free / cancel / export / import over many requests and tenants, every
-//! result checked against a small reference model, and K1–K5 asserted on the
-//! pool after every step. Handles used include stale ones (kept forever after
-//! a free) and other requests' ones, so every refusal path is exercised.
+//! / free / cancel / export / import, and of the prefix cache's publish /
+//! lookup / acquire / release and eviction (K11), over many requests and
+//! tenants, every result checked against a small reference model, and
+//! K1–K5 asserted on the pool after every step. Handles used include stale
+//! ones (kept forever after a free) and other requests' ones, so every
+//! refusal path is exercised. Requests 0 and 3 share a tenant, hence a cache
+//! scope; the others are alone in theirs.
 
 use std::collections::HashMap;
 
 use kv::{
     DType, FreeOutcome, KvError, KvShape, LayerView, LeaseOutcome, Owner, PageRef, Pool,
-    PoolOptions, RequestId, TenantId,
+    PoolOptions, RequestId, Scope, TenantId,
 };
 use proptest::prelude::*;
 
@@ -75,6 +78,32 @@ enum Op {
         pick: usize,
         as_req: u64,
     },
+    /// Cache the page under `key` in its owner's scope.
+    Publish {
+        pick: usize,
+        key: u64,
+    },
+    /// Look `key` up in the request's scope and take a reference if found.
+    Acquire {
+        req: u64,
+        key: u64,
+    },
+    /// Take a reference through any handle (other scopes, stale ones).
+    AcquireHandle {
+        pick: usize,
+        as_req: u64,
+    },
+    /// Drop a reference through any handle.
+    ReleaseRef {
+        pick: usize,
+        as_req: u64,
+    },
+}
+
+const KEYS: u64 = 3;
+
+fn scope(req: u64) -> Scope {
+    owner(req).scope
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -91,7 +120,12 @@ fn op() -> impl Strategy<Value = Op> {
         1 => req.clone().prop_map(|req| Op::Cancel { req }),
         1 => any::<usize>().prop_map(|pick| Op::Export { pick }),
         1 => (any::<usize>(), 0..SLOTS + 1).prop_map(|(pick, slots)| Op::Import { pick, slots }),
-        1 => (any::<usize>(), req).prop_map(|(pick, as_req)| Op::Canary { pick, as_req }),
+        1 => (any::<usize>(), req.clone()).prop_map(|(pick, as_req)| Op::Canary { pick, as_req }),
+        3 => (any::<usize>(), 0..KEYS).prop_map(|(pick, key)| Op::Publish { pick, key }),
+        3 => (req.clone(), 0..KEYS).prop_map(|(req, key)| Op::Acquire { req, key }),
+        1 => (any::<usize>(), req.clone())
+            .prop_map(|(pick, as_req)| Op::AcquireHandle { pick, as_req }),
+        3 => (any::<usize>(), req).prop_map(|(pick, as_req)| Op::ReleaseRef { pick, as_req }),
     ]
 }
 
@@ -99,10 +133,24 @@ fn op() -> impl Strategy<Value = Op> {
 #[derive(Clone, Debug, Default)]
 struct RefPage {
     epoch: u64,
+    /// The owning request (private pages).
     owner: Option<u64>,
+    /// (scope, key) of a cached page; it has no owning request.
+    cached: Option<(Scope, u64)>,
+    refs: u32,
+    /// When it last became idle (cached, no reference, no lease).
+    idle_since: Option<u64>,
+    /// Who wrote its contents, at which epoch (what a read must return).
+    content: (u64, u64),
     watermark: [usize; LAYERS],
     leases: u32,
     pending: bool,
+}
+
+impl RefPage {
+    fn allocated(&self) -> bool {
+        self.owner.is_some() || self.cached.is_some()
+    }
 }
 
 #[derive(Default)]
@@ -112,10 +160,17 @@ struct Model {
     issued: Vec<(PageRef, u64)>,
     /// Live handles per request (what a cancel frees).
     live: HashMap<u64, Vec<PageRef>>,
+    /// References taken per request (what a cancel releases).
+    held: HashMap<u64, Vec<PageRef>>,
+    idle_clock: u64,
     stale_refusals: u64,
     foreign_refusals: u64,
     unwritten_refusals: u64,
     double_frees: u64,
+    scope_refusals: u64,
+    shared_writes: u64,
+    underflows: u64,
+    unpublishable: u64,
 }
 
 #[derive(Debug, PartialEq)]
@@ -126,6 +181,10 @@ enum Kind {
     Unwritten,
     DoubleFree,
     Pending,
+    ForeignScope,
+    Shared,
+    Underflow,
+    Unpublishable,
     Other,
 }
 
@@ -137,6 +196,10 @@ fn kind<T>(r: &Result<T, KvError>) -> Kind {
         Err(KvError::UnwrittenRead { .. }) => Kind::Unwritten,
         Err(KvError::DoubleFree { .. }) => Kind::DoubleFree,
         Err(KvError::ReleasePending { .. }) => Kind::Pending,
+        Err(KvError::ForeignScope { .. }) => Kind::ForeignScope,
+        Err(KvError::SharedPage { .. }) => Kind::Shared,
+        Err(KvError::RefUnderflow { .. }) => Kind::Underflow,
+        Err(KvError::NotPublishable { .. }) => Kind::Unpublishable,
         Err(_) => Kind::Other,
     }
 }
@@ -145,9 +208,16 @@ impl Model {
     /// Expected outcome of the common gate (index, epoch, owner).
     fn gate(&mut self, h: PageRef, req: u64) -> Kind {
         let p = &self.pages[h.index as usize];
-        if p.epoch != h.epoch || p.owner.is_none() {
+        if p.epoch != h.epoch || !p.allocated() {
             self.stale_refusals += 1;
             return Kind::Stale;
+        }
+        if let Some((s, _)) = p.cached {
+            if s != scope(req) {
+                self.scope_refusals += 1;
+                return Kind::ForeignScope;
+            }
+            return Kind::Ok;
         }
         if p.owner != Some(req) {
             self.foreign_refusals += 1;
@@ -163,13 +233,64 @@ impl Model {
         }
     }
 
+    /// The gate of writes: private pages of `req` only.
+    fn write_gate(&mut self, h: PageRef, req: u64) -> Kind {
+        match self.live_gate(h, req) {
+            Kind::Ok if self.pages[h.index as usize].cached.is_some() => {
+                self.shared_writes += 1;
+                Kind::Shared
+            }
+            k => k,
+        }
+    }
+
+    fn make_idle(&mut self, index: u32) {
+        self.idle_clock += 1;
+        self.pages[index as usize].idle_since = Some(self.idle_clock);
+    }
+
+    fn evictable(&self) -> usize {
+        self.pages.iter().filter(|p| p.idle_since.is_some()).count()
+    }
+
     fn release(&mut self, index: u32) {
         let p = &mut self.pages[index as usize];
         p.epoch += 1;
         p.owner = None;
+        p.cached = None;
+        p.refs = 0;
+        p.idle_since = None;
         p.watermark = [0; LAYERS];
         p.pending = false;
         p.leases = 0;
+    }
+
+    /// Evicts the idle cached page that became idle first.
+    fn evict_oldest(&mut self) {
+        let i = (0..self.pages.len())
+            .filter(|&i| self.pages[i].idle_since.is_some())
+            .min_by_key(|&i| self.pages[i].idle_since)
+            .expect("an evictable page");
+        self.release(i as u32);
+    }
+
+    fn lookup(&self, s: Scope, key: u64) -> Option<PageRef> {
+        self.pages
+            .iter()
+            .enumerate()
+            .find(|(_, p)| p.cached == Some((s, key)))
+            .map(|(i, p)| PageRef {
+                index: i as u32,
+                epoch: p.epoch,
+            })
+    }
+
+    /// Takes a reference on a cached page (`h` checked by the caller).
+    fn acquire(&mut self, h: PageRef, req: u64) {
+        let p = &mut self.pages[h.index as usize];
+        p.refs += 1;
+        p.idle_since = None;
+        self.held.entry(req).or_default().push(h);
     }
 }
 
@@ -186,14 +307,22 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
             Op::Alloc { req, n } => {
                 let mut out = Vec::new();
                 let r = pool.alloc(owner(req), n, &mut out);
-                let free = m.pages.iter().filter(|p| p.owner.is_none()).count();
-                prop_assert_eq!(r.is_ok(), n <= free);
+                let free = m.pages.iter().filter(|p| !p.allocated()).count();
+                prop_assert_eq!(r.is_ok(), n <= free + m.evictable());
+                if r.is_ok() {
+                    // Idle cached pages go first when the free list is short,
+                    // oldest first.
+                    for _ in free..n {
+                        m.evict_oldest();
+                    }
+                }
                 for h in out {
                     let p = &mut m.pages[h.index as usize];
-                    prop_assert!(p.owner.is_none(), "allocated an owned page (K1)");
+                    prop_assert!(!p.allocated(), "allocated an owned or cached page (K1)");
                     p.epoch += 1;
                     prop_assert_eq!(h.epoch, p.epoch, "epoch must bump on alloc (K2)");
                     p.owner = Some(req);
+                    p.content = (req, h.epoch);
                     m.issued.push((h, req));
                     m.live.entry(req).or_default().push(h);
                 }
@@ -211,7 +340,7 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                 let epoch = h.epoch;
                 let row = vec![value(as_req, epoch, layer, slot); WIDTH];
                 let r = pool.write_token(h, owner(as_req), layer, slot, &row, &row);
-                let mut want = m.live_gate(h, as_req);
+                let mut want = m.write_gate(h, as_req);
                 if want == Kind::Ok {
                     let p = &mut m.pages[h.index as usize];
                     if layer >= LAYERS || slot >= SLOTS || slot > p.watermark[layer] {
@@ -240,9 +369,12 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                 }
                 prop_assert_eq!(kind(&r), want);
                 if let Ok(LayerView::F32 { k, v }) = r {
-                    // Every value read is this request's own, at this epoch (no leak).
+                    // Every value read is what the page's writer wrote in
+                    // its epoch — the reader's own, or its scope's cached
+                    // page (no leak).
+                    let (writer, epoch) = m.pages[h.index as usize].content;
                     for slot in 0..n {
-                        let expect = value(as_req, h.epoch, layer, slot);
+                        let expect = value(writer, epoch, layer, slot);
                         prop_assert_eq!(k[slot * WIDTH], expect, "K leak at slot {}", slot);
                         prop_assert_eq!(v[slot * WIDTH + WIDTH - 1], expect);
                     }
@@ -256,7 +388,9 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                 let r = pool.lease(h, owner(req));
                 let want = m.live_gate(h, req);
                 if want == Kind::Ok {
-                    m.pages[h.index as usize].leases += 1;
+                    let p = &mut m.pages[h.index as usize];
+                    p.leases += 1;
+                    p.idle_since = None;
                 }
                 prop_assert_eq!(kind(&r), want);
             }
@@ -274,8 +408,11 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                     } else {
                         p.leases -= 1;
                         let freed = p.leases == 0 && p.pending;
+                        let idle = p.leases == 0 && p.cached.is_some() && p.refs == 0;
                         if freed {
                             m.release(h.index);
+                        } else if idle {
+                            m.make_idle(h.index);
                         }
                         prop_assert_eq!(
                             r.clone().ok(),
@@ -300,8 +437,15 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                 // Cancel frees every live page of the request, leased or not.
                 for h in m.live.remove(&req).unwrap_or_default() {
                     let p = &m.pages[h.index as usize];
-                    if p.epoch == h.epoch && !p.pending {
+                    if p.epoch == h.epoch && !p.pending && p.cached.is_none() {
                         free_and_check(&mut pool, &mut m, h, req)?;
+                    }
+                }
+                // ... and drops every reference it holds, deepest first.
+                for h in m.held.remove(&req).unwrap_or_default().into_iter().rev() {
+                    let p = &m.pages[h.index as usize];
+                    if p.epoch == h.epoch && p.refs > 0 {
+                        release_and_check(&mut pool, &mut m, h, req)?;
                     }
                 }
             }
@@ -333,7 +477,7 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                     .flat_map(|x| x.to_le_bytes())
                     .collect();
                 let r = pool.import_page(h, owner(req), &bytes, slots);
-                let mut want = m.live_gate(h, req);
+                let mut want = m.write_gate(h, req);
                 if want == Kind::Ok {
                     let p = &mut m.pages[h.index as usize];
                     if slots == 0 || p.watermark.iter().any(|&w| w != 0) {
@@ -352,6 +496,70 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                 let r = pool.check_canary(h, owner(as_req));
                 prop_assert_eq!(kind(&r), m.gate(h, as_req));
             }
+            Op::Publish { pick, key } => {
+                if m.issued.is_empty() {
+                    continue;
+                }
+                let (h, req) = m.issued[pick % m.issued.len()];
+                let r = pool.publish(h, owner(req), key);
+                let mut want = m.write_gate(h, req);
+                if want == Kind::Ok {
+                    let p = &m.pages[h.index as usize];
+                    if p.leases > 0 || p.watermark.iter().any(|&w| w != SLOTS) {
+                        m.unpublishable += 1;
+                        want = Kind::Unpublishable;
+                    } else if m.lookup(scope(req), key).is_some() {
+                        prop_assert_eq!(r.clone().ok(), Some(None), "a key is cached once");
+                    } else {
+                        let p = &mut m.pages[h.index as usize];
+                        p.epoch += 2;
+                        p.owner = None;
+                        p.cached = Some((scope(req), key));
+                        p.refs = 1;
+                        let c = PageRef {
+                            index: h.index,
+                            epoch: p.epoch,
+                        };
+                        prop_assert_eq!(r.clone().ok(), Some(Some(c)));
+                        m.issued.push((c, req));
+                        m.held.entry(req).or_default().push(c);
+                    }
+                }
+                prop_assert_eq!(kind(&r), want);
+            }
+            Op::Acquire { req, key } => {
+                let found = pool.lookup(scope(req), key);
+                prop_assert_eq!(found, m.lookup(scope(req), key));
+                if let Some(h) = found {
+                    let r = pool.acquire(h, owner(req));
+                    prop_assert_eq!(kind(&r), Kind::Ok);
+                    m.acquire(h, req);
+                    m.issued.push((h, req));
+                }
+            }
+            Op::AcquireHandle { pick, as_req } => {
+                if m.issued.is_empty() {
+                    continue;
+                }
+                let (h, _) = m.issued[pick % m.issued.len()];
+                let r = pool.acquire(h, owner(as_req));
+                let mut want = m.live_gate(h, as_req);
+                if want == Kind::Ok {
+                    if m.pages[h.index as usize].cached.is_some() {
+                        m.acquire(h, as_req);
+                    } else {
+                        want = Kind::Unpublishable;
+                    }
+                }
+                prop_assert_eq!(kind(&r), want);
+            }
+            Op::ReleaseRef { pick, as_req } => {
+                if m.issued.is_empty() {
+                    continue;
+                }
+                let (h, _) = m.issued[pick % m.issued.len()];
+                release_and_check(&mut pool, &mut m, h, as_req)?;
+            }
         }
         // K1–K5 as state, after every step.
         pool.check_invariants().map_err(TestCaseError::fail)?;
@@ -359,7 +567,10 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
         for (i, p) in m.pages.iter().enumerate() {
             prop_assert_eq!(
                 pool.owner_of(i as u32),
-                p.owner.map(owner),
+                match p.cached {
+                    Some((s, _)) => Some(Owner::cached(s)),
+                    None => p.owner.map(owner),
+                },
                 "owner of page {}",
                 i
             );
@@ -369,10 +580,19 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                 "epoch of page {}",
                 i
             );
-            prop_assert_eq!(p.epoch % 2 == 1, p.owner.is_some());
+            prop_assert_eq!(p.epoch % 2 == 1, p.allocated());
         }
-        let free = m.pages.iter().filter(|p| p.owner.is_none()).count() as u64;
+        let free = m.pages.iter().filter(|p| !p.allocated()).count() as u64;
         prop_assert_eq!(s.pages_free, free);
+        prop_assert_eq!(
+            s.pages_cached,
+            m.pages.iter().filter(|p| p.cached.is_some()).count() as u64
+        );
+        prop_assert_eq!(s.pages_evictable, m.evictable() as u64);
+        prop_assert_eq!(s.refused_foreign_scope, m.scope_refusals);
+        prop_assert_eq!(s.refused_shared_write, m.shared_writes);
+        prop_assert_eq!(s.refused_ref_underflow, m.underflows);
+        prop_assert_eq!(s.refused_unpublishable, m.unpublishable);
         prop_assert_eq!(
             s.pages_leased,
             m.pages.iter().filter(|p| p.leases > 0).count() as u64
@@ -399,13 +619,16 @@ fn free_and_check(
     let r = pool.free(h, owner(as_req));
     let p = m.pages[h.index as usize].clone();
     let want = if p.epoch != h.epoch {
-        if p.epoch == h.epoch + 1 && p.owner.is_none() {
+        if p.epoch == h.epoch + 1 && !p.allocated() {
             m.double_frees += 1;
             Kind::DoubleFree
         } else {
             m.stale_refusals += 1;
             Kind::Stale
         }
+    } else if p.cached.is_some() {
+        m.shared_writes += 1;
+        Kind::Shared
     } else if p.owner != Some(as_req) {
         m.foreign_refusals += 1;
         Kind::Foreign
@@ -421,6 +644,37 @@ fn free_and_check(
         prop_assert_eq!(r.clone().ok(), Some(FreeOutcome::Freed));
         Kind::Ok
     };
+    prop_assert_eq!(kind(&r), want);
+    Ok(())
+}
+
+fn release_and_check(
+    pool: &mut Pool,
+    m: &mut Model,
+    h: PageRef,
+    as_req: u64,
+) -> Result<(), TestCaseError> {
+    let r = pool.release(h, owner(as_req));
+    let mut want = m.gate(h, as_req);
+    if want == Kind::Ok {
+        let p = &mut m.pages[h.index as usize];
+        if p.cached.is_none() {
+            want = Kind::Unpublishable;
+        } else if p.refs == 0 {
+            m.underflows += 1;
+            want = Kind::Underflow;
+        } else {
+            p.refs -= 1;
+            if p.refs == 0 && p.leases == 0 {
+                m.make_idle(h.index);
+            }
+            if let Some(v) = m.held.get_mut(&as_req) {
+                if let Some(at) = v.iter().position(|&x| x == h) {
+                    v.remove(at);
+                }
+            }
+        }
+    }
     prop_assert_eq!(kind(&r), want);
     Ok(())
 }
@@ -473,6 +727,22 @@ fn property_test_finds_each_removed_check() {
             skip_double_free_check: true,
             ..Faults::default()
         },
+        Faults {
+            skip_scope_check: true,
+            ..Faults::default()
+        },
+        Faults {
+            skip_shared_write_check: true,
+            ..Faults::default()
+        },
+        Faults {
+            skip_publish_check: true,
+            ..Faults::default()
+        },
+        Faults {
+            skip_refcount_check: true,
+            ..Faults::default()
+        },
     ];
     for faults in all {
         let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
@@ -498,6 +768,8 @@ fn everything_free_after_all_requests_end() {
         .run(&proptest::collection::vec(op(), 1..150), |ops| {
             let mut pool = Pool::new(shape(), PAGES, PoolOptions::default()).unwrap();
             let mut live: Vec<(PageRef, u64)> = Vec::new();
+            // References taken (publish, acquire), per request.
+            let mut refs: Vec<(PageRef, u64)> = Vec::new();
             for op in ops {
                 match op {
                     Op::Alloc { req, n } => {
@@ -510,6 +782,28 @@ fn everything_free_after_all_requests_end() {
                         let (h, req) = live[pick % live.len()];
                         let _ = pool.lease(h, owner(req));
                     }
+                    Op::Write { pick, layer, .. } if !live.is_empty() => {
+                        // Fill a whole layer of a page (so some can be cached).
+                        let (h, req) = live[pick % live.len()];
+                        let row = [1.0f32; WIDTH];
+                        for slot in 0..SLOTS {
+                            let _ =
+                                pool.write_token(h, owner(req), layer % LAYERS, slot, &row, &row);
+                        }
+                    }
+                    Op::Publish { pick, key } if !live.is_empty() => {
+                        let (h, req) = live[pick % live.len()];
+                        if let Ok(Some(c)) = pool.publish(h, owner(req), key) {
+                            refs.push((c, req));
+                        }
+                    }
+                    Op::Acquire { req, key } => {
+                        if let Some(c) = pool.lookup(scope(req), key) {
+                            if pool.acquire(c, owner(req)).is_ok() {
+                                refs.push((c, req));
+                            }
+                        }
+                    }
                     _ => {}
                 }
             }
@@ -520,6 +814,15 @@ fn everything_free_after_all_requests_end() {
             for &(h, req) in &live {
                 while pool.release_lease(h, owner(req)).is_ok() {}
             }
+            for &(h, req) in refs.iter().rev() {
+                pool.release(h, owner(req))
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            // Cached pages stay, idle: all of them available, none held.
+            prop_assert_eq!(pool.pages_available() as u64, PAGES);
+            prop_assert_eq!(pool.pages_evictable(), pool.pages_cached());
+            pool.check_invariants().map_err(TestCaseError::fail)?;
+            pool.evict_idle();
             prop_assert_eq!(pool.pages_free() as u64, PAGES);
             prop_assert_eq!(pool.stats().pages_leased, 0);
             pool.check_invariants().map_err(TestCaseError::fail)?;

@@ -546,9 +546,24 @@ pub struct PoolStats {
     pub refused_lease_limit: u64,
     pub canary_mismatch: u64,
     pub checksum_mismatch: u64,
+    /// A write or free of a cached (shared, read-only) page (K11).
+    pub refused_shared_write: u64,
+    /// A read of a cached page from another scope (K11).
+    pub refused_foreign_scope: u64,
+    /// A release of a cached page without a reference (K5).
+    pub refused_ref_underflow: u64,
+    /// A page offered to the cache that was not wholly written (K3) or was
+    /// leased.
+    pub refused_unpublishable: u64,
     pub allocs: u64,
     pub frees: u64,
     pub frees_deferred: u64,
+    /// Pages cached (shared), held or idle.
+    pub pages_cached: u64,
+    /// Cached pages no request holds and no transfer leases.
+    pub pages_evictable: u64,
+    pub cache_publishes: u64,
+    pub cache_evictions: u64,
 }
 
 impl PoolStats {
@@ -565,10 +580,14 @@ impl PoolStats {
             + self.refused_lease_limit
             + self.canary_mismatch
             + self.checksum_mismatch
+            + self.refused_shared_write
+            + self.refused_foreign_scope
+            + self.refused_ref_underflow
+            + self.refused_unpublishable
     }
 
     /// `(name, value)` for every field, for exporters.
-    pub fn fields(&self) -> [(&'static str, u64); 20] {
+    pub fn fields(&self) -> [(&'static str, u64); 28] {
         [
             ("pages_total", self.pages_total),
             ("pages_free", self.pages_free),
@@ -590,6 +609,14 @@ impl PoolStats {
             ("allocs", self.allocs),
             ("frees", self.frees),
             ("frees_deferred", self.frees_deferred),
+            ("refused_shared_write", self.refused_shared_write),
+            ("refused_foreign_scope", self.refused_foreign_scope),
+            ("refused_ref_underflow", self.refused_ref_underflow),
+            ("refused_unpublishable", self.refused_unpublishable),
+            ("pages_cached", self.pages_cached),
+            ("pages_evictable", self.pages_evictable),
+            ("cache_publishes", self.cache_publishes),
+            ("cache_evictions", self.cache_evictions),
         ]
     }
 }

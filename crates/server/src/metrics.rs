@@ -160,7 +160,7 @@ impl Collector for EngineCollector {
         {
             let mut m = enc.encode_descriptor(
                 "isoserve_kv_pages",
-                "KV pages by state (owned includes leased and release-pending pages)",
+                "KV pages by state (owned includes cached, leased and release-pending pages; evictable: cached pages no request holds)",
                 None,
                 MetricType::Gauge,
             )?;
@@ -169,6 +169,8 @@ impl Collector for EngineCollector {
                 ("owned", p.pages_owned),
                 ("leased", p.pages_leased),
                 ("release_pending", p.pages_release_pending),
+                ("cached", p.pages_cached),
+                ("evictable", p.pages_evictable),
             ] {
                 let labels = [("state", state)];
                 ConstGauge::new(v as i64).encode(m.encode_family(&labels)?)?;
@@ -194,6 +196,10 @@ impl Collector for EngineCollector {
                 ("lease_limit", p.refused_lease_limit),
                 ("canary_mismatch", p.canary_mismatch),
                 ("checksum_mismatch", p.checksum_mismatch),
+                ("shared_write", p.refused_shared_write),
+                ("foreign_scope", p.refused_foreign_scope),
+                ("ref_underflow", p.refused_ref_underflow),
+                ("unpublishable", p.refused_unpublishable),
             ] {
                 let labels = [("kind", kind)];
                 ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
@@ -217,6 +223,18 @@ impl Collector for EngineCollector {
             "isoserve_kv_frees_deferred",
             "KV page frees deferred by a lease",
             p.frees_deferred,
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_prefix_cache_publishes",
+            "KV pages entered into the prefix cache",
+            p.cache_publishes,
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_prefix_cache_evictions",
+            "Idle cached KV pages evicted for an allocation",
+            p.cache_evictions,
         )?;
         const_gauge(
             &mut enc,

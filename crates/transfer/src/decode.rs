@@ -534,7 +534,7 @@ impl DecodeNode {
                 )),
             );
         }
-        if !self.waiting.is_empty() || need > pool.pages_free() as usize {
+        if !self.waiting.is_empty() || need > pool.pages_available() as usize {
             if self.waiting.len() >= self.cfg.waiting_max {
                 return refuse(
                     self,
@@ -627,7 +627,7 @@ impl DecodeNode {
                 continue;
             };
             let need = pages_for(r.tokens.len() + r.max_tokens as usize, ps);
-            if need > pool.pages_free() as usize {
+            if need > pool.pages_available() as usize {
                 break;
             }
             self.waiting.pop_front();

@@ -569,7 +569,7 @@ impl PrefillNode {
                 )),
             );
         }
-        let queue = !self.queue.is_empty() || need > pool.pages_free() as usize;
+        let queue = !self.queue.is_empty() || need > pool.pages_available() as usize;
         if queue && self.queue.len() >= self.cfg.queue_max {
             return refuse(
                 self,
@@ -659,7 +659,7 @@ impl PrefillNode {
                 self.queue.pop_front();
                 continue;
             };
-            if pages_for(r.tokens.len(), ps) > pool.pages_free() as usize {
+            if pages_for(r.tokens.len(), ps) > pool.pages_available() as usize {
                 break;
             }
             self.queue.pop_front();
