@@ -48,6 +48,8 @@ def write_tenants(path: Path, tenants):
         for k in ("max_concurrent", "max_tokens_per_minute"):
             if k in t:
                 lines.append(f"{k} = {t[k]}")
+        if "cache_group" in t:
+            lines.append(f'cache_group = "{t["cache_group"]}"')
         lines.append("")
     path.write_text("\n".join(lines))
     return path
@@ -139,12 +141,13 @@ def parse_metrics(text: str) -> dict:
 
 
 def wait_pool_idle(server: Server, timeout=30.0) -> dict:
-    """Polls /metrics until every KV page is free and nothing runs or
-    waits; returns the last metrics (the caller asserts)."""
+    """Polls /metrics until no KV page is held (each free, or cached and
+    idle) and nothing runs or waits; returns the last metrics (the caller
+    asserts)."""
     deadline = time.monotonic() + timeout
     m = server.metrics()
     while time.monotonic() < deadline:
-        if (m["isoserve_kv_pages{state=\"free\"}"] == m["isoserve_kv_pages_total"]
+        if (unheld(m) == m["isoserve_kv_pages_total"]
                 and m["isoserve_requests_running"] == 0
                 and m["isoserve_requests_waiting"] == 0
                 and m["isoserve_http_inflight_requests"] == 0):
@@ -154,9 +157,16 @@ def wait_pool_idle(server: Server, timeout=30.0) -> dict:
     return m
 
 
+def unheld(m: dict) -> float:
+    """KV pages no request holds: free, or cached and idle (evictable)."""
+    return m["isoserve_kv_pages{state=\"free\"}"] + m["isoserve_kv_pages{state=\"evictable\"}"]
+
+
 def assert_pool_clean(m: dict):
-    assert m["isoserve_kv_pages{state=\"free\"}"] == m["isoserve_kv_pages_total"], m
-    assert m["isoserve_kv_pages{state=\"owned\"}"] == 0
+    assert unheld(m) == m["isoserve_kv_pages_total"], m
+    # Owned pages are exactly the cached ones, all idle.
+    assert m["isoserve_kv_pages{state=\"owned\"}"] == m["isoserve_kv_pages{state=\"cached\"}"]
+    assert m["isoserve_kv_pages{state=\"cached\"}"] == m["isoserve_kv_pages{state=\"evictable\"}"]
     assert m["isoserve_kv_pages{state=\"leased\"}"] == 0
     assert m["isoserve_kv_pages{state=\"release_pending\"}"] == 0
     assert m["isoserve_requests_running"] == 0

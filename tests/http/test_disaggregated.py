@@ -173,7 +173,10 @@ def test_pd_output_equals_unified(pd_set, server):
         assert a.status_code == b.status_code == 200, (a.text, b.text)
         ja, jb = a.json(), b.json()
         assert ja["choices"][0]["message"] == jb["choices"][0]["message"], prompt
-        assert ja["usage"] == jb["usage"]
+        # Token counts agree; what came from a prefix cache may not (PD
+        # nodes do not cache yet).
+        strip = lambda u: {k: v for k, v in u.items() if k != "prompt_tokens_details"}
+        assert strip(ja["usage"]) == strip(jb["usage"])
         assert chat(gw, prompt, stream=True) == ja["choices"][0]["message"]["content"]
     m = pool_free(pd_set["decode"])
     assert m["isoserve_node_decode_transfers_completed_total"] >= 2 * len(PROMPTS)

@@ -11,15 +11,17 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId};
+use std::hash::{BuildHasher, Hasher};
+
+use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId, Scope};
 use model::sample::{FinishReason, Sampler, StopStrings};
 use model::{Forward, Row, Runner, SeqCtx};
 use tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
 use crate::{
-    Command, DoneEvent, EngineConfig, EngineStats, Event, RequestError, Submitted, TokenEvent,
-    Usage,
+    Command, DoneEvent, EngineConfig, EngineStats, Event, PrefixCache, RequestError, Submitted,
+    TokenEvent, Usage,
 };
 
 /// Steps with fewer rows are dominated by per-step overhead and would
@@ -78,6 +80,13 @@ pub(crate) struct Active {
     stops: StopStrings,
     decoder: StreamDecoder,
     pages: Vec<PageRef>,
+    /// Which of `pages` are cached (shared, read-only, released rather
+    /// than freed); Full mode only.
+    shared: Vec<bool>,
+    /// Prefix-cache keys of the full pages of `history` known so far.
+    keys: Vec<u64>,
+    /// Prompt tokens whose KV came from the cache.
+    cached_tokens: usize,
     /// Prompt positions whose KV is computed.
     prefilled: usize,
     /// Tokens generated so far (EOS included when it ended the request).
@@ -183,6 +192,9 @@ pub struct Core<F: Forward = Runner> {
     waiting_count: Arc<AtomicU64>,
     local: EngineStats,
     shutdown: Option<bool>,
+    /// The keyed hash of prefix-cache keys: a per-process random SipHash
+    /// key, so no one can craft two prefixes with one key.
+    key_hasher: std::collections::hash_map::RandomState,
 }
 
 impl<F: Forward> Core<F> {
@@ -209,6 +221,7 @@ impl<F: Forward> Core<F> {
             stats,
             waiting_count,
             shutdown: None,
+            key_hasher: std::collections::hash_map::RandomState::new(),
         }
     }
 
@@ -320,13 +333,20 @@ impl<F: Forward> Core<F> {
         }
     }
 
+    /// Gives a finished or cancelled request's pages back: cached ones are
+    /// released (deepest first, so they are evicted first), private ones
+    /// freed.
     fn release(&mut self, a: &Active) {
         if a.mode != Mode::Full {
             // PD roles: the transfer machine owns the pages' lifecycle.
             return;
         }
-        for &h in &a.pages {
-            match self.pool.free(h, a.owner) {
+        for (&h, &shared) in a.pages.iter().zip(&a.shared).rev() {
+            let outcome = match shared {
+                true => self.pool.release(h, a.owner).map(|()| FreeOutcome::Freed),
+                false => self.pool.free(h, a.owner),
+            };
+            match outcome {
                 Ok(FreeOutcome::Freed) => {}
                 // Unified role: nothing leases pages, so a deferral or an
                 // error here is a bug — counted by the pool, logged here.
@@ -354,21 +374,65 @@ impl<F: Forward> Core<F> {
                 self.local.requests_refused_total += 1;
                 continue;
             }
-            let need_pages = need_tokens.div_ceil(self.cfg.page_size_tokens);
-            if need_pages > self.pool.pages_available() as usize {
+            let ps = self.cfg.page_size_tokens;
+            let need_pages = need_tokens.div_ceil(ps);
+            let owner = Owner::scoped(sub.id, sub.req.tenant, sub.req.scope());
+            // The longest cached prefix of whole pages in the request's
+            // scope (K11). The last prompt token is always computed: its
+            // logits give the first token.
+            let mut keys = Vec::new();
+            let mut hits = Vec::new();
+            if self.cfg.prefix_cache == PrefixCache::Tenant {
+                extend_keys(
+                    &self.key_hasher,
+                    ps,
+                    owner.scope,
+                    &sub.req.prompt,
+                    &mut keys,
+                );
+                let reusable = (sub.req.prompt.len() - 1) / ps;
+                for &k in keys.iter().take(reusable) {
+                    match self.pool.lookup(owner.scope, k) {
+                        Some(h) => hits.push(h),
+                        None => break,
+                    }
+                }
+            }
+            // Cached pages about to be held stop being evictable.
+            let available = self.pool.pages_available() as usize - self.pool.idle_among(&hits);
+            if need_pages - hits.len() > available {
                 break;
             }
             let sub = self.waiting.pop_front().expect("front exists");
             self.left_queue(1);
-            let owner = Owner::new(sub.id, sub.req.tenant);
             let mut pages = Vec::with_capacity(need_pages);
-            if let Err(e) = self.pool.alloc(owner, need_pages, &mut pages) {
+            let acquired = hits
+                .iter()
+                .try_for_each(|&h| self.pool.acquire(h, owner).map(|()| pages.push(h)));
+            let allocated =
+                acquired.and_then(|()| self.pool.alloc(owner, need_pages - hits.len(), &mut pages));
+            if let Err(e) = allocated {
+                for &h in pages.iter().rev() {
+                    let _ = match hits.contains(&h) {
+                        true => self.pool.release(h, owner),
+                        false => self.pool.free(h, owner).map(|_| ()),
+                    };
+                }
                 let _ = sub
                     .events
                     .try_send(Event::Error(RequestError::Internal(e.to_string())));
                 self.local.requests_failed_total += 1;
                 continue;
             }
+            if self.cfg.prefix_cache == PrefixCache::Tenant {
+                self.local.prefix_cache_queries_total += 1;
+                self.local.prefix_cache_query_tokens_total += sub.req.prompt.len() as u64;
+                self.local.prefix_cache_hit_pages_total += hits.len() as u64;
+                self.local.prefix_cache_hit_tokens_total += (hits.len() * ps) as u64;
+            }
+            let mut shared = vec![false; pages.len()];
+            shared[..hits.len()].fill(true);
+            let cached_tokens = hits.len() * ps;
             // Paired with the request log's read when the request ends.
             sub.pages.store(pages.len() as u64, Ordering::Release);
             let stops = match StopStrings::new(sub.req.stop.clone()) {
@@ -396,10 +460,10 @@ impl<F: Forward> Core<F> {
             let prefilled = if sub.placeholder {
                 sub.req.prompt.len() - 1
             } else {
-                0
+                cached_tokens
             };
             #[cfg(not(feature = "fault-incident"))]
-            let prefilled = 0;
+            let prefilled = cached_tokens;
             self.running.push(Active {
                 mode: Mode::Full,
                 id: sub.id,
@@ -412,6 +476,9 @@ impl<F: Forward> Core<F> {
                 stops,
                 decoder: self.tokenizer.stream_decoder().skip_special(true),
                 pages,
+                shared,
+                keys,
+                cached_tokens,
                 prefilled,
                 generated: Vec::with_capacity(sub.req.max_tokens.min(4096)),
                 history,
@@ -522,11 +589,23 @@ impl<F: Forward> Core<F> {
             }
             return true;
         }
-        // Advance prefill positions.
+        // Advance prefill positions; a prompt just computed offers its
+        // full pages to the prefix cache.
+        let mut prefilled_now = Vec::new();
         for r in &self.rows {
             let a = &mut self.running[r.seq];
             if !a.decoding() && r.pos + 1 > a.prefilled {
                 a.prefilled = r.pos + 1;
+                if a.decoding() && a.mode == Mode::Full {
+                    prefilled_now.push(r.seq);
+                }
+            }
+        }
+        if self.cfg.prefix_cache == PrefixCache::Tenant {
+            for i in prefilled_now {
+                let a = &mut self.running[i];
+                let full = a.prompt.len() / self.cfg.page_size_tokens;
+                cache_pages(&mut self.pool, a, full);
             }
         }
         // Sample for every row that produced logits, in row order.
@@ -599,6 +678,21 @@ impl<F: Forward> Core<F> {
     /// Ends a request that finished: its Done event; frees its pages (Full
     /// mode) and counts it.
     fn done_event(&mut self, mut a: Active, finish: FinishReason) -> (Active, DoneEvent) {
+        if a.mode == Mode::Full && self.cfg.prefix_cache == PrefixCache::Tenant {
+            // Cache the whole conversation so far (a next turn starts with
+            // it): every full page whose slots were all written — all of
+            // history but the last token, which was sampled, never run.
+            let ps = self.cfg.page_size_tokens;
+            let written = a.history.len() - 1;
+            extend_keys(
+                &self.key_hasher,
+                ps,
+                a.owner.scope,
+                &a.history[..written],
+                &mut a.keys,
+            );
+            cache_pages(&mut self.pool, &mut a, written / ps);
+        }
         let tail_text = if finish == FinishReason::Length {
             a.stops.flush()
         } else {
@@ -611,6 +705,7 @@ impl<F: Forward> Core<F> {
             usage: Usage {
                 prompt_tokens: a.prompt.len(),
                 completion_tokens: a.generated.len(),
+                cached_tokens: a.cached_tokens,
             },
             tail_text,
             queue_ms: ms(a.admitted_at - a.submitted_at),
@@ -640,6 +735,9 @@ impl<F: Forward> Core<F> {
             sampler: Sampler::new(job.params),
             stops: StopStrings::new(Vec::new()).expect("no stop strings are valid"),
             decoder: self.tokenizer.stream_decoder().skip_special(true),
+            shared: vec![false; job.pages.len()],
+            keys: Vec::new(),
+            cached_tokens: 0,
             pages: job.pages,
             prefilled: 0,
             generated: Vec::new(),
@@ -671,6 +769,9 @@ impl<F: Forward> Core<F> {
             sampler: Sampler::with_rng_state(job.params, job.sampler_state),
             stops,
             decoder: self.tokenizer.stream_decoder().skip_special(true),
+            shared: vec![false; job.pages.len()],
+            keys: Vec::new(),
+            cached_tokens: 0,
             pages: job.pages,
             generated: Vec::with_capacity(job.max_tokens.min(4096)),
             sink: Sink::Remote { conn: job.conn },
@@ -746,6 +847,59 @@ impl<F: Forward> Core<F> {
 
     pub fn vocab(&self) -> usize {
         self.fwd.vocab()
+    }
+}
+
+/// Extends `keys` to cover every full page of `tokens`: the key of page `i`
+/// hashes the key of page `i − 1` (the scope for page 0) and page `i`'s
+/// tokens, so a key names a whole prefix in one scope. `hasher` is keyed
+/// per process, so no one can craft two prefixes with one key.
+fn extend_keys(
+    hasher: &std::collections::hash_map::RandomState,
+    ps: usize,
+    scope: Scope,
+    tokens: &[u32],
+    keys: &mut Vec<u64>,
+) {
+    for i in keys.len()..tokens.len() / ps {
+        let mut h = hasher.build_hasher();
+        match i {
+            0 => {
+                h.write_u8(0);
+                h.write_u64(scope.0);
+            }
+            _ => {
+                h.write_u8(1);
+                h.write_u64(keys[i - 1]);
+            }
+        }
+        for &t in &tokens[i * ps..(i + 1) * ps] {
+            h.write_u32(t);
+        }
+        keys.push(h.finish());
+    }
+}
+
+/// Caches the request's private pages among its first `n` (every slot
+/// written, keys known): each becomes shared and read-only, and the request
+/// goes on reading it through the new handle. A page whose key another
+/// request cached first stays private.
+fn cache_pages(pool: &mut Pool, a: &mut Active, n: usize) {
+    for p in 0..n.min(a.keys.len()).min(a.pages.len()) {
+        if a.shared[p] {
+            continue;
+        }
+        match pool.publish(a.pages[p], a.owner, a.keys[p]) {
+            Ok(Some(h)) => {
+                a.pages[p] = h;
+                a.shared[p] = true;
+            }
+            Ok(None) => {}
+            // Every slot of these pages was written by this request: a
+            // refusal is a bug, counted by the pool; the page stays private
+            // and is freed with the request.
+            Err(e) => tracing::error!(request = a.id.0, page = p, "cannot cache a page: {e}"),
+        }
     }
 }
 

@@ -77,6 +77,20 @@ pub struct EngineConfig {
     pub max_queue: usize,
     pub kv_dtype: DType,
     pub poison: Poison,
+    /// Reuse cached KV of prompts' prefixes, within each request's scope
+    /// (K11).
+    pub prefix_cache: PrefixCache,
+}
+
+/// `--prefix-cache`: whether the engine reuses KV across requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PrefixCache {
+    /// Nothing is reused.
+    Off,
+    /// Whole pages of a prompt's prefix, within the request's cache scope
+    /// (its tenant's, its operator-named group's, narrowed by its salt).
+    #[default]
+    Tenant,
 }
 
 impl EngineConfig {
@@ -87,7 +101,7 @@ impl EngineConfig {
         let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
         format!(
             "page_size={} kv_pages={} kv_memory_bytes={} max_context={} step_tokens={} \
-             max_running={} max_queue={} kv_dtype={:?} kv_poison={:?}",
+             max_running={} max_queue={} kv_dtype={:?} kv_poison={:?} prefix_cache={:?}",
             self.page_size_tokens,
             opt(self.kv_pages.map(|p| p.to_string())),
             self.kv_memory_bytes,
@@ -97,6 +111,7 @@ impl EngineConfig {
             self.max_queue,
             self.kv_dtype,
             self.poison,
+            self.prefix_cache,
         )
     }
 }
@@ -115,6 +130,7 @@ impl Default for EngineConfig {
             max_queue: 256,
             kv_dtype: DType::F32,
             poison: Poison::Nan,
+            prefix_cache: PrefixCache::Tenant,
         }
     }
 }

@@ -58,7 +58,7 @@ fn paris_through_the_engine() {
     assert!(text.starts_with(" Paris"), "got {text:?}");
     assert_eq!(finish, FinishReason::Length);
     let s = engine.stats();
-    assert_eq!(s.pool.pages_free, s.pool.pages_total);
+    assert_eq!(s.pool.pages_unheld(), s.pool.pages_total);
     assert_eq!(s.pool.safety_refusals(), 0);
 }
 
@@ -135,7 +135,7 @@ fn concurrent_greedy_outputs_equal_alone() {
     }
     assert!(max_running > 1, "requests never ran concurrently");
     let s = engine.stats();
-    assert_eq!(s.pool.pages_free, s.pool.pages_total, "pages leaked");
+    assert_eq!(s.pool.pages_unheld(), s.pool.pages_total, "pages leaked");
     assert_eq!(s.pool.safety_refusals(), 0);
 }
 
@@ -209,7 +209,7 @@ fn incident_replay_over_long_request_refused_secret_never_leaks() {
         );
     }
     let s = engine.stats();
-    assert_eq!(s.pool.pages_free, s.pool.pages_total);
+    assert_eq!(s.pool.pages_unheld(), s.pool.pages_total);
     assert_eq!(s.pool.safety_refusals(), 0);
 }
 
@@ -243,13 +243,13 @@ fn cancel_mid_stream_frees_pages_and_engine_keeps_serving() {
     // The engine reaps cancelled requests at its next step; wait for idle.
     for _ in 0..200 {
         let s = engine.stats();
-        if s.running == 0 && s.pool.pages_free == s.pool.pages_total {
+        if s.running == 0 && s.pool.pages_unheld() == s.pool.pages_total {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     let s = engine.stats();
-    assert_eq!(s.pool.pages_free, s.pool.pages_total);
+    assert_eq!(s.pool.pages_unheld(), s.pool.pages_total);
     assert_eq!(s.requests_cancelled_total, 5);
     assert_eq!(s.pool.safety_refusals(), 0);
 }
@@ -361,7 +361,7 @@ fn a_client_that_stops_reading_pauses_only_its_own_request() {
         s.running, 1,
         "the paused request keeps running (and its pages)"
     );
-    assert!(s.pool.pages_free < s.pool.pages_total);
+    assert!(s.pool.pages_unheld() < s.pool.pages_total);
 
     // Another tenant is served meanwhile.
     let (_, text, _) = run(
@@ -393,12 +393,12 @@ fn a_client_that_stops_reading_pauses_only_its_own_request() {
     );
     for _ in 0..200 {
         let s = engine.stats();
-        if s.running == 0 && s.pool.pages_free == s.pool.pages_total {
+        if s.running == 0 && s.pool.pages_unheld() == s.pool.pages_total {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     let s = engine.stats();
-    assert_eq!(s.pool.pages_free, s.pool.pages_total);
+    assert_eq!(s.pool.pages_unheld(), s.pool.pages_total);
     assert_eq!(s.pool.safety_refusals(), 0);
 }

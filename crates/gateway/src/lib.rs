@@ -195,6 +195,7 @@ impl Inner {
                                 usage: Usage {
                                     prompt_tokens: prompt_tokens as usize,
                                     completion_tokens: completion_tokens as usize,
+                                    cached_tokens: 0,
                                 },
                                 tail_text,
                                 queue_ms: 0.0,

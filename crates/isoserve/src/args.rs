@@ -102,6 +102,20 @@ pub struct NodeEngineArgs {
     /// acknowledges them (the bounded transfer batch).
     #[arg(long, default_value_t = 8)]
     pub transfer_window_pages: u32,
+    /// Reuse the KV of prompts' shared prefixes (whole pages): `tenant`
+    /// (the default) within each tenant's cache scope — or its
+    /// `cache_group` in the tenants file, narrowed by a request's
+    /// `cache_salt`/`prompt_cache_key` — or `off`.
+    #[arg(long, value_enum, default_value_t = PrefixCacheArg::Tenant)]
+    pub prefix_cache: PrefixCacheArg,
+}
+
+/// `--prefix-cache off|tenant`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixCacheArg {
+    Off,
+    Tenant,
 }
 
 /// `1234`, `4KiB`, `512MiB`, `1GiB`, `2GB`, `64k`, `1g`: bytes.
@@ -189,6 +203,10 @@ pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
         step_tokens: e.step_tokens,
         max_running: e.max_running,
         max_queue: e.max_queue,
+        prefix_cache: match e.prefix_cache {
+            PrefixCacheArg::Off => engine::PrefixCache::Off,
+            PrefixCacheArg::Tenant => engine::PrefixCache::Tenant,
+        },
         ..EngineConfig::default()
     }
 }
@@ -258,6 +276,8 @@ mod tests {
             "5",
             "--step-tokens",
             "100",
+            "--prefix-cache",
+            "off",
             "--transfer-window-pages",
             "4",
         ];

@@ -112,6 +112,7 @@ pub fn generate(
         stop: args.stop.clone(),
         ignore_eos: args.ignore_eos,
         logprobs: None,
+        cache_scope: None,
     };
     let mut h = engine.submit(req)?;
     while let Some(ev) = h.blocking_next() {

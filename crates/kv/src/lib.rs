@@ -128,34 +128,11 @@ pub use pool::{
     POISON_NAN_BYTE, POOL_BYTES_MAX, POOL_PAGES_MAX, REFS_PER_PAGE_MAX,
 };
 /// The ids and the pool's counters are part of the request vocabulary.
-pub use request::{PoolStats, RequestId, TenantId};
+pub use request::{PoolStats, RequestId, Scope, TenantId};
 pub use shape::{
     capacity_tokens, pages_for_budget, tokens_for_budget, DType, KvShape, PAGE_ALIGN_BYTES,
     PAGE_SIZE_MAX_TOKENS, TRAILER_BYTES,
 };
-
-/// A prefix-cache scope (K11): the set of requests that may read each
-/// other's cached pages. Opaque to the pool, which only compares it; the
-/// engine derives it (a tenant, or an operator-named group, narrowed by a
-/// request's salt — `docs/prefix-cache.md`). [`Scope::tenant`] values have
-/// the top bit clear, [`Scope::derived`] ones set, so a derived scope never
-/// equals a tenant's own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Scope(pub u64);
-
-impl Scope {
-    const DERIVED_BIT: u64 = 1 << 63;
-
-    /// The tenant's own scope (the default).
-    pub const fn tenant(t: TenantId) -> Scope {
-        Scope(t.0 & !Scope::DERIVED_BIT)
-    }
-
-    /// A scope derived by hashing (a sharing group, a salt).
-    pub const fn derived(hash: u64) -> Scope {
-        Scope(hash | Scope::DERIVED_BIT)
-    }
-}
 
 /// The owner of a page: one request of one tenant, in one cache scope.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -915,6 +915,19 @@ impl Pool {
         Ok(())
     }
 
+    /// How many of `pages` (current handles) are idle cached pages: what
+    /// acquiring them takes out of [`Pool::pages_available`].
+    pub fn idle_among(&self, pages: &[PageRef]) -> usize {
+        pages
+            .iter()
+            .filter(|h| {
+                self.meta
+                    .get(h.index as usize)
+                    .is_some_and(|m| m.epoch == h.epoch && m.shared && m.refs == 0 && m.leases == 0)
+            })
+            .count()
+    }
+
     /// Evicts every idle cached page (tests, `--prefix-cache off` at run
     /// time); returns how many.
     pub fn evict_idle(&mut self) -> usize {

@@ -33,6 +33,29 @@ pub struct RequestId(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TenantId(pub u64);
 
+/// A prefix-cache scope (K11): the set of requests that may read each
+/// other's cached pages. Opaque to the pool, which only compares it; the
+/// serving layer derives it (a tenant, or an operator-named group, narrowed by a
+/// request's salt — `docs/prefix-cache.md`). [`Scope::tenant`] values have
+/// the top bit clear, [`Scope::derived`] ones set, so a derived scope never
+/// equals a tenant's own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Scope(pub u64);
+
+impl Scope {
+    const DERIVED_BIT: u64 = 1 << 63;
+
+    /// The tenant's own scope (the default).
+    pub const fn tenant(t: TenantId) -> Scope {
+        Scope(t.0 & !Scope::DERIVED_BIT)
+    }
+
+    /// A scope derived by hashing (a sharing group, a salt).
+    pub const fn derived(hash: u64) -> Scope {
+        Scope(hash | Scope::DERIVED_BIT)
+    }
+}
+
 // ------------------------------------------------------ sampling
 
 /// Limits: a request can ask for no more than this many candidates.
@@ -234,9 +257,18 @@ pub struct GenRequest {
     /// Return the chosen token's log-probability and this many alternatives
     /// (`None`: no logprobs).
     pub logprobs: Option<usize>,
+    /// The prefix-cache scope (K11), set by the serving layer from the
+    /// authenticated tenant, its sharing group and the request's salt —
+    /// never taken from the caller. `None`: the tenant's own scope.
+    pub cache_scope: Option<Scope>,
 }
 
 impl GenRequest {
+    /// The cache scope the request runs in.
+    pub fn scope(&self) -> Scope {
+        self.cache_scope.unwrap_or(Scope::tenant(self.tenant))
+    }
+
     pub fn greedy(tenant: TenantId, prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
         GenRequest {
             tenant,
@@ -246,6 +278,7 @@ impl GenRequest {
             stop: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            cache_scope: None,
         }
     }
 }
@@ -267,6 +300,9 @@ pub struct TokenEvent {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache (OpenAI's
+    /// `prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: usize,
 }
 
 /// The end of a request.
@@ -567,6 +603,13 @@ pub struct PoolStats {
 }
 
 impl PoolStats {
+    /// Pages no request and no transfer holds: free, or cached and idle
+    /// (an allocation takes either). Equal to `pages_total` when nothing
+    /// runs — "the pool is clean" with a prefix cache.
+    pub fn pages_unheld(&self) -> u64 {
+        self.pages_free + self.pages_evictable
+    }
+
     /// Sum of every safety refusal (not out-of-pages, which is back-pressure).
     pub fn safety_refusals(&self) -> u64 {
         self.refused_stale_handle
@@ -641,6 +684,12 @@ pub struct EngineStats {
     /// steps; 0 until one ran): what prefill achieves at best, so no prompt
     /// can be prefilled much faster (the audit's `too_fast` rule).
     pub prefill_tokens_per_s: f64,
+    /// Requests that looked up the prefix cache, and their prompt tokens.
+    pub prefix_cache_queries_total: u64,
+    pub prefix_cache_query_tokens_total: u64,
+    /// Prompt tokens and pages served from the prefix cache.
+    pub prefix_cache_hit_tokens_total: u64,
+    pub prefix_cache_hit_pages_total: u64,
 }
 
 impl EngineStats {

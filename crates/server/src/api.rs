@@ -83,6 +83,9 @@ pub struct GenParams {
     /// Return log-probabilities with this many alternatives per token.
     pub logprobs: Option<usize>,
     pub ignore_eos: bool,
+    /// `cache_salt` (vLLM, SGLang) and `prompt_cache_key` (OpenAI), joined:
+    /// narrows the request's prefix-cache scope inside its tenant's (K11).
+    pub cache_salt: Option<String>,
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -334,6 +337,22 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
         }
     };
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    let mut salts = Vec::new();
+    for field in ["cache_salt", "prompt_cache_key"] {
+        if let Some(s) = f.string(field)? {
+            if s.is_empty() || s.len() > crate::tenants::CACHE_SALT_BYTES_MAX {
+                return Err(ApiError::invalid_value(
+                    field,
+                    format!(
+                        "must be 1 to {} bytes",
+                        crate::tenants::CACHE_SALT_BYTES_MAX
+                    ),
+                ));
+            }
+            salts.push(format!("{field}={s}"));
+        }
+    }
+    let cache_salt = (!salts.is_empty()).then(|| salts.join("\u{0}"));
     let logprobs = match endpoint {
         Endpoint::Chat => {
             let on = f.bool("logprobs")?.unwrap_or(false);
@@ -375,6 +394,7 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
         include_usage,
         logprobs,
         ignore_eos,
+        cache_salt,
     })
 }
 
@@ -581,6 +601,15 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// OpenAI's `prompt_tokens_details`: `cached_tokens`, the prompt tokens
+    /// whose KV came from the prefix cache (always present, 0 on a miss).
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// The part of `usage` that breaks the prompt down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 impl Usage {
@@ -589,6 +618,17 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails::default(),
+        }
+    }
+
+    /// The usage of a finished request.
+    pub fn of(u: &request::Usage) -> Usage {
+        Usage {
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_tokens,
+            },
+            ..Usage::new(u.prompt_tokens, u.completion_tokens)
         }
     }
 }
@@ -985,7 +1025,8 @@ mod tests {
         let v = serde_json::to_value(&c).expect("ser");
         assert_eq!(
             v["usage"],
-            json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7})
+            json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                   "prompt_tokens_details": {"cached_tokens": 0}})
         );
         assert_eq!(v["choices"], json!([]));
     }

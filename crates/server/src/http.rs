@@ -466,6 +466,9 @@ async fn admit(
         stop: params.stop.clone(),
         ignore_eos: params.ignore_eos,
         logprobs: params.logprobs,
+        cache_scope: st
+            .tenants
+            .cache_scope(&tenant, params.cache_salt.as_deref()),
     };
     let engine_err = |e: &request::RequestError| {
         ApiError::from_engine(e, ep.prompt_param(), ep.logprobs_param())
@@ -690,7 +693,7 @@ impl Shaper {
     fn finish(&self, d: &DoneEvent) -> Vec<u8> {
         let mut out = Vec::new();
         let reason = Some(d.finish.as_openai());
-        let usage = Usage::new(d.usage.prompt_tokens, d.usage.completion_tokens);
+        let usage = Usage::of(&d.usage);
         match self.ep {
             Endpoint::Chat => {
                 if !d.tail_text.is_empty() {
@@ -781,7 +784,7 @@ async fn full_response(sh: Shaper, mut adm: Admitted, mut tr: Tracker) -> Respon
     };
     text.push_str(&done.tail_text);
     tr.finished(&done);
-    let usage = Usage::new(done.usage.prompt_tokens, done.usage.completion_tokens);
+    let usage = Usage::of(&done.usage);
     let finish = Some(done.finish.as_openai().to_string());
     match sh.ep {
         Endpoint::Chat => Json(ChatCompletion {

@@ -283,6 +283,30 @@ impl Collector for EngineCollector {
                 ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
             }
         }
+        const_counter(
+            &mut enc,
+            "isoserve_prefix_cache_queries",
+            "Requests that looked up the prefix cache",
+            s.prefix_cache_queries_total,
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_prefix_cache_query_tokens",
+            "Prompt tokens of requests that looked up the prefix cache",
+            s.prefix_cache_query_tokens_total,
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            s.prefix_cache_hit_tokens_total,
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_prefix_cache_hit_pages",
+            "KV pages served from the prefix cache",
+            s.prefix_cache_hit_pages_total,
+        )?;
         Ok(())
     }
 }

@@ -9,7 +9,13 @@
 //! api_key_sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 //! max_concurrent = 8            # optional; default 64
 //! max_tokens_per_minute = 100000  # optional; default unlimited
+//! cache_group = "acme"          # optional; see below
 //! ```
+//!
+//! Prefix cache (K11): by default each tenant's cached KV is its own. Tenants
+//! with the same `cache_group` share one cache scope — the only way a scope
+//! ever widens, and only the operator can do it. A request's `cache_salt` /
+//! `prompt_cache_key` narrows the scope inside it ([`Tenants::cache_scope`]).
 //!
 //! A key is hashed and compared with *every* tenant's hash in constant time
 //! (no early exit, no data-dependent branch), so neither the match nor its
@@ -51,6 +57,8 @@ pub struct TenantSpec {
     pub api_key_sha256: String,
     pub max_concurrent: Option<usize>,
     pub max_tokens_per_minute: Option<u64>,
+    /// Tenants naming the same group share cached KV (K11).
+    pub cache_group: Option<String>,
 }
 
 /// A tenant and its live usage.
@@ -61,6 +69,7 @@ pub struct Tenant {
     key_hash: [u8; 32],
     pub max_concurrent: usize,
     pub max_tokens_per_minute: Option<u64>,
+    pub cache_group: Option<String>,
     usage: Mutex<Usage>,
 }
 
@@ -79,6 +88,23 @@ pub struct Tenants {
     list: Vec<Arc<Tenant>>,
     anonymous: bool,
     epoch: Instant,
+    /// A per-process secret in every derived cache scope, so no one can
+    /// compute another's scope offline.
+    scope_secret: [u8; 16],
+}
+
+/// Upper bound on a request's cache salt.
+pub const CACHE_SALT_BYTES_MAX: usize = 256;
+
+fn scope_secret() -> [u8; 16] {
+    use std::hash::{BuildHasher, Hasher};
+    let mut out = [0u8; 16];
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_usize(i);
+        chunk.copy_from_slice(&h.finish().to_le_bytes());
+    }
+    out
 }
 
 /// Why a tenant's request was refused.
@@ -206,10 +232,12 @@ impl Tenants {
                 key_hash: [0; 32],
                 max_concurrent: usize::MAX,
                 max_tokens_per_minute: None,
+                cache_group: None,
                 usage: Mutex::new(Usage::default()),
             })],
             anonymous: true,
             epoch: Instant::now(),
+            scope_secret: scope_secret(),
         }
     }
 
@@ -245,6 +273,14 @@ impl Tenants {
                     s.name
                 ));
             }
+            if let Some(g) = &s.cache_group {
+                if g.is_empty() || g.len() > 128 {
+                    return Err(format!(
+                        "tenant `{}`: cache_group must be 1 to 128 bytes",
+                        s.name
+                    ));
+                }
+            }
             if list.iter().any(|t| t.name == s.name) {
                 return Err(format!("tenant name `{}` appears twice", s.name));
             }
@@ -260,6 +296,7 @@ impl Tenants {
                 key_hash,
                 max_concurrent: s.max_concurrent.unwrap_or(MAX_CONCURRENT_DEFAULT),
                 max_tokens_per_minute: s.max_tokens_per_minute,
+                cache_group: s.cache_group,
                 usage: Mutex::new(Usage::default()),
             }));
         }
@@ -267,7 +304,46 @@ impl Tenants {
             list,
             anonymous: false,
             epoch: Instant::now(),
+            scope_secret: scope_secret(),
         })
+    }
+
+    /// The prefix-cache scope of a request of `t` with `salt` (K11).
+    /// `None`: the tenant's own scope (`request::Scope::tenant`). A group
+    /// (set by the operator) widens it to the group's tenants; a salt only
+    /// narrows: it is hashed inside the tenant's or group's scope, with a
+    /// per-process secret, so no salt names another tenant's scope.
+    pub fn cache_scope(&self, t: &Tenant, salt: Option<&str>) -> Option<request::Scope> {
+        if t.cache_group.is_none() && salt.is_none() {
+            return None;
+        }
+        let mut h = Sha256::new();
+        h.update(b"isoserve-cache-scope-v1");
+        h.update(self.scope_secret);
+        let part = |h: &mut Sha256, bytes: &[u8]| {
+            h.update((bytes.len() as u64).to_le_bytes());
+            h.update(bytes);
+        };
+        match &t.cache_group {
+            Some(g) => {
+                part(&mut h, b"group");
+                part(&mut h, g.as_bytes());
+            }
+            None => {
+                part(&mut h, b"tenant");
+                part(&mut h, &t.id.0.to_le_bytes());
+            }
+        }
+        match salt {
+            Some(s) => {
+                part(&mut h, b"salt");
+                part(&mut h, s.as_bytes());
+            }
+            None => part(&mut h, b"unsalted"),
+        }
+        let d: [u8; 32] = h.finalize().into();
+        let v = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
+        Some(request::Scope::derived(v))
     }
 
     /// Parses the TOML text of a tenants file.

@@ -49,6 +49,8 @@ pub fn gen_request(tenant: u64, tokens: &[u32], max_tokens: u32, g: &GenSpec) ->
         stop: g.stop.clone(),
         ignore_eos: g.ignore_eos,
         logprobs: g.logprobs.map(usize::from),
+        // TODO(issue 16, PD): the scope crosses the wire with the request.
+        cache_scope: None,
     }
 }
 

@@ -18,14 +18,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use expect_test::{expect, Expect};
-use kv::{DType, KvError, KvShape, Pool, PoolOptions, RequestId, TenantId};
+use kv::{DType, KvError, KvShape, Pool, PoolOptions, RequestId, Scope, TenantId};
 use model::{Forward, ModelError, Row, SeqCtx};
 use request::{EngineStats, Event, GenRequest};
 use tokenizer::Tokenizer;
 use tokio::sync::mpsc as tmpsc;
 
 use super::Core;
-use crate::{Command, EngineConfig, Submitted};
+use crate::{Command, EngineConfig, PrefixCache, Submitted};
 
 /// Token id of the byte `b` in the synthetic vocabulary (3 special tokens,
 /// then the 256 bytes in order).
@@ -159,7 +159,18 @@ impl Harness {
     }
 
     fn with_model(fwd: HashModel, pages: u64, step_tokens: usize, max_running: usize) -> Harness {
+        Harness::with_cache(fwd, pages, step_tokens, max_running, PrefixCache::Off)
+    }
+
+    fn with_cache(
+        fwd: HashModel,
+        pages: u64,
+        step_tokens: usize,
+        max_running: usize,
+        prefix_cache: PrefixCache,
+    ) -> Harness {
         let cfg = EngineConfig {
+            prefix_cache,
             page_size_tokens: PAGE_SIZE,
             kv_pages: Some(pages),
             max_context: Some(fwd.window.min(pages as usize * PAGE_SIZE)),
@@ -260,14 +271,20 @@ impl Harness {
                         c.text += &t.text;
                         write!(line, " r{id}+{:?}", t.text).unwrap();
                     }
-                    Event::Done(d) => write!(
-                        line,
-                        " r{id} done {} ({} tokens, {} pages)",
-                        d.finish.as_openai(),
-                        d.usage.completion_tokens,
-                        d.pages
-                    )
-                    .unwrap(),
+                    Event::Done(d) => {
+                        write!(
+                            line,
+                            " r{id} done {} ({} tokens, {} pages",
+                            d.finish.as_openai(),
+                            d.usage.completion_tokens,
+                            d.pages
+                        )
+                        .unwrap();
+                        if d.usage.cached_tokens > 0 {
+                            write!(line, ", {} cached", d.usage.cached_tokens).unwrap();
+                        }
+                        line += ")";
+                    }
                     Event::Error(e) => write!(line, " r{id} error {}", e.kind()).unwrap(),
                 }
             }
@@ -297,6 +314,14 @@ impl Harness {
             pool.pages_total
         )
         .unwrap();
+        if pool.pages_cached > 0 {
+            write!(
+                line,
+                " cached {} ({} idle)",
+                pool.pages_cached, pool.pages_evictable
+            )
+            .unwrap();
+        }
         if !progressed {
             line += " (all wait for readers)";
         }
@@ -320,11 +345,19 @@ impl Harness {
         expect.assert_eq(&self.log);
     }
 
-    /// The pool is whole again and the counters add up.
+    /// The pool is whole again (cached pages idle, so available) and the
+    /// counters add up.
     fn assert_quiet(&mut self) {
         self.core.publish();
         let s = self.core.stats().clone();
-        assert_eq!(s.pool.pages_free, s.pool.pages_total, "pages leaked");
+        assert_eq!(
+            s.pool.pages_free + s.pool.pages_evictable,
+            s.pool.pages_total,
+            "pages leaked or still held"
+        );
+        assert_eq!(s.pool.pages_evictable, s.pool.pages_cached);
+        assert_eq!(s.pool.safety_refusals(), 0);
+        self.core.pool.check_invariants().unwrap();
         assert_eq!(s.running + s.waiting, 0);
         assert_eq!(self.core.waiting_count.load(Ordering::Acquire), 0);
     }
@@ -549,5 +582,135 @@ fn shutdown_without_drain_cancels_queued_and_running_requests() {
         t2 rows - | r1 error shutting_down r2 error shutting_down | queue [] running [] free 8/8
     "#]]);
     assert_eq!(h.core.stats().requests_cancelled_total, 2);
+    h.assert_quiet();
+}
+
+// ------------------------------------------------------------ prefix cache
+
+fn cached(pages: u64) -> Harness {
+    Harness::with_cache(HashModel::new(64, 300), pages, 32, 4, PrefixCache::Tenant)
+}
+
+fn prompt(len: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| byte_token(b'A' + (i % 26) as u8))
+        .collect()
+}
+
+#[test]
+fn a_shared_prefix_is_computed_once_per_scope_k11() {
+    // 10-token prompts, pages of 4: two full pages can come from the cache
+    // (the last token is always computed).
+    let mut h = cached(16);
+    let r1 = h.submit(GenRequest::greedy(TenantId(1), prompt(10), 2));
+    h.run(10);
+    // The same tenant: only positions 8 and 9 run, the same letters come.
+    let r2 = h.submit(GenRequest::greedy(TenantId(1), prompt(10), 2));
+    h.run(10);
+    // Another tenant, and the first tenant under a salt: computed whole.
+    let r3 = h.submit(GenRequest::greedy(TenantId(2), prompt(10), 2));
+    h.run(10);
+    let salted = GenRequest {
+        cache_scope: Some(Scope::derived(42)),
+        ..GenRequest::greedy(TenantId(1), prompt(10), 2)
+    };
+    let r4 = h.submit(salted);
+    h.run(10);
+    h.check(expect![[r#"
+        t1 rows r1 0-9* | r1+"t" | queue [] running [r1] free 13/16 cached 2 (0 idle)
+        t2 rows r1 10* | r1+"n" r1 done length (2 tokens, 3 pages) | queue [] running [] free 14/16 cached 2 (2 idle)
+        t3 rows r2 8-9* | r2+"t" | queue [] running [r2] free 13/16 cached 2 (0 idle)
+        t4 rows r2 10* | r2+"n" r2 done length (2 tokens, 3 pages, 8 cached) | queue [] running [] free 14/16 cached 2 (2 idle)
+        t5 rows r3 0-9* | r3+"t" | queue [] running [r3] free 11/16 cached 4 (2 idle)
+        t6 rows r3 10* | r3+"n" r3 done length (2 tokens, 3 pages) | queue [] running [] free 12/16 cached 4 (4 idle)
+        t7 rows r4 0-9* | r4+"t" | queue [] running [r4] free 9/16 cached 6 (4 idle)
+        t8 rows r4 10* | r4+"n" r4 done length (2 tokens, 3 pages) | queue [] running [] free 10/16 cached 6 (6 idle)
+    "#]]);
+    let text = h.client(r1).text.clone();
+    for r in [r2, r3, r4] {
+        assert_eq!(h.client(r).text, text, "K12: r{r} differs from r1");
+    }
+    let s = h.core.stats().clone();
+    assert_eq!(s.prefix_cache_queries_total, 4);
+    assert_eq!(s.prefix_cache_hit_tokens_total, 8);
+    assert_eq!(s.prefix_cache_hit_pages_total, 2);
+    h.assert_quiet();
+}
+
+#[test]
+fn the_next_turn_of_a_conversation_reuses_the_answer_too() {
+    let mut h = cached(16);
+    let r1 = h.submit(GenRequest::greedy(TenantId(1), prompt(6), 7));
+    h.run(20);
+    // Turn two: the whole first turn (prompt and answer) and 3 new tokens.
+    let answer: Vec<u32> = h.client(r1).text.bytes().map(byte_token).collect();
+    let mut turn2 = prompt(6);
+    turn2.extend(&answer);
+    turn2.extend(prompt(3));
+    h.submit(GenRequest::greedy(TenantId(1), turn2, 2));
+    h.run(20);
+    h.check(expect![[r#"
+        t1 rows r1 0-5* | r1+"j" | queue [] running [r1] free 12/16 cached 1 (0 idle)
+        t2 rows r1 6* | r1+"f" | queue [] running [r1] free 12/16 cached 1 (0 idle)
+        t3 rows r1 7* | r1+"x" | queue [] running [r1] free 12/16 cached 1 (0 idle)
+        t4 rows r1 8* | r1+"v" | queue [] running [r1] free 12/16 cached 1 (0 idle)
+        t5 rows r1 9* | r1+"g" | queue [] running [r1] free 12/16 cached 1 (0 idle)
+        t6 rows r1 10* | r1+"q" | queue [] running [r1] free 12/16 cached 1 (0 idle)
+        t7 rows r1 11* | r1+"k" r1 done length (7 tokens, 4 pages) | queue [] running [] free 13/16 cached 3 (3 idle)
+        t8 rows r2 12-15* | r2+"p" | queue [] running [r2] free 11/16 cached 4 (0 idle)
+        t9 rows r2 16* | r2+"p" r2 done length (2 tokens, 5 pages, 12 cached) | queue [] running [] free 12/16 cached 4 (4 idle)
+    "#]]);
+    h.assert_quiet();
+}
+
+#[test]
+fn idle_cached_pages_are_evicted_for_a_request_that_needs_the_pool_k8() {
+    // 8 pages of 4 = 32 tokens, the window. Two requests leave 4 pages
+    // cached; a full-window request still runs, evicting them.
+    let mut h = cached(8);
+    h.submit(GenRequest::greedy(TenantId(1), prompt(9), 1));
+    h.submit(GenRequest::greedy(TenantId(2), prompt(9), 1));
+    h.run(10);
+    h.submit(GenRequest::greedy(TenantId(3), prompt(30), 2));
+    h.run(10);
+    h.check(expect![[r#"
+        t1 rows r1 0-8* r2 0-8* | r1+"o" r1 done length (1 tokens, 3 pages) r2+"o" r2 done length (1 tokens, 3 pages) | queue [] running [] free 4/8 cached 4 (4 idle)
+        t2 rows r3 0-29* | r3+"z" | queue [] running [r3] free 0/8 cached 7 (0 idle)
+        t3 rows r3 30* | r3+"y" r3 done length (2 tokens, 8 pages) | queue [] running [] free 1/8 cached 7 (7 idle)
+    "#]]);
+    assert_eq!(h.core.pool.stats().cache_evictions, 4);
+    h.assert_quiet();
+}
+
+#[test]
+fn cancelling_a_request_on_cached_pages_releases_them() {
+    let mut h = cached(16);
+    h.submit(GenRequest::greedy(TenantId(1), prompt(9), 1));
+    h.run(10);
+    let r2 = h.submit(GenRequest::greedy(TenantId(1), prompt(9), 20));
+    h.tick();
+    h.tick();
+    h.cancel(r2);
+    h.tick();
+    h.check(expect![[r#"
+        t1 rows r1 0-8* | r1+"o" r1 done length (1 tokens, 3 pages) | queue [] running [] free 14/16 cached 2 (2 idle)
+        t2 rows r2 8* | r2+"o" | queue [] running [r2] free 8/16 cached 2 (0 idle)
+        t3 rows r2 9* | r2+"b" | queue [] running [r2] free 8/16 cached 2 (0 idle)
+           cancel r2
+        t4 rows - | - | queue [] running [] free 14/16 cached 2 (2 idle)
+    "#]]);
+    h.assert_quiet();
+}
+
+#[test]
+fn with_the_cache_off_nothing_is_reused() {
+    let mut h = Harness::new(16, 32, 4);
+    h.submit(GenRequest::greedy(TenantId(1), prompt(10), 1));
+    h.run(10);
+    h.submit(GenRequest::greedy(TenantId(1), prompt(10), 1));
+    h.run(10);
+    assert_eq!(h.core.pool.stats().pages_cached, 0);
+    assert_eq!(h.core.stats().prefix_cache_queries_total, 0);
+    assert!(h.log.contains("r2 0-9*"), "{}", h.log);
     h.assert_quiet();
 }
