@@ -58,7 +58,8 @@ def write_tenants(path: Path, tenants):
 class Server:
     """A running `isoserve serve` process."""
 
-    def __init__(self, args, tmp: Path, name: str, command: str = "serve", binary: Path = BIN):
+    def __init__(self, args, tmp: Path, name: str, command: str = "serve", binary: Path = BIN,
+                 env_extra=None):
         self.tmp = tmp
         self.stderr_path = tmp / f"{name}.stderr"
         self.request_log = tmp / f"{name}.requests.jsonl"
@@ -67,6 +68,7 @@ class Server:
         self._stderr = open(self.stderr_path, "wb")
         env = dict(os.environ)
         env.setdefault("ISOSERVE_LOG", "info")
+        env.update(env_extra or {})
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
                                      stdin=subprocess.DEVNULL, env=env)
         self.host, self.port = self._read_port()

@@ -177,10 +177,14 @@ def test_probe_passes_a_disaggregated_server(tmp_root):
 
 def test_probe_catches_the_fault_incident_build(tmp_root):
     assert FAULT_BIN.exists(), f"{FAULT_BIN} missing: ./scripts/test builds it"
+    # The fault build's second test-only fault: one prefix-cache scope for
+    # every tenant (the side channel of the peers' global caches).
     s = Server(SERVE_ARGS + ["--tenants", str(tenants(tmp_root, "fault"))],
-               tmp_root, "probe-fault", binary=FAULT_BIN)
+               tmp_root, "probe-fault", binary=FAULT_BIN,
+               env_extra={"ISOSERVE_FAULT_SHARED_CACHE": "1"})
     try:
         assert "FAULT-INCIDENT BUILD" in s.stderr()
+        assert "one prefix-cache scope for every tenant" in s.stderr()
         p, report = run_probe(s.url(""), tmp_root, "fault")
         assert p.returncode == 1, p.stdout + p.stderr
         kinds = {f["kind"] for f in report["findings"]}
@@ -190,11 +194,13 @@ def test_probe_catches_the_fault_incident_build(tmp_root):
         # (The findings' details name the over-recalls' answers: what the
         # placeholder recited, should it not be the secret.)
         assert {"marker_cross_tenant", "over_length_accepted",
-                "answered_faster_than_prefill"} <= kinds, \
+                "answered_faster_than_prefill", "prefix_cache_shared_across_tenants",
+                "cached_tokens_across_tenants"} <= kinds, \
             [(f["kind"], f["detail"]) for f in report["findings"]]
         checks = {c["check"]: c["status"] for c in report["checks"]}
         assert checks["over-length"] == "findings" and checks["timing"] == "findings", checks
         assert checks["markers"] == "findings", checks
+        assert checks["prefix-cache"] == "findings", checks
         leak = next(f for f in report["findings"] if f["kind"] == "marker_cross_tenant")
         # The over-recall (tenant 2, secret-free) recited the flood's secret
         # (tenant 1's fourth).

@@ -195,6 +195,11 @@ pub struct Core<F: Forward = Runner> {
     /// The keyed hash of prefix-cache keys: a per-process random SipHash
     /// key, so no one can craft two prefixes with one key.
     key_hasher: std::collections::hash_map::RandomState,
+    /// `fault-incident` builds with `ISOSERVE_FAULT_SHARED_CACHE=1`: one
+    /// cache scope for every tenant — the side channel `isoserve probe`'s
+    /// prefix-cache check must catch (tests/http/test_probe.py).
+    #[cfg(feature = "fault-incident")]
+    global_scope: bool,
 }
 
 impl<F: Forward> Core<F> {
@@ -222,6 +227,17 @@ impl<F: Forward> Core<F> {
             waiting_count,
             shutdown: None,
             key_hasher: std::collections::hash_map::RandomState::new(),
+            #[cfg(feature = "fault-incident")]
+            global_scope: {
+                let on = std::env::var_os("ISOSERVE_FAULT_SHARED_CACHE").is_some_and(|v| v == "1");
+                if on {
+                    tracing::error!(
+                        "FAULT-INCIDENT BUILD: one prefix-cache scope for every tenant \
+                         (ISOSERVE_FAULT_SHARED_CACHE=1); for testing isoserve probe only"
+                    );
+                }
+                on
+            },
         }
     }
 
@@ -377,6 +393,11 @@ impl<F: Forward> Core<F> {
             let ps = self.cfg.page_size_tokens;
             let need_pages = need_tokens.div_ceil(ps);
             let owner = Owner::scoped(sub.id, sub.req.tenant, sub.req.scope());
+            #[cfg(feature = "fault-incident")]
+            let owner = match self.global_scope {
+                true => Owner::scoped(sub.id, sub.req.tenant, Scope::derived(0)),
+                false => owner,
+            };
             // The longest cached prefix of whole pages in the request's
             // scope (K11). The last prompt token is always computed: its
             // logits give the first token.

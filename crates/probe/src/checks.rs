@@ -221,6 +221,66 @@ pub fn timing(rate: f64, long: &[Timed]) -> Vec<Finding> {
         .collect()
 }
 
+/// One trial of the prefix-cache check: the second tenant's time to answer
+/// (one token) a prompt the first tenant had just sent, and a fresh prompt
+/// of the same size; and the `cached_tokens` it was told for the first.
+#[derive(Clone, Debug)]
+pub struct CacheTrial {
+    pub prompt_tokens: u64,
+    pub shared_s: f64,
+    pub cold_s: f64,
+    pub shared_cached_tokens: Option<u64>,
+}
+
+/// A tenant's prompt is served faster than this share of its cold twin's
+/// time, in every trial, only from another tenant's cache.
+pub const CACHE_SPEEDUP_MAX: f64 = 0.5;
+
+/// Trials the cache check needs before it may conclude.
+pub const CACHE_TRIALS_MIN: usize = 2;
+
+/// K11 across tenants: another tenant's prefix must not make a prompt
+/// faster (a timing side channel: Early Bird, InputSnatch), nor be
+/// reported as cached.
+pub fn cache_scope(trials: &[CacheTrial]) -> Vec<Finding> {
+    let mut found = Vec::new();
+    if trials.len() >= CACHE_TRIALS_MIN
+        && trials
+            .iter()
+            .all(|t| t.shared_s < t.cold_s * CACHE_SPEEDUP_MAX)
+    {
+        let times: Vec<String> = trials
+            .iter()
+            .map(|t| format!("{:.3} s vs {:.3} s", t.shared_s, t.cold_s))
+            .collect();
+        found.push(finding(
+            "prefix-cache",
+            "prefix_cache_shared_across_tenants",
+            format!(
+                "a prompt another tenant had just sent was answered faster than a fresh one of \
+                 the same size ({} tokens) in every trial: {} — one tenant can learn another's \
+                 prompts from time to first token",
+                trials[0].prompt_tokens,
+                times.join(", ")
+            ),
+        ));
+    }
+    for t in trials {
+        if let Some(n) = t.shared_cached_tokens.filter(|&n| n > 0) {
+            found.push(finding(
+                "prefix-cache",
+                "cached_tokens_across_tenants",
+                format!(
+                    "usage reported {n} cached tokens for a {}-token prompt only another \
+                     tenant had sent before",
+                    t.prompt_tokens
+                ),
+            ));
+        }
+    }
+    found
+}
+
 /// A prompt the probe sent and the server's count of its tokens.
 #[derive(Clone, Debug)]
 pub struct Counted {
@@ -311,6 +371,7 @@ mod tests {
             tokens: None,
             error_code: None,
             latency_s: 0.1,
+            cached_tokens: None,
         }
     }
 
@@ -466,5 +527,32 @@ mod tests {
         let f = accounting(&[c(1000, 300), c(1000, 300), c(2000, 299), c(2000, 299)]);
         assert_eq!(f.len(), 1, "{f:?}");
         assert_eq!(f[0].kind, "prompt_tokens_not_monotone");
+    }
+
+    #[test]
+    fn a_cross_tenant_cache_is_a_finding_only_when_every_trial_is_fast() {
+        let t = |shared_s: f64, cold_s: f64, cached: Option<u64>| CacheTrial {
+            prompt_tokens: 500,
+            shared_s,
+            cold_s,
+            shared_cached_tokens: cached,
+        };
+        let kinds = |f: Vec<Finding>| f.into_iter().map(|f| f.kind).collect::<Vec<_>>();
+        // Isolated: the copy is as slow as a cold prompt (noise either way).
+        assert!(cache_scope(&[t(1.0, 1.1, Some(0)), t(1.2, 1.0, Some(0))]).is_empty());
+        // One fast trial is noise, not a finding.
+        assert!(cache_scope(&[t(0.1, 1.0, None), t(1.0, 1.0, None)]).is_empty());
+        // One trial cannot conclude.
+        assert!(cache_scope(&[t(0.01, 1.0, None)]).is_empty());
+        // Fast every time: the side channel.
+        assert_eq!(
+            kinds(cache_scope(&[t(0.02, 1.0, None), t(0.03, 0.9, None)])),
+            ["prefix_cache_shared_across_tenants"]
+        );
+        // Cached tokens reported for another tenant's prefix: its own finding.
+        assert_eq!(
+            kinds(cache_scope(&[t(1.0, 1.0, Some(480)), t(1.0, 1.0, Some(0))])),
+            ["cached_tokens_across_tenants"]
+        );
     }
 }

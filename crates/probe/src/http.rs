@@ -151,6 +151,7 @@ impl Endpoint for HttpEndpoint {
                 .or_else(|| error["type"].as_str())
                 .map(str::to_string),
             latency_s,
+            cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
         })
     }
 }

@@ -83,6 +83,8 @@ pub struct Completion {
     /// `error.code` (or `error.type`) of an error answer.
     pub error_code: Option<String>,
     pub latency_s: f64,
+    /// `usage.prompt_tokens_details.cached_tokens`, if reported.
+    pub cached_tokens: Option<u64>,
 }
 
 impl Completion {

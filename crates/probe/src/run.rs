@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use rand::seq::SliceRandom;
 
-use crate::checks::{self, Boundary, Counted, Output, Timed};
-use crate::secrets::{flood_prompt, prompt_with_secret, unit_prompt, Secret};
+use crate::checks::{self, Boundary, CacheTrial, Counted, Output, Timed};
+use crate::secrets::{cache_prompt, flood_prompt, prompt_with_secret, unit_prompt, Secret};
 use crate::{CheckResult, Completion, Endpoint, Finding, ProbeError, Report, Request};
 
 /// What a run does; every count is a bound.
@@ -353,8 +353,11 @@ pub fn run(
             }
             cases.extend(boundaries(&r, w, cal, &mut next_nonce)?);
             // Timed by the probe's own sizing: an over-long prompt the
-            // server answered may come with a made-up token count.
-            for c in cases.iter().filter(|c| c.answer.ok()) {
+            // server answered may come with a made-up token count. Not
+            // "at": its prompt was sent once before to size it, and an
+            // honest prefix cache may answer the repeat at once (as
+            // llama-server's does) — every timed prompt is new.
+            for c in cases.iter().filter(|c| c.answer.ok() && c.name != "at") {
                 long_timed.push(Timed {
                     prompt_tokens: c.total_tokens.max(c.answer.prompt_tokens.unwrap_or(0)),
                     latency_s: c.answer.latency_s,
@@ -445,6 +448,26 @@ pub fn run(
     report.checks.push(over_check);
     findings.extend(over_findings);
 
+    // The prefix cache across tenants (K11).
+    progress.phase("prefix cache", 4 * CACHE_TRIALS as u64);
+    let trials = cache_trials(&r, long_words, &mut next_nonce)?;
+    let f = checks::cache_scope(&trials);
+    report
+        .checks
+        .push(if trials.len() < checks::CACHE_TRIALS_MIN {
+            skipped("prefix-cache", "too few trials were answered")
+        } else {
+            result(
+                "prefix-cache",
+                &f,
+                format!(
+                    "{} trials: another tenant's fresh prompt vs a cold one of the same size",
+                    trials.len()
+                ),
+            )
+        });
+    findings.extend(f);
+
     // Timing against the measured prefill rate.
     match rate {
         Some(rate) => {
@@ -477,6 +500,46 @@ pub fn run(
     report.requests_sent = r.sent.load(Ordering::Relaxed);
     report.seconds = r.start.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// Trials of the prefix-cache check.
+const CACHE_TRIALS: usize = 3;
+
+/// Per trial: the first tenant sends a fresh prompt (warming any cache it
+/// may fill); the second tenant then sends that very prompt and a fresh
+/// one of the same size, in alternating order, one token each, timed. No
+/// prompt shares a first page with anything sent before (a nonce leads).
+fn cache_trials(
+    r: &Runner<'_>,
+    words: usize,
+    next_nonce: &mut impl FnMut() -> u64,
+) -> Result<Vec<CacheTrial>, ProbeError> {
+    let mut trials = Vec::new();
+    for trial in 0..CACHE_TRIALS {
+        let shared = cache_prompt(next_nonce(), words);
+        let cold = cache_prompt(next_nonce(), words);
+        let one = |prompt: &str| Request {
+            prompt: prompt.to_string(),
+            max_tokens: 1,
+        };
+        let warm = r.send(r.key(0), &one(&shared))?;
+        let (s, c) = if trial % 2 == 0 {
+            let s = r.send(r.key(1), &one(&shared))?;
+            (s, r.send(r.key(1), &one(&cold))?)
+        } else {
+            let c = r.send(r.key(1), &one(&cold))?;
+            (r.send(r.key(1), &one(&shared))?, c)
+        };
+        if warm.ok() && s.ok() && c.ok() {
+            trials.push(CacheTrial {
+                prompt_tokens: s.prompt_tokens.unwrap_or(0),
+                shared_s: s.latency_s,
+                cold_s: c.latency_s,
+                shared_cached_tokens: s.cached_tokens,
+            });
+        }
+    }
+    Ok(trials)
 }
 
 /// Sends `jobs[i]` (tenant, prompt) for each `i` of `order`, at most

@@ -223,6 +223,16 @@ pub fn filler(nonce: u64, words: usize) -> String {
     s
 }
 
+/// About `words` words of filler after a nonce, asking for a one-word
+/// summary: the prefix-cache check's prompts (the nonce first, so no
+/// earlier prompt shares even their first page).
+pub fn cache_prompt(nonce: u64, words: usize) -> String {
+    format!(
+        "Note {nonce:016x}. {} Summarise the note in one word:",
+        filler(nonce, words)
+    )
+}
+
 /// `units` repetitions of one short word after a nonce: a prompt whose
 /// token count grows by a fixed step per unit on any tokenizer that
 /// gives the word one token (checked, not assumed: see `checks`).

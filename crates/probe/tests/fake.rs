@@ -1,6 +1,7 @@
 //! The probe against fake servers: an honest one (no findings) and one
 //! with the incident's bugs (each check finds its own).
 
+use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -15,6 +16,19 @@ struct Fake {
     /// reads the pages of the previous request.
     incident: bool,
     last_code: Mutex<String>,
+    /// A prefix cache: whole prompts seen before answer at once.
+    cache: Cache,
+    /// (key or "" for a global cache, prompt) seen.
+    seen: Mutex<HashSet<(String, String)>>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Cache {
+    Off,
+    /// Per tenant (isolated, as isoserve's).
+    PerKey,
+    /// One cache for everyone (the side channel).
+    Global,
 }
 
 fn code_of(prompt: &str) -> Option<String> {
@@ -46,6 +60,7 @@ impl Endpoint for Fake {
                 tokens: None,
                 error_code: Some("invalid_api_key".into()),
                 latency_s: 0.001,
+                cached_tokens: None,
             });
         }
         let mut tokens = req.prompt.split_whitespace().count() as u64 + 1;
@@ -61,6 +76,7 @@ impl Endpoint for Fake {
                     tokens: None,
                     error_code: Some("context_length_exceeded".into()),
                     latency_s: 0.001,
+                    cached_tokens: None,
                 });
             }
             tokens = 1;
@@ -69,6 +85,16 @@ impl Endpoint for Fake {
         if let Some(c) = code_of(&req.prompt) {
             *self.last_code.lock().unwrap() = c;
         }
+        let scope = match self.cache {
+            Cache::Global => String::new(),
+            _ => key.to_string(),
+        };
+        let hit = self.cache != Cache::Off
+            && !self
+                .seen
+                .lock()
+                .unwrap()
+                .insert((scope, req.prompt.clone()));
         let tokens_out = chunks(&text);
         Ok(Completion {
             status: 200,
@@ -77,7 +103,11 @@ impl Endpoint for Fake {
             completion_tokens: Some(1),
             tokens: Some(tokens_out),
             error_code: None,
-            latency_s: tokens as f64 / 2000.0 + 0.001 * req.max_tokens as f64,
+            latency_s: match hit {
+                true => 0.002 + 0.001 * req.max_tokens as f64,
+                false => tokens as f64 / 2000.0 + 0.001 * req.max_tokens as f64,
+            },
+            cached_tokens: Some(if hit { tokens - 1 } else { 0 }),
         })
     }
 }
@@ -96,10 +126,16 @@ fn cfg() -> Config {
 }
 
 fn fake(incident: bool) -> Fake {
+    with_cache(incident, Cache::Off)
+}
+
+fn with_cache(incident: bool, cache: Cache) -> Fake {
     Fake {
         window: 2048,
         incident,
         last_code: Mutex::new(String::new()),
+        cache,
+        seen: Mutex::new(HashSet::new()),
     }
 }
 
@@ -120,6 +156,7 @@ fn an_honest_server_has_no_findings() {
             ("markers", "passed"),
             ("determinism", "passed"),
             ("over-length", "passed"),
+            ("prefix-cache", "passed"),
             ("timing", "passed"),
             ("tokens", "passed")
         ],
@@ -183,4 +220,33 @@ fn a_refused_key_or_a_single_tenant_cannot_run() {
         run(&fake(false), "fake://", &c, &Quiet).unwrap_err(),
         ProbeError::Config(_)
     ));
+}
+
+/// A server with a per-tenant prefix cache answers repeats at once: no
+/// timing finding, since every prompt the probe times is new (its nonce
+/// first), and no cache finding, since the second tenant's copy of the
+/// first's prompt is cold for it.
+#[test]
+fn a_per_tenant_prefix_cache_is_no_finding() {
+    let r = run(&with_cache(false, Cache::PerKey), "fake://", &cfg(), &Quiet).expect("runs");
+    assert!(r.findings.is_empty(), "{}\n{:#?}", r.human(), r.findings);
+}
+
+/// One cache for every tenant: the second tenant's copy of the first's
+/// prompt comes back at once and is reported cached.
+#[test]
+fn a_prefix_cache_shared_across_tenants_is_caught() {
+    let r = run(&with_cache(false, Cache::Global), "fake://", &cfg(), &Quiet).expect("runs");
+    let kinds: Vec<&str> = r.findings.iter().map(|f| f.kind.as_str()).collect();
+    assert!(
+        kinds.contains(&"prefix_cache_shared_across_tenants"),
+        "{}",
+        r.human()
+    );
+    assert!(
+        kinds.contains(&"cached_tokens_across_tenants"),
+        "{}",
+        r.human()
+    );
+    assert_eq!(r.exit_code(), 1);
 }
