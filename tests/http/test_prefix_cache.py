@@ -86,6 +86,10 @@ def test_cache_counters_and_a_clean_pool(cache_server):
     assert m["isoserve_prefix_cache_queries_total"] >= 2
     assert m['isoserve_kv_pages{state="cached"}'] > 0
     assert m['isoserve_kv_refusals_total{kind="foreign_scope"}'] == 0
+    # Per tenant: a's cached tokens counted under a, none under b.
+    assert m['isoserve_tenant_prompt_tokens_cached_total{tenant="a"}'] > 0
+    assert m['isoserve_tenant_prompt_tokens_cached_total{tenant="b"}'] == 0
+    assert m['isoserve_tenant_prompt_tokens_total{tenant="b"}'] > 0
 
 
 @pytest.mark.parametrize("field,value", [("cache_salt", ""), ("cache_salt", 5),

@@ -292,6 +292,9 @@ impl Tracker {
         m.queue_time.observe(d.queue_ms / 1e3);
         m.e2e.observe(self.start.elapsed().as_secs_f64());
         m.tokens(d.usage.prompt_tokens, d.usage.completion_tokens);
+        if let Some(t) = &self.rec.tenant {
+            m.tenant_tokens(t, d.usage.prompt_tokens, d.usage.cached_tokens);
+        }
         // The prompt as the client sent it (tokenised here), not as the
         // backend says it ran it: the two differ only on a server that cut
         // the prompt, which is what the log must show.

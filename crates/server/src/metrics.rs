@@ -27,6 +27,8 @@ use crate::error::Reason;
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
 type Labels = Vec<(&'static str, &'static str)>;
+/// Per-tenant series: bounded by the tenants file (`tenants::TENANTS_MAX`).
+type TenantLabels = Vec<(&'static str, String)>;
 
 /// Request outcomes (`isoserve_requests_total{outcome}`).
 pub const OUTCOMES: [&str; 4] = ["finished", "cancelled", "rejected", "error"];
@@ -37,6 +39,8 @@ pub struct Metrics {
     requests: Family<Labels, Counter>,
     rejections: Family<Labels, Counter>,
     prompt_tokens: Counter,
+    tenant_prompt_tokens: Family<TenantLabels, Counter>,
+    tenant_cached_tokens: Family<TenantLabels, Counter>,
     completion_tokens: Counter,
     pub ttft: Histogram,
     pub inter_token: Histogram,
@@ -350,6 +354,18 @@ impl Metrics {
             "Completion tokens of requests answered by the HTTP layer",
             completion_tokens.clone(),
         );
+        let tenant_prompt_tokens = Family::<TenantLabels, Counter>::default();
+        let tenant_cached_tokens = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "isoserve_tenant_prompt_tokens",
+            "Prompt tokens of finished requests, per tenant",
+            tenant_prompt_tokens.clone(),
+        );
+        registry.register(
+            "isoserve_tenant_prompt_tokens_cached",
+            "Prompt tokens served from the tenant's prefix cache scope, per tenant",
+            tenant_cached_tokens.clone(),
+        );
         let ttft = Histogram::new(latency_buckets());
         let inter_token = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let queue_time = Histogram::new(latency_buckets());
@@ -389,6 +405,8 @@ impl Metrics {
             requests,
             rejections,
             prompt_tokens,
+            tenant_prompt_tokens,
+            tenant_cached_tokens,
             completion_tokens,
             ttft,
             inter_token,
@@ -415,6 +433,18 @@ impl Metrics {
     pub fn tokens(&self, prompt: usize, completion: usize) {
         self.prompt_tokens.inc_by(prompt as u64);
         self.completion_tokens.inc_by(completion as u64);
+    }
+
+    /// A finished request's prompt tokens and how many came from the
+    /// prefix cache, under its tenant's name.
+    pub fn tenant_tokens(&self, tenant: &str, prompt: usize, cached: usize) {
+        let labels = vec![("tenant", tenant.to_string())];
+        self.tenant_prompt_tokens
+            .get_or_create(&labels)
+            .inc_by(prompt as u64);
+        self.tenant_cached_tokens
+            .get_or_create(&labels)
+            .inc_by(cached as u64);
     }
 
     pub fn set_inflight(&self, n: usize) {
