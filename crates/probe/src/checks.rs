@@ -230,6 +230,9 @@ pub struct CacheTrial {
     pub shared_s: f64,
     pub cold_s: f64,
     pub shared_cached_tokens: Option<u64>,
+    /// What the cold twin was told: whatever the second tenant's own cache
+    /// gives it (a common opening) it gives both.
+    pub cold_cached_tokens: Option<u64>,
 }
 
 /// A tenant's prompt is served faster than this share of its cold twin's
@@ -266,13 +269,14 @@ pub fn cache_scope(trials: &[CacheTrial]) -> Vec<Finding> {
         ));
     }
     for t in trials {
-        if let Some(n) = t.shared_cached_tokens.filter(|&n| n > 0) {
+        let own = t.cold_cached_tokens.unwrap_or(0);
+        if let Some(n) = t.shared_cached_tokens.filter(|&n| n > own) {
             found.push(finding(
                 "prefix-cache",
                 "cached_tokens_across_tenants",
                 format!(
                     "usage reported {n} cached tokens for a {}-token prompt only another \
-                     tenant had sent before",
+                     tenant had sent before ({own} for a fresh prompt of the same size)",
                     t.prompt_tokens
                 ),
             ));
@@ -536,10 +540,12 @@ mod tests {
             shared_s,
             cold_s,
             shared_cached_tokens: cached,
+            cold_cached_tokens: Some(16),
         };
         let kinds = |f: Vec<Finding>| f.into_iter().map(|f| f.kind).collect::<Vec<_>>();
-        // Isolated: the copy is as slow as a cold prompt (noise either way).
-        assert!(cache_scope(&[t(1.0, 1.1, Some(0)), t(1.2, 1.0, Some(0))]).is_empty());
+        // Isolated: the copy is as slow as a cold prompt (noise either way),
+        // and told no more cached tokens than the cold twin.
+        assert!(cache_scope(&[t(1.0, 1.1, Some(16)), t(1.2, 1.0, Some(0))]).is_empty());
         // One fast trial is noise, not a finding.
         assert!(cache_scope(&[t(0.1, 1.0, None), t(1.0, 1.0, None)]).is_empty());
         // One trial cannot conclude.

@@ -101,6 +101,13 @@ struct Runner<'a> {
 
 impl Runner<'_> {
     fn send(&self, key: &str, req: &Request) -> Result<Completion, ProbeError> {
+        self.send_as(key, req, true)
+    }
+
+    /// `count`: the prompt joins the token-accounting sample (the
+    /// prefix-cache trials' plain prose does not: the accounting check
+    /// compares prompts of the probe's usual make).
+    fn send_as(&self, key: &str, req: &Request, count: bool) -> Result<Completion, ProbeError> {
         if self.start.elapsed() > self.cfg.time_budget {
             return Err(ProbeError::OutOfTime(self.cfg.time_budget.as_secs()));
         }
@@ -111,7 +118,7 @@ impl Runner<'_> {
         }
         let c = self.ep.complete(key, req)?;
         self.progress.tick();
-        if c.ok() {
+        if c.ok() && count {
             self.counted.lock().expect("not poisoned").push(Counted {
                 words: req.prompt.split_whitespace().count(),
                 chars: req.prompt.chars().count(),
@@ -164,10 +171,17 @@ pub fn run(
         tenants: cfg.tenant_keys.len(),
         ..Report::default()
     };
-    let mut nonce = cfg.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    // Nonces lead every prompt: mixed (SplitMix64), so any two differ in
+    // their first hex digits and no prompt shares even a first KV page
+    // with one sent before (an honest prefix cache then has nothing to
+    // serve a timed prompt from).
+    let mut counter = cfg.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut next_nonce = move || {
-        nonce = nonce.wrapping_add(1);
-        nonce
+        counter = counter.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = counter;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
     };
 
     // Every key works, and the unit prompt's token count is measured.
@@ -522,13 +536,14 @@ fn cache_trials(
             prompt: prompt.to_string(),
             max_tokens: 1,
         };
-        let warm = r.send(r.key(0), &one(&shared))?;
+        let send = |t: usize, p: &str| r.send_as(r.key(t), &one(p), false);
+        let warm = send(0, &shared)?;
         let (s, c) = if trial % 2 == 0 {
-            let s = r.send(r.key(1), &one(&shared))?;
-            (s, r.send(r.key(1), &one(&cold))?)
+            let s = send(1, &shared)?;
+            (s, send(1, &cold)?)
         } else {
-            let c = r.send(r.key(1), &one(&cold))?;
-            (r.send(r.key(1), &one(&shared))?, c)
+            let c = send(1, &cold)?;
+            (send(1, &shared)?, c)
         };
         if warm.ok() && s.ok() && c.ok() {
             trials.push(CacheTrial {
@@ -536,6 +551,7 @@ fn cache_trials(
                 shared_s: s.latency_s,
                 cold_s: c.latency_s,
                 shared_cached_tokens: s.cached_tokens,
+                cold_cached_tokens: c.cached_tokens,
             });
         }
     }
