@@ -112,7 +112,12 @@ pub fn node_samples(s: &PdStats, t: &Transport) -> Vec<MetricSample> {
         "KV pages in the pool",
         p.pages_total,
     );
-    metric("gauge", "kv_pages_free", "KV pages free", p.pages_free);
+    metric(
+        "gauge",
+        "kv_pages_free",
+        "KV pages no request or transfer holds (free, or cached and idle)",
+        p.pages_unheld(),
+    );
     metric(
         "gauge",
         "kv_pages_leased",

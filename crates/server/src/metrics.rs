@@ -164,13 +164,13 @@ impl Collector for EngineCollector {
         {
             let mut m = enc.encode_descriptor(
                 "isoserve_kv_pages",
-                "KV pages by state (owned includes cached, leased and release-pending pages; evictable: cached pages no request holds)",
+                "KV pages by state. free: no request or transfer holds it — on the free list, or cached and idle (evictable, taken back on demand, as vLLM counts its cached free blocks); owned: held (= total − free), leased and release-pending ones included; cached: in the prefix cache, held or idle; evictable: cached and idle",
                 None,
                 MetricType::Gauge,
             )?;
             for (state, v) in [
-                ("free", p.pages_free),
-                ("owned", p.pages_owned),
+                ("free", p.pages_unheld()),
+                ("owned", p.pages_total - p.pages_unheld()),
                 ("leased", p.pages_leased),
                 ("release_pending", p.pages_release_pending),
                 ("cached", p.pages_cached),
@@ -496,8 +496,10 @@ mod tests {
         m.ttft.observe(10.0);
         let mut s = EngineStats::default();
         s.pool.pages_total = 64;
-        s.pool.pages_free = 60;
-        s.pool.pages_owned = 4;
+        s.pool.pages_free = 58;
+        s.pool.pages_evictable = 2;
+        s.pool.pages_cached = 3;
+        s.pool.pages_owned = 6;
         s.pool.refused_stale_handle = 3;
         s.running = 2;
         let text = m.render(s, Vec::new());
@@ -514,9 +516,18 @@ mod tests {
             Some(1.0)
         );
         assert_eq!(value(&text, "isoserve_kv_pages_total"), Some(64.0));
+        // Idle cached pages count as free (they are taken back on demand).
         assert_eq!(
             value(&text, "isoserve_kv_pages{state=\"free\"}"),
             Some(60.0)
+        );
+        assert_eq!(
+            value(&text, "isoserve_kv_pages{state=\"owned\"}"),
+            Some(4.0)
+        );
+        assert_eq!(
+            value(&text, "isoserve_kv_pages{state=\"evictable\"}"),
+            Some(2.0)
         );
         assert_eq!(
             value(&text, "isoserve_kv_pages{state=\"owned\"}"),
