@@ -433,12 +433,7 @@ impl<F: Forward> Core<F> {
             let allocated =
                 acquired.and_then(|()| self.pool.alloc(owner, need_pages - hits.len(), &mut pages));
             if let Err(e) = allocated {
-                for &h in pages.iter().rev() {
-                    let _ = match hits.contains(&h) {
-                        true => self.pool.release(h, owner),
-                        false => self.pool.free(h, owner).map(|_| ()),
-                    };
-                }
+                give_back(&mut self.pool, owner, &pages, hits.len());
                 let _ = sub
                     .events
                     .try_send(Event::Error(RequestError::Internal(e.to_string())));
@@ -466,9 +461,7 @@ impl<F: Forward> Core<F> {
                             field: e.field,
                             why: e.why,
                         }));
-                    for h in pages {
-                        let _ = self.pool.free(h, owner);
-                    }
+                    give_back(&mut self.pool, owner, &pages, hits.len());
                     continue;
                 }
             };
@@ -898,6 +891,21 @@ fn extend_keys(
             h.write_u32(t);
         }
         keys.push(h.finish());
+    }
+}
+
+/// Undoes an admission that failed half way: the first `acquired` of
+/// `pages` are cached pages it took a reference to (released), the rest
+/// private ones it allocated (freed); last first.
+fn give_back(pool: &mut Pool, owner: Owner, pages: &[PageRef], acquired: usize) {
+    for (i, &h) in pages.iter().enumerate().rev() {
+        let r = match i < acquired {
+            true => pool.release(h, owner),
+            false => pool.free(h, owner).map(|_| ()),
+        };
+        if let Err(e) = r {
+            tracing::error!(page = h.index, "cannot give back a page: {e}");
+        }
     }
 }
 
