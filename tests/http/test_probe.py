@@ -89,8 +89,8 @@ def assert_clean(p, report):
     assert report["findings"] == []
     checks = {c["check"]: c["status"] for c in report["checks"]}
     assert checks == {"markers": "passed", "determinism": "passed",
-                      "over-length": "passed", "timing": "passed",
-                      "tokens": "passed"}, report["checks"]
+                      "over-length": "passed", "prefix-cache": "passed",
+                      "timing": "passed", "tokens": "passed"}, report["checks"]
     # Content, not status: every loaded output equalled its idle output,
     # the window was read from /v1/models, the rate was measured.
     assert report["determinism_agreement"] == 1.0
@@ -100,8 +100,9 @@ def assert_clean(p, report):
     # 2 keys + 2 calibration + 3 rate + 6 idle + 12 loaded + 20 flood (a
     # sizing prompt, a wave of 8 short ones, 8 near the window, and one
     # alone before each over-recall) + 7 window edges (3 over-recalls,
-    # under, at's sizing and at, over).
-    assert report["requests_sent"] == 52, report
+    # under, at's sizing and at, over) + 9 prefix-cache trials (3 × the
+    # first tenant's prompt, the second's copy and its cold twin).
+    assert report["requests_sent"] == 61, report
     # 6 idle + 12 loaded + 20 flood + 6 window edges (3 over-recalls,
     # under, at, over) read; every answer but the four refused over-long
     # ones came with its tokens (logprobs) and was matched on both.
