@@ -297,7 +297,6 @@ pub struct Pool {
     /// evicted oldest first when an allocation needs pages.
     evictable: BTreeMap<u64, u32>,
     idle_clock: u64,
-    pages_shared: u32,
     counters: Counters,
     #[cfg(any(test, feature = "fault-injection"))]
     faults: Faults,
@@ -338,7 +337,6 @@ impl Clone for Pool {
             cache_index: self.cache_index.clone(),
             evictable: self.evictable.clone(),
             idle_clock: self.idle_clock,
-            pages_shared: self.pages_shared,
             counters: self.counters.snapshot(),
             #[cfg(any(test, feature = "fault-injection"))]
             faults: self.faults,
@@ -439,7 +437,6 @@ impl Pool {
             cache_index: BTreeMap::new(),
             evictable: BTreeMap::new(),
             idle_clock: 0,
-            pages_shared: 0,
             counters: Counters::default(),
             #[cfg(any(test, feature = "fault-injection"))]
             faults: Faults::default(),
@@ -497,7 +494,7 @@ impl Pool {
 
     /// Pages cached (shared), held or not.
     pub fn pages_cached(&self) -> u32 {
-        self.pages_shared
+        self.cache_index.len() as u32
     }
 
     /// Tokens the whole pool holds (K8).
@@ -728,7 +725,6 @@ impl Pool {
             let (scope, key, idle) = (m.owner.scope, m.key, m.idle_since);
             m.shared = false;
             m.refs = 0;
-            self.pages_shared -= 1;
             self.cache_index.remove(&(scope, key));
             if self.evictable.get(&idle) == Some(&index) {
                 self.evictable.remove(&idle);
@@ -847,7 +843,6 @@ impl Pool {
         let (cached, epoch) = (m.owner, m.epoch);
         self.write_canary(h.index, canary_value(cached, epoch, h.index));
         self.cache_index.insert((owner.scope, key), h.index);
-        self.pages_shared += 1;
         bump(&self.counters.cache_publishes);
         Ok(Some(PageRef {
             index: h.index,
@@ -1288,7 +1283,7 @@ impl Pool {
             allocs: r(&c.allocs),
             frees: r(&c.frees),
             frees_deferred: r(&c.frees_deferred),
-            pages_cached: self.pages_shared as u64,
+            pages_cached: self.cache_index.len() as u64,
             pages_evictable: self.evictable.len() as u64,
             cache_publishes: r(&c.cache_publishes),
             cache_evictions: r(&c.cache_evictions),
@@ -1357,13 +1352,9 @@ impl Pool {
             leased += (m.leases > 0) as u32;
             pending += m.free_pending as u32;
         }
-        if shared != self.pages_shared
-            || self.cache_index.len() != shared as usize
-            || self.evictable.len() > shared as usize
-        {
+        if self.cache_index.len() != shared as usize || self.evictable.len() > shared as usize {
             return Err(format!(
-                "cache counts drifted: {shared} shared pages, kept {}, index {}, evictable {}",
-                self.pages_shared,
+                "cache counts drifted: {shared} shared pages, index {}, evictable {}",
                 self.cache_index.len(),
                 self.evictable.len()
             ));
