@@ -115,12 +115,10 @@ def assert_clean(p, report):
 
 
 def test_probe_passes_a_unified_server(tmp_root):
-    # TODO(issue 16): with the prefix cache on, the probe passes (checked
-    # by hand), but `isoserve audit`'s too_fast rule flags the "at" prompt's
-    # repeat answered from the cache: the request log must carry
-    # cached_tokens and the rule subtract them. Until then, cache off here.
-    s = Server(SERVE_ARGS + ["--prefix-cache", "off",
-                             "--tenants", str(tenants(tmp_root, "unified"))],
+    # With the prefix cache on (the default): the probe finds nothing, and
+    # the audit times only what was prefilled (`cached_tokens` in the log),
+    # so the "at" prompt's repeat served from the cache is not too fast.
+    s = Server(SERVE_ARGS + ["--tenants", str(tenants(tmp_root, "unified"))],
                tmp_root, "probe-unified")
     try:
         p, report = run_probe(s.url(""), tmp_root, "unified")
@@ -135,6 +133,7 @@ def test_probe_passes_a_unified_server(tmp_root):
         # The log records what the audit needs: the pool and window at the
         # time, the measured prefill rate, pages held by refused requests.
         recs = s.log_records()
+        assert any(r["cached_tokens"] > 0 for r in recs), "the cache served nothing"
         done = [r for r in recs if r["outcome"] == "finished"]
         assert done and all(r["kv_capacity_tokens"] == 160 * 16 and
                             r["context_window_tokens"] == 2048 and r["pages"] > 0

@@ -169,7 +169,12 @@ pub fn check(r: &Record, sig: &Signature) -> (Vec<(Rule, String)>, Vec<Rule>) {
         .prefill_tokens_per_s
         .or(sig.prefill_tokens_per_s)
         .filter(|&x| x > 0.0);
-    if let (Some(p), Some(ttft), Some(rate)) = (r.prompt_tokens, r.ttft_ms, rate) {
+    // Tokens a prefix cache served were not prefilled: only the rest is
+    // timed.
+    let prefilled = r
+        .prompt_tokens
+        .map(|p| p.saturating_sub(r.cached_tokens.unwrap_or(0)));
+    if let (Some(p), Some(ttft), Some(rate)) = (prefilled, r.ttft_ms, rate) {
         checked.push(Rule::TooFast);
         let need_ms = p as f64 / rate * 1000.0;
         if answered && p >= sig.too_fast_prompt_tokens_min && ttft < need_ms * sig.ttft_fraction {

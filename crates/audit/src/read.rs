@@ -22,6 +22,9 @@ pub struct Record {
     pub ts_ms: Option<i64>,
     pub outcome: Outcome,
     pub prompt_tokens: Option<u64>,
+    /// Prompt tokens served from a prefix cache: not prefilled, so not
+    /// timed (`too_fast`).
+    pub cached_tokens: Option<u64>,
     pub output_tokens: Option<u64>,
     pub ttft_ms: Option<f64>,
     /// The KV pool's capacity in tokens when the request ran.
@@ -104,10 +107,11 @@ pub enum Field {
     Pages,
     ErrorCode,
     KvEvent,
+    CachedTokens,
 }
 
 impl Field {
-    pub const ALL: [Field; 13] = [
+    pub const ALL: [Field; 14] = [
         Field::Id,
         Field::Tenant,
         Field::Ts,
@@ -121,6 +125,7 @@ impl Field {
         Field::Pages,
         Field::ErrorCode,
         Field::KvEvent,
+        Field::CachedTokens,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -138,6 +143,7 @@ impl Field {
             Field::Pages => "pages",
             Field::ErrorCode => "error_code",
             Field::KvEvent => "kv_event",
+            Field::CachedTokens => "cached_tokens",
         }
     }
 
@@ -337,7 +343,9 @@ pub fn read_csv(
         .clone();
     let col = |key: &str| header.iter().position(|h| h.trim() == key);
     if strict_columns {
-        for f in Field::ALL {
+        // `cached_tokens` is optional: a log without it (any server without
+        // a prefix cache) times the whole prompt, as before.
+        for f in Field::ALL.into_iter().filter(|&f| f != Field::CachedTokens) {
             if let Some(s) = mapping.source(f) {
                 if col(&s.key).is_none() {
                     return Err(AuditError::Mapping {
@@ -468,6 +476,7 @@ fn record(
         ts_ms,
         outcome,
         prompt_tokens: count(Field::PromptTokens)?,
+        cached_tokens: count(Field::CachedTokens)?,
         output_tokens: count(Field::OutputTokens)?,
         ttft_ms: number(Field::TtftMs)?,
         kv_capacity_tokens: count(Field::KvCapacityTokens)?,

@@ -80,6 +80,18 @@ fn over_capacity_is_the_smaller_of_pool_and_window_and_only_when_answered() {
 fn too_fast_is_ttft_below_half_what_the_prefill_rate_needs() {
     // 1000 tokens at 1000 tokens/s need 1000 ms; under 500 ms is a finding.
     assert_eq!(rules(&finished(1000, 499.0)), vec![Rule::TooFast]);
+    // A prefix cache served 900 of the 1000 tokens: 100 to prefill, 100 ms
+    // at 1000 tokens/s — 60 ms is not too fast, 40 ms is.
+    let cached = |ttft| Record {
+        cached_tokens: Some(900),
+        ..finished(1000, ttft)
+    };
+    let p = Signature {
+        too_fast_prompt_tokens_min: 1,
+        ..Signature::default()
+    };
+    assert!(check(&cached(60.0), &p).0.is_empty());
+    assert_eq!(check(&cached(40.0), &p).0[0].0, Rule::TooFast);
     assert!(rules(&finished(1000, 500.0)).is_empty());
     // Short prompts are not judged.
     assert!(rules(&finished(255, 1.0)).is_empty());

@@ -295,6 +295,7 @@ impl Tracker {
         if let Some(t) = &self.rec.tenant {
             m.tenant_tokens(t, d.usage.prompt_tokens, d.usage.cached_tokens);
         }
+        self.rec.cached_tokens = d.usage.cached_tokens;
         // The prompt as the client sent it (tokenised here), not as the
         // backend says it ran it: the two differ only on a server that cut
         // the prompt, which is what the log must show.

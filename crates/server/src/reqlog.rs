@@ -20,6 +20,8 @@ pub struct LogRecord {
     /// authentication succeeded).
     pub tenant: Option<String>,
     pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache (K11).
+    pub cached_tokens: usize,
     pub output_tokens: usize,
     pub queue_ms: Option<f64>,
     pub ttft_ms: Option<f64>,
