@@ -60,20 +60,23 @@ def as_foreign_csv(records, path):
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["request_id", "user", "finished_at", "http_status", "n_prompt",
-                    "ttft_s", "kv_tokens", "max_len", "prefill_tps", "blocks", "err"])
+                    "ttft_s", "kv_tokens", "max_len", "prefill_tps", "blocks", "err",
+                    "cached_prompt"])
         for r in records:
             w.writerow([r["id"], r["tenant"] or "", r["ts"], status[r["outcome"]],
                         r["prompt_tokens"],
                         "" if r["ttft_ms"] is None else r["ttft_ms"] / 1000,
                         r["kv_capacity_tokens"] or "", r["context_window_tokens"],
                         r["prefill_tokens_per_s"] or "",
-                        "" if r["pages"] is None else r["pages"], r["error_code"] or ""])
+                        "" if r["pages"] is None else r["pages"], r["error_code"] or "",
+                        r.get("cached_tokens", 0)])
 
 
 FOREIGN_MAP = ["id=request_id", "tenant=user", "ts=finished_at", "outcome=http_status",
                "prompt_tokens=n_prompt", "ttft_ms=ttft_s*1000", "kv_capacity_tokens=kv_tokens",
                "context_window_tokens=max_len", "prefill_tokens_per_s=prefill_tps",
-               "pages=blocks", "error_code=err", "output_tokens=", "kv_event="]
+               "pages=blocks", "error_code=err", "output_tokens=", "kv_event=",
+               "cached_tokens=cached_prompt"]
 
 
 def foreign_audit(records, tmp_root, name):
