@@ -714,3 +714,56 @@ fn with_the_cache_off_nothing_is_reused() {
     assert!(h.log.contains("r2 0-9*"), "{}", h.log);
     h.assert_quiet();
 }
+
+#[test]
+fn cached_pages_a_request_will_hold_do_not_count_as_room_for_it_k8() {
+    // 9 pages of 4. r1 leaves 2 cached pages idle; r2 holds 1 page for a
+    // few ticks. r3 reuses r1's 2 pages and needs 7 more: the free list
+    // has 6, and the 2 idle pages cannot be evicted for r3, which is about
+    // to hold them — so it waits for r2 rather than failing its
+    // allocation. (Without `idle_among` in admission, r3 is admitted at
+    // once and fails with an out-of-pages error: this test fails.)
+    let mut h = cached(9);
+    h.submit(GenRequest::greedy(TenantId(1), prompt(9), 1));
+    h.run(10);
+    h.submit(GenRequest::greedy(TenantId(2), prompt(1), 3));
+    h.tick();
+    let r3 = h.submit(GenRequest::greedy(TenantId(1), prompt(9), 27));
+    h.run(60);
+    h.check(expect![[r#"
+        t1 rows r1 0-8* | r1+"o" r1 done length (1 tokens, 3 pages) | queue [] running [] free 7/9 cached 2 (2 idle)
+        t2 rows r2 0* | r2+"h" | queue [] running [r2] free 6/9 cached 2 (2 idle)
+        t3 rows r2 1* | r2+"b" | queue [r3] running [r2] free 6/9 cached 2 (2 idle)
+        t4 rows r2 2* | r2+"w" r2 done length (3 tokens, 1 pages) | queue [r3] running [] free 7/9 cached 2 (2 idle)
+        t5 rows r3 8* | r3+"o" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t6 rows r3 9* | r3+"b" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t7 rows r3 10* | r3+"a" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t8 rows r3 11* | r3+"q" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t9 rows r3 12* | r3+"e" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t10 rows r3 13* | r3+"a" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t11 rows r3 14* | r3+"j" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t12 rows r3 15* | r3+"p" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t13 rows r3 16* | r3+"n" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t14 rows r3 17* | r3+"e" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t15 rows r3 18* | r3+"z" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t16 rows r3 19* | r3+"k" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t17 rows r3 20* | r3+"g" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t18 rows r3 21* | r3+"v" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t19 rows r3 22* | r3+"w" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t20 rows r3 23* | r3+"h" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t21 rows r3 24* | r3+"w" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t22 rows r3 25* | r3+"e" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t23 rows r3 26* | r3+"o" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t24 rows r3 27* | r3+"e" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t25 rows r3 28* | r3+"j" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t26 rows r3 29* | r3+"u" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t27 rows r3 30* | r3+"r" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t28 rows r3 31* | r3+"h" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t29 rows r3 32* | r3+"q" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t30 rows r3 33* | r3+"j" | queue [] running [r3] free 0/9 cached 2 (0 idle)
+        t31 rows r3 34* | r3+"k" r3 done length (27 tokens, 9 pages, 8 cached) | queue [] running [] free 1/9 cached 8 (8 idle)
+    "#]]);
+    assert_eq!(h.client(r3).text.chars().count(), 27);
+    assert_eq!(h.core.stats().requests_failed_total, 0);
+    h.assert_quiet();
+}
