@@ -23,6 +23,8 @@ import threading
 import time
 import urllib.parse
 
+from loadgen import pct, sse_events
+
 TOPICS = ["lighthouses", "beekeeping", "glassblowing", "orchards"]
 FACTS = ("Keep every answer short and factual. You advise the staff of a small "
          "museum about {topic}. The museum opens at nine and closes at five; its "
@@ -55,32 +57,17 @@ def chat_turn(url, key, messages, max_tokens, timeout_s=300):
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    ttft, text, usage, buf = None, "", None, b""
-    while True:
-        chunk = resp.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                j = json.loads(line[6:])
-                if j.get("usage"):
-                    usage = j["usage"]
-                for c in j.get("choices", []):
-                    piece = c.get("delta", {}).get("content") or ""
-                    if piece and ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text += piece
+    ttft, text, usage = None, "", None
+    for j in sse_events(resp):
+        if j.get("usage"):
+            usage = j["usage"]
+        for c in j.get("choices", []):
+            piece = c.get("delta", {}).get("content") or ""
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text += piece
     conn.close()
     return ttft if ttft is not None else time.perf_counter() - t0, text, usage or {}
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
 def main():

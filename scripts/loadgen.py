@@ -30,6 +30,26 @@ PROMPTS = [
 ]
 
 
+def sse_events(resp):
+    """The JSON objects of an OpenAI server-sent event stream, as they
+    arrive, until `[DONE]` or the end."""
+    buf = b""
+    while True:
+        chunk = resp.read1(65536)
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)
+
+
 def one_request(url, model, prompt, max_tokens, timeout_s):
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
@@ -48,26 +68,10 @@ def one_request(url, model, prompt, max_tokens, timeout_s):
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
     times = []
-    buf = b""
-    done = False
-    while not done:
-        chunk = resp.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                obj = json.loads(data)
-                ch = obj.get("choices") or []
-                if ch and ch[0].get("text"):
-                    times.append(time.perf_counter())
+    for obj in sse_events(resp):
+        ch = obj.get("choices") or []
+        if ch and ch[0].get("text"):
+            times.append(time.perf_counter())
     conn.close()
     if not times:
         raise RuntimeError("no tokens streamed")
