@@ -8,7 +8,7 @@
 //! | rule | a request that… | needs |
 //! |---|---|---|
 //! | `over_capacity` | was answered with a prompt longer than the KV pool (or the window) held at the time | `prompt_tokens`, `kv_capacity_tokens` or `context_window_tokens` |
-//! | `too_fast` | was answered faster than the server's prefill rate allows for its prompt | `prompt_tokens`, `ttft_ms`, `prefill_tokens_per_s` (or `--prefill-tokens-per-s`) |
+//! | `too_fast` | was answered faster than the server's prefill rate allows for its prompt | `prompt_tokens` (less `cached_tokens`, if logged: a prefix cache's tokens are not prefilled), `ttft_ms`, `prefill_tokens_per_s` (or `--prefill-tokens-per-s`) |
 //! | `rejected_after_allocation` | was refused or failed while KV pages were allocated to it | `outcome`, `pages` |
 //! | `kv_safety_event` | tripped a checksum, canary or fence check | `error_code` or `kv_event` |
 //!
