@@ -15,15 +15,35 @@ DOC = ("The lighthouse keeper kept a ledger of every ship that passed the cape, 
        "with its flag, its cargo and the hour it cleared the reef. ") * 6
 
 
-@pytest.fixture(scope="module")
-def cache_server(tmp_root):
+def start(tmp_root, name, extra=()):
     tenants = [{"name": n, "key": k} for n, k in KEYS.items()]
     tenants[2]["cache_group"] = "g"
     tenants[3]["cache_group"] = "g"
-    path = write_tenants(tmp_root / "cache-tenants.toml", tenants)
-    s = Server(["--tenants", str(path)], tmp_root, "prefix-cache")
+    path = write_tenants(tmp_root / f"{name}-tenants.toml", tenants)
+    return Server(["--tenants", str(path), *extra], tmp_root, name)
+
+
+@pytest.fixture(scope="module")
+def unified_server(tmp_root):
+    s = start(tmp_root, "prefix-cache")
     yield s
     assert s.terminate() == 0, s.stderr()
+
+
+@pytest.fixture(scope="module")
+def pd_server(tmp_root):
+    """`serve --disaggregated`: the gateway derives the scope, the prefill
+    node looks it up and publishes, decode receives every page."""
+    s = start(tmp_root, "prefix-cache-pd",
+              ["--disaggregated", "--kv-memory", "256MiB", "--max-context", "2048"])
+    yield s
+    assert s.terminate() == 0, s.stderr()
+
+
+@pytest.fixture(params=["unified", "disaggregated"])
+def cache_server(request):
+    return request.getfixturevalue({"unified": "unified_server",
+                                    "disaggregated": "pd_server"}[request.param])
 
 
 def ask(s, tenant, question, **extra):
@@ -76,8 +96,8 @@ def test_a_cache_group_shares_and_salts_only_narrow(cache_server):
     assert cached(ub) == 0, ub
 
 
-def test_cache_counters_and_a_clean_pool(cache_server):
-    s = cache_server
+def test_cache_counters_and_a_clean_pool(unified_server):
+    s = unified_server
     ask(s, "a", "Name the cape.")
     ask(s, "a", "Name the cape.")
     m = wait_pool_idle(s)
@@ -94,12 +114,28 @@ def test_cache_counters_and_a_clean_pool(cache_server):
 
 @pytest.mark.parametrize("field,value", [("cache_salt", ""), ("cache_salt", 5),
                                          ("prompt_cache_key", "x" * 257)])
-def test_bad_salts_are_refused_with_the_field_named(cache_server, field, value):
+def test_bad_salts_are_refused_with_the_field_named(unified_server, field, value):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, field: value}
-    r = requests.post(cache_server.url("/v1/chat/completions"), json=body,
+    r = requests.post(unified_server.url("/v1/chat/completions"), json=body,
                       headers=auth(KEYS["a"]), timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_the_prefill_node_counts_its_cache_and_keeps_no_page_held(pd_server):
+    s = pd_server
+    ask(s, "a", "Name the reef.")
+    _, u = ask(s, "a", "Name the reef.")
+    assert cached(u) > 0, u
+    gm = s.metrics()
+    node = '{node="prefill-0"}'
+    assert gm["isoserve_node_prefill_prefix_cache_hit_tokens_total" + node] >= cached(u)
+    assert gm["isoserve_node_prefill_prefix_cache_queries_total" + node] >= 2
+    assert gm["isoserve_node_kv_pages_cached" + node] > 0
+    # Decode received every page (no reuse there) and caches nothing.
+    assert gm['isoserve_node_kv_pages_cached{node="decode-0"}'] == 0
+    assert gm['isoserve_node_kv_safety_refusals_total{node="prefill-0"}'] == 0
+    assert gm['isoserve_node_decode_checksum_failures_total{node="decode-0"}'] == 0
 
 
 def test_prefix_cache_off_reuses_nothing(tmp_root):

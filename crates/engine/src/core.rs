@@ -11,9 +11,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use std::hash::{BuildHasher, Hasher};
-
-use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId, Scope};
+use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId};
 use model::sample::{FinishReason, Sampler, StopStrings};
 use model::{Forward, Row, Runner, SeqCtx};
 use tokenizer::{StreamDecoder, Tokenizer};
@@ -173,6 +171,9 @@ pub struct PrefillJob {
     pub params: model::sample::SamplingParams,
     pub logprobs: Option<usize>,
     pub pages: Vec<PageRef>,
+    /// Leading prompt positions whose KV `pages` already hold (cached
+    /// pages the transfer machine acquired): computed from here on.
+    pub cached_tokens: usize,
 }
 
 /// The batch core over a forward step `F` (production: the real model,
@@ -194,7 +195,7 @@ pub struct Core<F: Forward = Runner> {
     shutdown: Option<bool>,
     /// The keyed hash of prefix-cache keys: a per-process random SipHash
     /// key, so no one can craft two prefixes with one key.
-    key_hasher: std::collections::hash_map::RandomState,
+    prefix_keys: kv::PrefixKeys,
     /// `fault-incident` builds with `ISOSERVE_FAULT_SHARED_CACHE=1`: one
     /// cache scope for every tenant — the side channel `isoserve probe`'s
     /// prefix-cache check must catch (tests/http/test_probe.py).
@@ -226,7 +227,7 @@ impl<F: Forward> Core<F> {
             stats,
             waiting_count,
             shutdown: None,
-            key_hasher: std::collections::hash_map::RandomState::new(),
+            prefix_keys: kv::PrefixKeys::random(),
             #[cfg(feature = "fault-incident")]
             global_scope: {
                 let on = std::env::var_os("ISOSERVE_FAULT_SHARED_CACHE").is_some_and(|v| v == "1");
@@ -395,7 +396,7 @@ impl<F: Forward> Core<F> {
             let owner = Owner::scoped(sub.id, sub.req.tenant, sub.req.scope());
             #[cfg(feature = "fault-incident")]
             let owner = match self.global_scope {
-                true => Owner::scoped(sub.id, sub.req.tenant, Scope::derived(0)),
+                true => Owner::scoped(sub.id, sub.req.tenant, kv::Scope::derived(0)),
                 false => owner,
             };
             // The longest cached prefix of whole pages in the request's
@@ -404,20 +405,11 @@ impl<F: Forward> Core<F> {
             let mut keys = Vec::new();
             let mut hits = Vec::new();
             if self.cfg.prefix_cache == PrefixCache::Tenant {
-                extend_keys(
-                    &self.key_hasher,
-                    ps,
-                    owner.scope,
-                    &sub.req.prompt,
-                    &mut keys,
-                );
+                self.prefix_keys
+                    .extend(ps, owner.scope, &sub.req.prompt, &mut keys);
                 let reusable = (sub.req.prompt.len() - 1) / ps;
-                for &k in keys.iter().take(reusable) {
-                    match self.pool.lookup(owner.scope, k) {
-                        Some(h) => hits.push(h),
-                        None => break,
-                    }
-                }
+                self.pool
+                    .cached_prefix(owner.scope, &keys[..reusable.min(keys.len())], &mut hits);
             }
             // Cached pages about to be held stop being evictable.
             let available = self.pool.pages_available() as usize - self.pool.idle_among(&hits);
@@ -698,13 +690,8 @@ impl<F: Forward> Core<F> {
             // history but the last token, which was sampled, never run.
             let ps = self.cfg.page_size_tokens;
             let written = a.history.len() - 1;
-            extend_keys(
-                &self.key_hasher,
-                ps,
-                a.owner.scope,
-                &a.history[..written],
-                &mut a.keys,
-            );
+            self.prefix_keys
+                .extend(ps, a.owner.scope, &a.history[..written], &mut a.keys);
             cache_pages(&mut self.pool, &mut a, written / ps);
         }
         let tail_text = if finish == FinishReason::Length {
@@ -732,10 +719,16 @@ impl<F: Forward> Core<F> {
         (a, done)
     }
 
-    /// Prefill role: compute a prompt into its (already allocated) pages;
-    /// the first token comes back as [`Outcome::Computed`].
+    /// Prefill role: compute a prompt into its (already allocated) pages,
+    /// from `cached_tokens` on (the positions before are in cached pages,
+    /// read-only); the first token comes back as [`Outcome::Computed`].
     pub fn start_prefill(&mut self, job: PrefillJob) {
         let now = Instant::now();
+        let ps = self.cfg.page_size_tokens;
+        // The last prompt token is always computed (its logits).
+        let cached = job.cached_tokens.min(job.prompt.len().saturating_sub(1)) / ps * ps;
+        let mut shared = vec![false; job.pages.len()];
+        shared[..(cached / ps).min(job.pages.len())].fill(true);
         self.local.prompt_tokens_total += job.prompt.len() as u64;
         self.running.push(Active {
             mode: Mode::PrefillOnly,
@@ -749,11 +742,11 @@ impl<F: Forward> Core<F> {
             sampler: Sampler::new(job.params),
             stops: StopStrings::new(Vec::new()).expect("no stop strings are valid"),
             decoder: self.tokenizer.stream_decoder().skip_special(true),
-            shared: vec![false; job.pages.len()],
+            shared,
             keys: Vec::new(),
-            cached_tokens: 0,
+            cached_tokens: cached,
             pages: job.pages,
-            prefilled: 0,
+            prefilled: cached,
             generated: Vec::new(),
             sink: Sink::Remote { conn: 0 },
             submitted_at: now,
@@ -861,36 +854,6 @@ impl<F: Forward> Core<F> {
 
     pub fn vocab(&self) -> usize {
         self.fwd.vocab()
-    }
-}
-
-/// Extends `keys` to cover every full page of `tokens`: the key of page `i`
-/// hashes the key of page `i − 1` (the scope for page 0) and page `i`'s
-/// tokens, so a key names a whole prefix in one scope. `hasher` is keyed
-/// per process, so no one can craft two prefixes with one key.
-fn extend_keys(
-    hasher: &std::collections::hash_map::RandomState,
-    ps: usize,
-    scope: Scope,
-    tokens: &[u32],
-    keys: &mut Vec<u64>,
-) {
-    for i in keys.len()..tokens.len() / ps {
-        let mut h = hasher.build_hasher();
-        match i {
-            0 => {
-                h.write_u8(0);
-                h.write_u64(scope.0);
-            }
-            _ => {
-                h.write_u8(1);
-                h.write_u64(keys[i - 1]);
-            }
-        }
-        for &t in &tokens[i * ps..(i + 1) * ps] {
-            h.write_u32(t);
-        }
-        keys.push(h.finish());
     }
 }
 

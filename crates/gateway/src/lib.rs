@@ -180,6 +180,7 @@ impl Inner {
                         ClientEvent::Finished {
                             finish,
                             prompt_tokens,
+                            cached_tokens,
                             completion_tokens,
                             tail_text,
                         } => {
@@ -195,7 +196,7 @@ impl Inner {
                                 usage: Usage {
                                     prompt_tokens: prompt_tokens as usize,
                                     completion_tokens: completion_tokens as usize,
-                                    cached_tokens: 0,
+                                    cached_tokens: cached_tokens as usize,
                                 },
                                 tail_text,
                                 queue_ms: 0.0,

@@ -116,6 +116,7 @@
 
 mod integrity;
 mod pool;
+mod prefix;
 mod shape;
 #[cfg(test)]
 mod tests;
@@ -127,6 +128,7 @@ pub use pool::{
     FreeOutcome, LayerView, LeaseOutcome, Poison, Pool, PoolOptions, LEASES_PER_PAGE_MAX,
     POISON_NAN_BYTE, POOL_BYTES_MAX, POOL_PAGES_MAX, REFS_PER_PAGE_MAX,
 };
+pub use prefix::PrefixKeys;
 /// The ids and the pool's counters are part of the request vocabulary.
 pub use request::{PoolStats, RequestId, Scope, TenantId};
 pub use shape::{

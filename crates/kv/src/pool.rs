@@ -857,6 +857,17 @@ impl Pool {
         Some(PageRef { index, epoch })
     }
 
+    /// The cached pages of the longest prefix of `keys` that `scope` caches
+    /// (page `i` under `keys[i]`), appended to `out` (not acquired).
+    pub fn cached_prefix(&self, scope: Scope, keys: &[u64], out: &mut Vec<PageRef>) {
+        for &k in keys {
+            match self.lookup(scope, k) {
+                Some(h) => out.push(h),
+                None => break,
+            }
+        }
+    }
+
     /// Takes a reference to a cached page of the owner's scope: it stays
     /// cached (not evictable) until released.
     pub fn acquire(&mut self, h: PageRef, owner: Owner) -> Result<(), KvError> {

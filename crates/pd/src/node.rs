@@ -120,6 +120,12 @@ pub fn node_samples(s: &PdStats, t: &Transport) -> Vec<MetricSample> {
     );
     metric(
         "gauge",
+        "kv_pages_cached",
+        "KV pages in the prefix cache (held or idle)",
+        p.pages_cached,
+    );
+    metric(
+        "gauge",
         "kv_pages_leased",
         "KV pages leased to a transfer (K4)",
         p.pages_leased,
@@ -287,6 +293,26 @@ pub fn node_samples(s: &PdStats, t: &Transport) -> Vec<MetricSample> {
                 "handshakes_refused_total",
                 "Pairings refused",
                 pf.handshakes_refused_total,
+            ),
+            (
+                "prefix_cache_queries_total",
+                "Prompts looked up in the prefix cache (K11)",
+                pf.cache_queries_total,
+            ),
+            (
+                "prefix_cache_query_tokens_total",
+                "Prompt tokens looked up in the prefix cache",
+                pf.cache_query_tokens_total,
+            ),
+            (
+                "prefix_cache_hit_pages_total",
+                "Prompt pages taken from the prefix cache",
+                pf.cache_hit_pages_total,
+            ),
+            (
+                "prefix_cache_hit_tokens_total",
+                "Prompt tokens taken from the prefix cache (not computed)",
+                pf.cache_hit_tokens_total,
             ),
         ] {
             metric("counter", &format!("prefill_{name}"), help, v);

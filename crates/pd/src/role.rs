@@ -158,6 +158,7 @@ impl PdNode {
         let stats = Arc::new(Mutex::new(PdStats::default()));
         let waiting = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let max_request = capacity.max_request_tokens;
+        let prefix_cache = cfg.prefix_cache;
         #[cfg(feature = "fault-incident")]
         incident_pool(&mut pool);
         // The batch core, the glue's engine on either role.
@@ -179,6 +180,10 @@ impl PdNode {
                     queue_max: pd.waiting_max,
                     window_pages: pd.transfer_window_pages,
                     tombstones_max: 4096,
+                    prefix_keys: match prefix_cache {
+                        engine::PrefixCache::Tenant => Some(kv::PrefixKeys::random()),
+                        engine::PrefixCache::Off => None,
+                    },
                 });
                 #[cfg(feature = "fault-incident")]
                 let machine = incident_prefill(machine);
@@ -275,7 +280,12 @@ fn incident_pool(pool: &mut kv::Pool) {
 
 #[cfg(feature = "fault-incident")]
 fn incident_prefill(mut m: PrefillNode) -> PrefillNode {
-    m.set_mutations(transfer::prefill::PrefillMutations { placeholder: true });
+    m.set_mutations(transfer::prefill::PrefillMutations {
+        placeholder: true,
+        // As the unified engine's: one prefix-cache scope for every tenant.
+        one_cache_scope: std::env::var_os("ISOSERVE_FAULT_SHARED_CACHE").is_some_and(|v| v == "1"),
+        ..Default::default()
+    });
     m
 }
 
@@ -365,6 +375,7 @@ impl PrefillEngine for CoreEngine {
             params: params_of(&job.gen),
             logprobs: job.gen.logprobs.map(usize::from),
             pages: job.pages,
+            cached_tokens: job.cached_tokens as usize,
         });
     }
 
@@ -514,6 +525,13 @@ impl NodeLoop {
         e.core.publish();
         let mut engine = e.core.stats().clone();
         engine.pool = e.core.pool().stats();
+        if let Some(p) = &prefill {
+            // The prefill machine, not the batch core, looks the cache up.
+            engine.prefix_cache_queries_total = p.cache_queries_total;
+            engine.prefix_cache_query_tokens_total = p.cache_query_tokens_total;
+            engine.prefix_cache_hit_pages_total = p.cache_hit_pages_total;
+            engine.prefix_cache_hit_tokens_total = p.cache_hit_tokens_total;
+        }
         engine.running = e.core.running();
         let (seconds, timed) = (e.transfer_seconds_total, e.transfers_timed_total);
         let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());

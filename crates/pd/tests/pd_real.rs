@@ -242,14 +242,18 @@ impl Stack {
         })
     }
 
-    /// Waits until both pools are entirely free again (bounded), then
+    /// Waits until no page of either pool is held (prefill may keep idle
+    /// cached pages; decode caches nothing), bounded; then
     /// returns their stats.
     fn pools_free(&self) -> (kv::PoolStats, kv::PoolStats) {
         let t0 = Instant::now();
         loop {
             let p = self.prefill.node.stats().engine.pool;
             let d = self.decode.node.stats().engine.pool;
-            if p.pages_free == p.pages_total && d.pages_free == d.pages_total && p.pages_total > 0 {
+            if p.pages_unheld() == p.pages_total
+                && d.pages_free == d.pages_total
+                && p.pages_total > 0
+            {
                 assert_eq!(p.pages_leased + d.pages_leased, 0);
                 assert_eq!(p.refused_double_free + d.refused_double_free, 0);
                 return (p, d);

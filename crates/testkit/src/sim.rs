@@ -189,6 +189,8 @@ pub struct SimReport {
     /// Pool counters at the end (of the current node instances).
     pub prefill_pool: kv::PoolStats,
     pub decode_pool: kv::PoolStats,
+    /// Prompt pages prefill took from its prefix cache (current instance).
+    pub cache_hit_pages: u64,
     pub decode_stats: transfer::decode::DecodeStats,
     pub prefill_stats: transfer::prefill::PrefillStats,
 }
@@ -222,6 +224,13 @@ pub struct Sim {
     report: SimReport,
 }
 
+/// Prompt openings several simulated clients share (a page and a half at
+/// the default 4 slots a page).
+const SHARED_PREFIXES: [&[u32]; 2] = [
+    &[901, 902, 903, 904, 905, 906],
+    &[911, 912, 913, 914, 915, 916],
+];
+
 impl Sim {
     pub fn new(seed: u64, cfg: SimConfig) -> Sim {
         let mut rng = SimRng::new(seed);
@@ -229,7 +238,18 @@ impl Sim {
             .map(|_| {
                 let tenant = 1 + rng.below(cfg.tenants);
                 let len = 1 + rng.below(cfg.prompt_tokens_max as u64) as usize;
-                let prompt: Vec<u32> = (0..len).map(|_| rng.below(VOCAB as u64) as u32).collect();
+                // Half the prompts open with one of two shared "system
+                // prompts" (any tenant may send either), so the prefix
+                // cache is hit within a tenant and must not be across.
+                let shared = match rng.below(4) {
+                    0 => SHARED_PREFIXES[0],
+                    1 => SHARED_PREFIXES[1],
+                    _ => &[],
+                };
+                let mut prompt: Vec<u32> = shared.iter().copied().take(len).collect();
+                while prompt.len() < len {
+                    prompt.push(rng.below(VOCAB as u64) as u32);
+                }
                 let max_tokens = 1 + rng.below(cfg.max_tokens_max as u64) as u32;
                 ClientSpec::new(tenant, prompt, max_tokens)
             })
@@ -555,6 +575,7 @@ impl Sim {
         self.report.outcomes = outcomes;
         self.report.tokens_delivered = w.counters.tokens_delivered;
         self.report.prefill_pool = w.prefill.engine.pool.stats();
+        self.report.cache_hit_pages = w.prefill.machine.stats().cache_hit_pages_total;
         self.report.decode_pool = w.decode.engine.pool.stats();
         self.report.decode_stats = w.decode.machine.stats();
         self.report.prefill_stats = w.prefill.machine.stats();

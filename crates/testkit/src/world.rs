@@ -34,7 +34,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use kv::{LayerView, Owner, PageRef, Pool, PoolOptions};
+use kv::{LayerView, Owner, PageRef, Pool, PoolOptions, PrefixKeys, Scope, TenantId};
 
 use transfer::decode::{DecodeConfig, DecodeNode, DecodeStart};
 use transfer::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
@@ -202,15 +202,16 @@ impl StandInPrefill {
         }
     }
 
-    /// Runs one job: writes the prompt's KV, reads it back for the first
-    /// token.
+    /// Runs one job: writes the prompt's KV past its cached prefix, reads
+    /// all of it back (cached pages included) for the first token.
     pub fn run(&mut self, req: u64) {
         let Some(job) = self.jobs.remove(&req) else {
             return;
         };
         let ps = self.page_size;
         let mut result = Ok(());
-        for (pos, &t) in job.tokens.iter().enumerate() {
+        let from = job.cached_tokens as usize;
+        for (pos, &t) in job.tokens.iter().enumerate().skip(from) {
             result =
                 result.and_then(|()| write_kv(&mut self.pool, &job.pages, job.owner, ps, pos, t));
         }
@@ -430,6 +431,8 @@ pub struct WorldParams {
     pub prefill_limit: u32,
     pub decode_limit: u32,
     pub window_pages: u32,
+    /// Prefill runs its prefix cache (production's default).
+    pub prefix_cache: bool,
 }
 
 impl Default for WorldParams {
@@ -441,6 +444,7 @@ impl Default for WorldParams {
             prefill_limit: 32,
             decode_limit: 32,
             window_pages: 2,
+            prefix_cache: true,
         }
     }
 }
@@ -669,6 +673,9 @@ impl World {
             queue_max: 32,
             window_pages: p.window_pages,
             tombstones_max: 64,
+            prefix_keys: p
+                .prefix_cache
+                .then(|| PrefixKeys::with_secret([0x150, 0x5e7])),
         });
         node::Prefill::new(machine, StandInPrefill::new(pool, p.page_size))
     }
@@ -1387,26 +1394,71 @@ impl World {
                     s.refused_double_free
                 ));
             }
+            // K11: the machines never write, free or over-release a cached
+            // page, read one outside its scope, or publish an unwritten one.
+            for (what, n) in [
+                ("writes or frees of a cached page", s.refused_shared_write),
+                (
+                    "reads of a cached page outside its scope",
+                    s.refused_foreign_scope,
+                ),
+                (
+                    "releases of an unreferenced cached page",
+                    s.refused_ref_underflow,
+                ),
+                (
+                    "publishes of an unpublishable page",
+                    s.refused_unpublishable,
+                ),
+            ] {
+                if n > 0 {
+                    return Err(format!("K11: {name} pool refused {n} {what}"));
+                }
+            }
         }
         Ok(())
     }
 
     /// K1: every page a request holds is allocated to that request (same
-    /// epoch, same owner), and no page is held by two requests.
+    /// epoch, same owner), and no private page is held by two requests;
+    /// K11: a cached page a request holds is cached in its tenant's scope
+    /// (these clients carry no cache salt).
     pub fn check_ownership(&self) -> Result<(), String> {
         use transfer::decode::DecodePhase;
-        let check = |pool: &Pool, name: &str, holdings: Vec<(u64, Owner, Vec<PageRef>)>| {
+        type Holding = (u64, Owner, Vec<PageRef>, Vec<bool>);
+        let check = |pool: &Pool, name: &str, holdings: Vec<Holding>| {
             let mut seen = BTreeSet::new();
-            for (req, owner, pages) in holdings {
-                for h in pages {
-                    if !seen.insert(h.index) {
+            for (req, owner, pages, shared) in holdings {
+                let tenant = self
+                    .clients
+                    .get(&req)
+                    .map_or(owner.tenant, |c| TenantId(c.spec.tenant));
+                for (i, h) in pages.into_iter().enumerate() {
+                    let cached = shared.get(i).copied().unwrap_or(false);
+                    let expected = match cached {
+                        true => Owner::cached(Scope::tenant(tenant)),
+                        false => owner,
+                    };
+                    if !cached && !seen.insert(h.index) {
                         return Err(format!(
                             "K1: {name} page {} is held by two requests",
                             h.index
                         ));
                     }
+                    if cached
+                        && pool.epoch_of(h.index) == Some(h.epoch)
+                        && pool.owner_of(h.index) != Some(expected)
+                    {
+                        return Err(format!(
+                            "K11: {name} request {req} (tenant {}) holds cached page {} of {:?}, \
+                             not of its tenant's scope",
+                            tenant.0,
+                            h.index,
+                            pool.owner_of(h.index).map(|o| o.scope)
+                        ));
+                    }
                     if pool.epoch_of(h.index) != Some(h.epoch)
-                        || pool.owner_of(h.index) != Some(owner)
+                        || pool.owner_of(h.index) != Some(expected)
                     {
                         return Err(format!(
                             "K1: {name} request {req} holds page {} epoch {}, which is at epoch {:?} \
@@ -1432,6 +1484,7 @@ impl World {
                         req,
                         self.decode.machine.owner_of(req)?,
                         self.decode.machine.pages_of(req)?.to_vec(),
+                        Vec::new(),
                     ))
                 })
                 .collect();
@@ -1442,7 +1495,7 @@ impl World {
                 .prefill
                 .machine
                 .holdings()
-                .map(|(req, owner, pages)| (req, owner, pages.to_vec()))
+                .map(|(req, owner, pages, shared)| (req, owner, pages.to_vec(), shared.to_vec()))
                 .collect();
             check(&self.prefill.engine.pool, "prefill", holdings)?;
         }
@@ -1537,17 +1590,23 @@ impl World {
             && self.gateway.requests() == 0
     }
 
-    /// Every page of every live node is free, none leased.
+    /// No page of a live node is held: every page free or cached with no
+    /// reference (evictable), none leased.
     pub fn pools_free(&self) -> Result<(), String> {
         for (pool, name, up) in [
             (&self.prefill.engine.pool, "prefill", self.prefill_up),
             (&self.decode.engine.pool, "decode", self.decode_up),
         ] {
             let s = pool.stats();
-            if up && (s.pages_free != s.pages_total || s.pages_leased != 0) {
+            if up
+                && (s.pages_free + s.pages_evictable != s.pages_total
+                    || s.pages_evictable != s.pages_cached
+                    || s.pages_leased != 0)
+            {
                 return Err(format!(
-                    "{name} pool: {} of {} pages free, {} leased, with every request ended (leaked)",
-                    s.pages_free, s.pages_total, s.pages_leased
+                    "{name} pool: {} of {} pages free, {} of {} cached ones evictable, {} leased, \
+                     with every request ended (leaked)",
+                    s.pages_free, s.pages_total, s.pages_evictable, s.pages_cached, s.pages_leased
                 ));
             }
         }

@@ -38,7 +38,7 @@ fn outcome(r: &SimReport, req: u64) -> &Outcome {
 
 fn assert_pools_free(r: &SimReport) {
     for (name, p) in [("prefill", r.prefill_pool), ("decode", r.decode_pool)] {
-        assert_eq!(p.pages_free, p.pages_total, "{name} pool leaked: {p:?}");
+        assert_eq!(p.pages_unheld(), p.pages_total, "{name} pool leaked: {p:?}");
         assert_eq!(p.pages_leased, 0, "{name} pool: {p:?}");
         assert_eq!(p.refused_double_free, 0, "{name} pool: {p:?}");
     }
@@ -103,8 +103,10 @@ fn incident_placeholder_is_caught_by_decode_completeness_but_loses_the_original_
     sim.gateway_mut().set_mutations(GatewayMutations {
         skip_limit_check: true,
     });
-    sim.prefill_mut()
-        .set_mutations(PrefillMutations { placeholder: true });
+    sim.prefill_mut().set_mutations(PrefillMutations {
+        placeholder: true,
+        ..Default::default()
+    });
     // Decode's completeness check refuses the one-token placeholder (no
     // token is generated), but the client gets `transfer_incomplete`
     // instead of the refusal prefill swallowed: K9 is broken.
@@ -123,8 +125,10 @@ fn without_completeness_the_placeholder_answers_wrongly() {
     sim.gateway_mut().set_mutations(GatewayMutations {
         skip_limit_check: true,
     });
-    sim.prefill_mut()
-        .set_mutations(PrefillMutations { placeholder: true });
+    sim.prefill_mut().set_mutations(PrefillMutations {
+        placeholder: true,
+        ..Default::default()
+    });
     sim.decode_mut().set_mutations(DecodeMutations {
         skip_completeness_check: true,
         ..DecodeMutations::default()

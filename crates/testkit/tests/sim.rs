@@ -40,6 +40,7 @@ struct Totals {
     partitions: usize,
     partition_timeouts: usize,
     kills: usize,
+    cache_hit_pages: u64,
 }
 
 #[test]
@@ -58,6 +59,7 @@ fn three_thousand_seeds_of_faults_never_leak_double_free_or_deliver_a_wrong_toke
         t.partitions += r.partitions;
         t.partition_timeouts += r.partition_timeouts;
         t.kills += r.kills;
+        t.cache_hit_pages += r.cache_hit_pages;
     }
     // The search reached the interesting states.
     assert!(t.cancelled > 1500, "{t:?}");
@@ -68,6 +70,7 @@ fn three_thousand_seeds_of_faults_never_leak_double_free_or_deliver_a_wrong_toke
     assert!(t.partitions > 250, "{t:?}");
     assert!(t.partition_timeouts > 0, "{t:?}");
     assert!(t.kills > 250, "{t:?}");
+    assert!(t.cache_hit_pages > 250, "{t:?}");
 }
 
 #[test]
@@ -114,6 +117,50 @@ fn glue_that_starts_decode_before_the_verdict_is_caught() {
     }
     assert!(caught > 0, "no seed of 300 caught the mutation");
     eprintln!("{caught} of 300 seeds caught it");
+}
+
+/// The prefix cache's two machine-level rules, each shown to have teeth:
+/// with the mutation, fault-free runs over shared prompt openings fail the
+/// world's checks (and pass without it, in the test above).
+fn caught_with(m: transfer::prefill::PrefillMutations, expect: &[&str]) -> usize {
+    let mut caught = 0;
+    for seed in 0..100 {
+        let mut sim = Sim::new(seed, quiet());
+        sim.prefill_mut().set_mutations(m);
+        if let Err(e) = sim.run() {
+            assert!(expect.iter().any(|x| e.contains(x)), "seed {seed}: {e}");
+            caught += 1;
+        }
+    }
+    caught
+}
+
+#[test]
+fn prefill_sharing_cached_pages_across_tenants_is_caught() {
+    let m = transfer::prefill::PrefillMutations {
+        one_cache_scope: true,
+        ..Default::default()
+    };
+    let caught = caught_with(m, &["K11"]);
+    assert!(
+        caught > 50,
+        "{caught} of 100 seeds caught one cache scope for all tenants"
+    );
+}
+
+#[test]
+fn prefill_keeping_cache_references_is_caught() {
+    let m = transfer::prefill::PrefillMutations {
+        keep_cache_refs: true,
+        ..Default::default()
+    };
+    // Held pages are never evictable: the run leaks them or, short of
+    // pages, never drains.
+    let caught = caught_with(m, &["leaked", "not quiescent"]);
+    assert!(
+        caught > 50,
+        "{caught} of 100 seeds caught a cache reference leak"
+    );
 }
 
 #[test]

@@ -3,7 +3,9 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::wire::{KvLayout, Message, Refusal, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL};
+use kv::{Owner, RequestId, Scope, TenantId};
+
+use crate::wire::{GenSpec, KvLayout, Message, Refusal, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL};
 
 /// A connection, numbered by the transport (unique over the node's life).
 pub type ConnId = u64;
@@ -123,6 +125,15 @@ pub fn check_peer(
 }
 
 /// Pages a sequence of `tokens` needs with `page_size` slots a page.
+/// A request's owner on every node: request, tenant, and the cache scope
+/// the gateway derived (the tenant's own when none). Prefill and decode
+/// must agree on it: the canary binds it (K7).
+pub fn request_owner(req: u64, tenant: u64, gen: &GenSpec) -> Owner {
+    let tenant = TenantId(tenant);
+    let scope = gen.cache_scope.map(Scope).unwrap_or(Scope::tenant(tenant));
+    Owner::scoped(RequestId(req), tenant, scope)
+}
+
 pub fn pages_for(tokens: usize, page_size: u32) -> usize {
     tokens.div_ceil(page_size.max(1) as usize)
 }

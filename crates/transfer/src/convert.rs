@@ -2,7 +2,7 @@
 //! parameters, requests, errors (as the original error a node sends, K9)
 //! and log-probabilities, both ways. Pure functions, no state.
 
-use request::{GenRequest, RequestError, SamplingParams, TenantId};
+use request::{GenRequest, RequestError, SamplingParams, Scope, TenantId};
 
 use crate::wire::{GenSpec, Refusal, WireLogprobs};
 
@@ -35,6 +35,7 @@ pub fn gen_spec(req: &GenRequest) -> GenSpec {
         ignore_eos: req.ignore_eos,
         logprobs: req.logprobs.map(|n| n.min(u8::MAX as usize) as u8),
         stop: req.stop.clone(),
+        cache_scope: req.cache_scope.map(|s| s.0),
     }
 }
 
@@ -49,8 +50,7 @@ pub fn gen_request(tenant: u64, tokens: &[u32], max_tokens: u32, g: &GenSpec) ->
         stop: g.stop.clone(),
         ignore_eos: g.ignore_eos,
         logprobs: g.logprobs.map(usize::from),
-        // TODO(issue 16, PD): the scope crosses the wire with the request.
-        cache_scope: None,
+        cache_scope: g.cache_scope.map(Scope),
     }
 }
 

@@ -19,11 +19,11 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kv::{canary_value, FreeOutcome, KvError, Owner, PageRef, Pool, RequestId, TenantId};
+use kv::{canary_value, FreeOutcome, KvError, Owner, PageRef, Pool};
 
 use crate::common::{
-    check_peer, check_request, pages_for, refusal, slots_at, transfer_digest, ConnId, Identity,
-    PeerHello,
+    check_peer, check_request, pages_for, refusal, request_owner, slots_at, transfer_digest,
+    ConnId, Identity, PeerHello,
 };
 use crate::wire::{
     GenSpec, Message, Refusal, WireLogprobs, WirePage, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
@@ -167,6 +167,8 @@ struct Req {
     received_count: u32,
     /// Tokens streamed to the gateway so far.
     streamed: u32,
+    /// Prompt tokens prefill took from its prefix cache (from `Done`).
+    cached_tokens: u32,
     /// Prompt pages still leased to the transfer.
     leased: bool,
     /// Draining with no known link, while some connection's handshake is
@@ -422,6 +424,7 @@ impl DecodeNode {
                     sampler_state,
                     page_count,
                     token_count,
+                    cached_tokens,
                     digest,
                 },
             ) => self.done(
@@ -434,6 +437,7 @@ impl DecodeNode {
                 sampler_state,
                 page_count,
                 token_count,
+                cached_tokens,
                 digest,
                 out,
             ),
@@ -554,7 +558,7 @@ impl DecodeNode {
         self.reqs.insert(
             req,
             Req {
-                owner: Owner::new(RequestId(req), TenantId(tenant)),
+                owner: request_owner(req, tenant, &gen),
                 gateway: conn,
                 prefill,
                 link: None,
@@ -565,6 +569,7 @@ impl DecodeNode {
                 received: vec![None; prompt_pages],
                 received_count: 0,
                 streamed: 0,
+                cached_tokens: 0,
                 leased: false,
                 awaiting_handshake: false,
                 phase: DecodePhase::Waiting,
@@ -822,6 +827,7 @@ impl DecodeNode {
         sampler_state: u64,
         page_count: u32,
         token_count: u32,
+        cached_tokens: u32,
         digest: u64,
         out: &mut Vec<DecodeAction>,
     ) {
@@ -902,6 +908,8 @@ impl DecodeNode {
         self.stats.transfers_completed_total += 1;
         let r = self.reqs.get_mut(&req).expect("still known");
         r.phase = DecodePhase::Decoding;
+        // Only reported to the client; never more than the prompt.
+        r.cached_tokens = cached_tokens.min(r.tokens.len() as u32);
         out.push(DecodeAction::StartDecode(Box::new(DecodeStart {
             req,
             owner: r.owner,
@@ -1145,6 +1153,7 @@ impl DecodeNode {
                 req,
                 finish,
                 prompt_tokens: r.tokens.len() as u32,
+                cached_tokens: r.cached_tokens,
                 completion_tokens,
                 streamed: r.streamed,
                 tail_text,

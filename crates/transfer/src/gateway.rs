@@ -44,6 +44,8 @@ pub enum ClientEvent {
     Finished {
         finish: u8,
         prompt_tokens: u32,
+        /// Of the prompt, tokens prefill took from its prefix cache.
+        cached_tokens: u32,
         completion_tokens: u32,
         tail_text: String,
     },
@@ -394,6 +396,7 @@ impl Gateway {
                 req,
                 finish,
                 prompt_tokens,
+                cached_tokens,
                 completion_tokens,
                 streamed,
                 tail_text,
@@ -424,6 +427,7 @@ impl Gateway {
                     event: ClientEvent::Finished {
                         finish,
                         prompt_tokens,
+                        cached_tokens,
                         completion_tokens,
                         tail_text,
                     },

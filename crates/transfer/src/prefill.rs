@@ -12,14 +12,23 @@
 //! A page is leased from the moment it is exported until decode's `Closed`
 //! (or the link's end): a cancel frees the request's pages at once and the
 //! pool defers the free of every page the transfer may still touch.
+//!
+//! **Prefix cache (K11).** With [`PrefillConfig::prefix_keys`] set, a
+//! request starts from the longest prefix of whole pages its scope has
+//! cached (acquired, read-only), the engine computes only the rest, and the
+//! prompt's full pages are published when it is computed (before any is
+//! leased to the transfer). Decode still receives every page: reuse saves
+//! prefill's compute, never a transfer. At the request's end its cached
+//! pages are released (deepest first), its private ones freed; a lease on
+//! a cached page keeps it from eviction like it defers a free.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use kv::{canary_value, page_checksum, FreeOutcome, Owner, PageRef, Pool, RequestId, TenantId};
+use kv::{canary_value, page_checksum, FreeOutcome, Owner, PageRef, Pool, PrefixKeys, Scope};
 
 use crate::common::{
-    check_peer, check_request, pages_for, refusal, slots_at, transfer_digest, ConnId, Identity,
-    PeerHello,
+    check_peer, check_request, pages_for, refusal, request_owner, slots_at, transfer_digest,
+    ConnId, Identity, PeerHello,
 };
 use crate::wire::{
     GenSpec, Message, Refusal, WireLogprobs, WirePage, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
@@ -41,6 +50,8 @@ pub struct PrefillConfig {
     /// its Cancel is refused; older ones are forgotten (a forgotten one
     /// would be computed and its pages fenced at decode).
     pub tombstones_max: usize,
+    /// The prefix cache's keys; `None`: no prefix cache.
+    pub prefix_keys: Option<PrefixKeys>,
 }
 
 /// Test-only mutations (see [`crate::decode::DecodeMutations`]).
@@ -50,6 +61,12 @@ pub struct PrefillMutations {
     /// The incident: a request over this node's limit is not refused but
     /// replaced by a one-token placeholder, computed and reported complete.
     pub placeholder: bool,
+    /// Every request in one cache scope, whatever its tenant: tenants share
+    /// cached pages (the side channel K11 forbids).
+    pub one_cache_scope: bool,
+    /// Cached pages a request acquired are never released (a reference
+    /// leak: they can never be evicted).
+    pub keep_cache_refs: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -70,6 +87,9 @@ pub struct ComputeJob {
     pub tokens: Vec<u32>,
     pub gen: GenSpec,
     pub pages: Vec<PageRef>,
+    /// Leading prompt positions whose KV `pages` already hold (cached
+    /// pages, read-only): compute from here.
+    pub cached_tokens: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -111,6 +131,11 @@ pub struct PrefillStats {
     pub connect_failures_total: u64,
     pub handshakes_refused_total: u64,
     pub protocol_errors_total: u64,
+    /// Prefix cache: prompts looked up, their tokens, and what was reused.
+    pub cache_queries_total: u64,
+    pub cache_query_tokens_total: u64,
+    pub cache_hit_pages_total: u64,
+    pub cache_hit_tokens_total: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -141,6 +166,12 @@ struct Req {
     gen: GenSpec,
     dst: Vec<WirePage>,
     own: Vec<PageRef>,
+    /// Which of `own` are cached pages (released, not freed).
+    shared: Vec<bool>,
+    /// Prefix-cache keys of the prompt's full pages (empty: no cache).
+    keys: Vec<u64>,
+    /// Prompt tokens taken from the cache.
+    cached_tokens: u32,
     /// Own pages already freed (their free may be deferred by leases).
     freed: bool,
     sent: u32,
@@ -222,12 +253,13 @@ impl PrefillNode {
     }
 
     /// The pages each request holds in this node's pool and has not freed
-    /// yet: `(request, owner, pages)` (for invariant checks).
-    pub fn holdings(&self) -> impl Iterator<Item = (u64, Owner, &[PageRef])> + '_ {
+    /// yet: `(request, owner, pages, which are cached)` (for invariant
+    /// checks).
+    pub fn holdings(&self) -> impl Iterator<Item = (u64, Owner, &[PageRef], &[bool])> + '_ {
         self.reqs
             .iter()
             .filter(|(_, r)| !r.freed)
-            .map(|(&k, r)| (k, r.owner, r.own.as_slice()))
+            .map(|(&k, r)| (k, r.owner, r.own.as_slice(), r.shared.as_slice()))
     }
 
     // ------------------------------------------------------------ links
@@ -569,7 +601,16 @@ impl PrefillNode {
                 )),
             );
         }
-        let queue = !self.queue.is_empty() || need > pool.pages_available() as usize;
+        let mut owner = request_owner(req, tenant, &gen);
+        if mutated!(self, one_cache_scope) {
+            owner.scope = Scope(0);
+        }
+        let scope = owner.scope;
+        let mut keys = Vec::new();
+        if let Some(k) = &self.cfg.prefix_keys {
+            k.extend(ps as usize, scope, &tokens, &mut keys);
+        }
+        let queue = !self.queue.is_empty() || !fits(pool, owner, &tokens, &keys, ps);
         if queue && self.queue.len() >= self.cfg.queue_max {
             return refuse(
                 self,
@@ -602,13 +643,16 @@ impl PrefillNode {
         self.reqs.insert(
             req,
             Req {
-                owner: Owner::new(RequestId(req), TenantId(tenant)),
+                owner,
                 gateway: conn,
                 decode,
                 tokens,
                 gen,
                 dst,
                 own: Vec::new(),
+                shared: Vec::new(),
+                keys,
+                cached_tokens: 0,
                 freed: false,
                 sent: 0,
                 acked: 0,
@@ -629,7 +673,13 @@ impl PrefillNode {
         let r = self.reqs.get_mut(&req).expect("known");
         let need = pages_for(r.tokens.len(), ps);
         let mut own = Vec::with_capacity(need);
-        if let Err(e) = pool.alloc(r.owner, need, &mut own) {
+        let hits = cache_hits(pool, r.owner, &r.tokens, &r.keys, ps);
+        let acquired = hits
+            .iter()
+            .try_for_each(|&h| pool.acquire(h, r.owner).map(|()| own.push(h)));
+        let allocated = acquired.and_then(|()| pool.alloc(r.owner, need - hits.len(), &mut own));
+        if let Err(e) = allocated {
+            give_back(pool, r.owner, &own, hits.len());
             let gw = r.gateway;
             self.reqs.remove(&req);
             out.push(PrefillAction::Send {
@@ -641,7 +691,16 @@ impl PrefillNode {
             });
             return;
         }
+        if self.cfg.prefix_keys.is_some() {
+            self.stats.cache_queries_total += 1;
+            self.stats.cache_query_tokens_total += r.tokens.len() as u64;
+            self.stats.cache_hit_pages_total += hits.len() as u64;
+            self.stats.cache_hit_tokens_total += (hits.len() * ps as usize) as u64;
+        }
         r.own = own;
+        r.shared = vec![false; need];
+        r.shared[..hits.len()].fill(true);
+        r.cached_tokens = (hits.len() * ps as usize) as u32;
         r.phase = PrefillPhase::Computing;
         out.push(PrefillAction::Compute(Box::new(ComputeJob {
             req,
@@ -649,6 +708,7 @@ impl PrefillNode {
             tokens: r.tokens.clone(),
             gen: r.gen.clone(),
             pages: r.own.clone(),
+            cached_tokens: r.cached_tokens,
         })));
     }
 
@@ -659,7 +719,7 @@ impl PrefillNode {
                 self.queue.pop_front();
                 continue;
             };
-            if pages_for(r.tokens.len(), ps) > pool.pages_available() as usize {
+            if !fits(pool, r.owner, &r.tokens, &r.keys, ps) {
                 break;
             }
             self.queue.pop_front();
@@ -688,6 +748,23 @@ impl PrefillNode {
             logprobs: first_logprobs,
             sampler_state,
         });
+        // Every slot of the prompt's full pages is written now: offer them
+        // to the cache, before any is leased (a leased page cannot enter
+        // it). A page whose key another request cached first stays private.
+        for p in 0..r.keys.len().min(r.own.len()) {
+            if r.shared[p] {
+                continue;
+            }
+            match pool.publish(r.own[p], r.owner, r.keys[p]) {
+                Ok(Some(h)) => {
+                    r.own[p] = h;
+                    r.shared[p] = true;
+                }
+                Ok(None) => {}
+                // Refused (and counted by the pool): the page stays private.
+                Err(_) => {}
+            }
+        }
         r.phase = PrefillPhase::Ready;
         let addr = r.decode.clone();
         if let Some(conn) = self.decode_conn_up(&addr) {
@@ -806,6 +883,7 @@ impl PrefillNode {
                     sampler_state: first.sampler_state,
                     page_count: total,
                     token_count: r.tokens.len() as u32,
+                    cached_tokens: r.cached_tokens,
                     digest,
                 },
             });
@@ -920,10 +998,16 @@ impl PrefillNode {
             return;
         }
         r.freed = true;
-        for &h in &r.own {
-            match pool.free(h, r.owner) {
+        // Deepest first, so the cache evicts a prefix's tail before its head.
+        for (&h, &shared) in r.own.iter().zip(&r.shared).rev() {
+            let outcome = match shared {
+                true if mutated!(self, keep_cache_refs) => continue,
+                true => pool.release(h, r.owner).map(|()| FreeOutcome::Freed),
+                false => pool.free(h, r.owner),
+            };
+            match outcome {
                 Ok(FreeOutcome::Freed | FreeOutcome::Deferred) => {}
-                Err(e) => debug_assert!(false, "freeing own page failed: {e}"),
+                Err(e) => debug_assert!(false, "giving back own page failed: {e}"),
             }
         }
     }
@@ -937,5 +1021,35 @@ impl PrefillNode {
             let _ = pool.release_lease(h, r.owner);
         }
         self.queue.retain(|&q| q != req);
+    }
+}
+
+/// The cached pages a request may start from: the longest cached prefix of
+/// its prompt's full pages in its scope, short of the last prompt token
+/// (always computed: its logits give the first token).
+fn cache_hits(pool: &Pool, owner: Owner, tokens: &[u32], keys: &[u64], ps: u32) -> Vec<PageRef> {
+    let reusable = (tokens.len().saturating_sub(1) / ps as usize).min(keys.len());
+    let mut hits = Vec::new();
+    pool.cached_prefix(owner.scope, &keys[..reusable], &mut hits);
+    hits
+}
+
+/// Whether the pool has room for a request now (K8): its pages less the
+/// cached ones it would start from, against what is available once those
+/// stop being evictable.
+fn fits(pool: &Pool, owner: Owner, tokens: &[u32], keys: &[u64], ps: u32) -> bool {
+    let hits = cache_hits(pool, owner, tokens, keys, ps);
+    let available = pool.pages_available() as usize - pool.idle_among(&hits);
+    pages_for(tokens.len(), ps) - hits.len() <= available
+}
+
+/// Undoes an allocation that failed half way: the first `acquired` of
+/// `pages` are cached pages (released), the rest private (freed).
+fn give_back(pool: &mut Pool, owner: Owner, pages: &[PageRef], acquired: usize) {
+    for (i, &h) in pages.iter().enumerate().rev() {
+        let _ = match i < acquired {
+            true => pool.release(h, owner),
+            false => pool.free(h, owner).map(|_| ()),
+        };
     }
 }

@@ -20,7 +20,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// Version of this format. A peer speaking another version is refused at
 /// the handshake.
-pub const WIRE_VERSION: u8 = 1;
+pub const WIRE_VERSION: u8 = 2;
 /// Largest frame (a page of a large model plus headers). Bigger frames are
 /// refused before their body is read.
 pub const FRAME_BYTES_MAX: usize = 64 << 20;
@@ -71,6 +71,11 @@ pub struct GenSpec {
     /// `top_logprobs` asked for; `None`: no logprobs.
     pub logprobs: Option<u8>,
     pub stop: Vec<String>,
+    /// The prefix-cache scope the gateway derived for the request (its
+    /// tenant's, a sharing group's, or one narrowed by a cache salt);
+    /// `None`: the tenant's own. A prefill node shares cached pages only
+    /// within it (K11).
+    pub cache_scope: Option<u64>,
 }
 
 impl GenSpec {
@@ -107,6 +112,7 @@ impl GenSpec {
             ignore_eos: false,
             logprobs: None,
             stop: Vec::new(),
+            cache_scope: None,
         }
     }
 }
@@ -204,6 +210,9 @@ pub enum Message {
         sampler_state: u64,
         page_count: u32,
         token_count: u32,
+        /// Prompt tokens whose KV prefill took from its prefix cache
+        /// (reported to the client as `cached_tokens`).
+        cached_tokens: u32,
         /// Digest over all page checksums in order.
         digest: u64,
     },
@@ -233,6 +242,8 @@ pub enum Message {
         /// 0 = stop, 1 = length.
         finish: u8,
         prompt_tokens: u32,
+        /// Of the prompt, tokens prefill took from its prefix cache.
+        cached_tokens: u32,
         completion_tokens: u32,
         /// `Token` messages sent before this one (a stop token counts in
         /// `completion_tokens` but is not streamed).
@@ -433,6 +444,7 @@ impl Message {
                 sampler_state,
                 page_count,
                 token_count,
+                cached_tokens,
                 digest,
             } => {
                 w.u8(K_DONE);
@@ -442,6 +454,7 @@ impl Message {
                 w.u64(*sampler_state);
                 w.u32(*page_count);
                 w.u32(*token_count);
+                w.u32(*cached_tokens);
                 w.u64(*digest);
             }
             Message::Abort { req, error } => {
@@ -480,6 +493,7 @@ impl Message {
                 req,
                 finish,
                 prompt_tokens,
+                cached_tokens,
                 completion_tokens,
                 streamed,
                 tail_text,
@@ -488,6 +502,7 @@ impl Message {
                 w.u64(*req);
                 w.u8(*finish);
                 w.u32(*prompt_tokens);
+                w.u32(*cached_tokens);
                 w.u32(*completion_tokens);
                 w.u32(*streamed);
                 w.str(tail_text);
@@ -597,6 +612,7 @@ impl Message {
                 sampler_state: r.u64("sampler_state")?,
                 page_count: r.u32("page_count")?,
                 token_count: r.u32("token_count")?,
+                cached_tokens: r.u32("cached_tokens")?,
                 digest: r.u64("digest")?,
             },
             K_ABORT => Message::Abort {
@@ -620,6 +636,7 @@ impl Message {
                 req: r.u64("req")?,
                 finish: r.u8("finish")?,
                 prompt_tokens: r.u32("prompt_tokens")?,
+                cached_tokens: r.u32("cached_tokens")?,
                 completion_tokens: r.u32("completion_tokens")?,
                 streamed: r.u32("streamed")?,
                 tail_text: r.str("tail_text")?,
@@ -711,6 +728,13 @@ impl Writer<'_> {
         self.u32(n as u32);
         for s in &g.stop[..n] {
             self.str(s);
+        }
+        match g.cache_scope {
+            None => self.u8(0),
+            Some(s) => {
+                self.u8(1);
+                self.u64(s);
+            }
         }
     }
     fn logprobs(&mut self, l: Option<&WireLogprobs>) {
@@ -839,6 +863,7 @@ impl<'a> Reader<'a> {
                 None
             },
             stop: Vec::new(),
+            cache_scope: None,
         };
         let n = self.u32("stop")? as usize;
         if n > STOPS_MAX {
@@ -850,6 +875,9 @@ impl<'a> Reader<'a> {
         }
         for _ in 0..n {
             g.stop.push(self.str("stop string")?);
+        }
+        if self.bool("cache_scope")? {
+            g.cache_scope = Some(self.u64("cache_scope")?);
         }
         Ok(g)
     }

@@ -17,9 +17,10 @@ fn gen() -> impl Strategy<Value = GenSpec> {
         any::<bool>(),
         proptest::option::of(any::<u8>()),
         proptest::collection::vec("[a-z\n✓]{0,8}", 0..4),
+        proptest::option::of(any::<u64>()),
     )
         .prop_map(
-            |((t, k, p, m, r, pr, f, seed), ignore_eos, logprobs, stop)| GenSpec {
+            |((t, k, p, m, r, pr, f, seed), ignore_eos, logprobs, stop, cache_scope)| GenSpec {
                 temperature_bits: t,
                 top_k: k,
                 top_p_bits: p,
@@ -31,6 +32,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
                 ignore_eos,
                 logprobs,
                 stop,
+                cache_scope,
             },
         )
 }
@@ -136,19 +138,29 @@ fn message() -> impl Strategy<Value = Message> {
                     bytes,
                 }
             }),
-        (any::<(u64, u32, u64, u32, u32, u64)>(), logprobs()).prop_map(
-            |((req, first_token, sampler_state, page_count, token_count, digest), lp)| {
-                Message::Done {
-                    req,
-                    first_token,
-                    first_logprobs: lp,
-                    sampler_state,
-                    page_count,
-                    token_count,
-                    digest,
+        (
+            any::<(u64, u32, u64, u32, u32, u64)>(),
+            any::<u32>(),
+            logprobs()
+        )
+            .prop_map(
+                |(
+                    (req, first_token, sampler_state, page_count, token_count, digest),
+                    cached_tokens,
+                    lp,
+                )| {
+                    Message::Done {
+                        req,
+                        first_token,
+                        first_logprobs: lp,
+                        sampler_state,
+                        page_count,
+                        token_count,
+                        cached_tokens,
+                        digest,
+                    }
                 }
-            }
-        ),
+            ),
         (any::<u64>(), refusal()).prop_map(|(req, error)| Message::Abort { req, error }),
         any::<(u64, u32)>().prop_map(|(req, pages)| Message::Ack { req, pages }),
         any::<u64>().prop_map(|req| Message::Closed { req }),
@@ -162,12 +174,16 @@ fn message() -> impl Strategy<Value = Message> {
                 logprobs,
             }
         }),
-        (any::<(u64, u8, u32, u32, u32)>(), s).prop_map(
-            |((req, finish, prompt_tokens, completion_tokens, streamed), tail_text)| {
+        (any::<(u64, u8, u32, u32, u32, u32)>(), s).prop_map(
+            |(
+                (req, finish, prompt_tokens, cached_tokens, completion_tokens, streamed),
+                tail_text,
+            )| {
                 Message::Finished {
                     req,
                     finish,
                     prompt_tokens,
+                    cached_tokens,
                     completion_tokens,
                     streamed,
                     tail_text,

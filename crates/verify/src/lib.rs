@@ -124,6 +124,7 @@ impl Bounds {
                 prefill_limit: 16,
                 decode_limit: 16,
                 window_pages: 1,
+                prefix_cache: true,
             },
             requests: vec![
                 ClientSpec::new(1, vec![11, 12, 13, 14, 15], 1),
@@ -204,6 +205,27 @@ impl Bounds {
         }
     }
 
+    /// The prefix cache (K11): two 9-token prompts of one tenant share
+    /// their first page; the second may start from it while the first
+    /// still holds it, or after it went idle, in which case prefill's pool
+    /// of 3 pages must evict the first's other cached page to fit the
+    /// second; 2 cancels, 1 crash, 1 connection kill at any point.
+    pub fn prefix_cache() -> Bounds {
+        Bounds {
+            name: "prefix-cache",
+            params: WorldParams {
+                prefill_pages: 3,
+                decode_pages: 4,
+                ..Bounds::two_tenants().params
+            },
+            requests: vec![
+                ClientSpec::new(1, vec![11, 12, 13, 14, 15, 16, 17, 18, 19], 1),
+                ClientSpec::new(1, vec![11, 12, 13, 14, 30, 31, 32, 33, 34], 1),
+            ],
+            ..Bounds::two_tenants()
+        }
+    }
+
     /// Every bound set CI checks.
     pub fn ci() -> Vec<Bounds> {
         vec![
@@ -211,6 +233,7 @@ impl Bounds {
             Bounds::oversize(),
             Bounds::stale_writer(),
             Bounds::adversarial(),
+            Bounds::prefix_cache(),
         ]
     }
 }
@@ -409,7 +432,8 @@ impl Model for PdModel {
     fn properties(&self) -> Vec<Property<Self>> {
         vec![
             Property::always(
-                "K1: every page a request holds is its own",
+                "K1/K11: every private page a request holds is its own, every cached one is of \
+                 its tenant's scope",
                 |_: &PdModel, w: &World| w.check_ownership().is_ok(),
             ),
             Property::always(
@@ -458,6 +482,20 @@ impl Model for PdModel {
             Property::sometimes(
                 "sometimes: a cancel lands mid-transfer",
                 |_: &PdModel, w: &World| w.counters.cancels_mid_transfer > 0,
+            ),
+            Property::sometimes(
+                "sometimes: a request starts from cached pages",
+                |m: &PdModel, w: &World| {
+                    m.bounds.name != "prefix-cache"
+                        || w.prefill.machine.stats().cache_hit_pages_total > 0
+                },
+            ),
+            Property::sometimes(
+                "sometimes: a cached page is evicted for an allocation",
+                |m: &PdModel, w: &World| {
+                    m.bounds.name != "prefix-cache"
+                        || w.prefill.engine.pool.stats().cache_evictions > 0
+                },
             ),
         ]
     }

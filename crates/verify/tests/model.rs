@@ -34,6 +34,7 @@ fn ci_bounds_hold_every_property_and_reach_every_sometimes() {
             "oversize" => 30_000,
             "stale-writer" => 4_000,
             "adversarial" => 300_000,
+            "prefix-cache" => 300_000,
             other => panic!("no floor for {other}"),
         };
         assert!(r.unique_states >= floor, "{r}");
@@ -116,4 +117,23 @@ fn liveness_fails_where_a_live_connection_can_lose_a_frame() {
     let r = run(&b);
     let trace = violated(&r, "liveness");
     assert!(trace.contains("network LOSES"), "{trace}");
+}
+
+#[test]
+fn one_cache_scope_for_every_tenant_lets_a_tenant_hold_anothers_cached_page() {
+    let mut b = Bounds::two_tenants();
+    b.requests[1].prompt = b.requests[0].prompt.clone();
+    b.mutations.prefill.one_cache_scope = true;
+    let r = run(&b);
+    let trace = violated(&r, "K1/K11");
+    assert!(trace.contains("=> K11: prefill request"), "{trace}");
+}
+
+#[test]
+fn a_cache_reference_never_released_leaks_the_page() {
+    let mut b = Bounds::prefix_cache();
+    b.mutations.prefill.keep_cache_refs = true;
+    let r = run(&b);
+    let trace = violated(&r, "liveness");
+    assert!(trace.contains("leaked"), "{trace}");
 }
