@@ -134,12 +134,17 @@ pub struct Boundary {
     pub total_tokens: u64,
     /// Whose key sent it.
     pub tenant: usize,
+    /// The prompt's token count as the server reported it for this very
+    /// text before (`at`: its sizing send), if known.
+    pub prompt_tokens_before: Option<u64>,
     pub answer: Completion,
 }
 
 /// Under and at the window must succeed; over it must be refused with a
 /// 4xx (a 200 is the incident: the server answered a prompt it could not
-/// hold).
+/// hold). A prompt answered while counting fewer tokens than the same
+/// text counted before was cut to fit (`prompt_truncated`): the answer is
+/// to a prompt the client did not send.
 pub fn over_length(window: u64, cases: &[Boundary]) -> Vec<Finding> {
     let mut found = Vec::new();
     for c in cases {
@@ -164,6 +169,25 @@ pub fn over_length(window: u64, cases: &[Boundary]) -> Vec<Finding> {
                     c.total_tokens, a.status
                 ),
             )),
+            "under" | "at"
+                if a.ok()
+                    && c.prompt_tokens_before
+                        .zip(a.prompt_tokens)
+                        .is_some_and(|(before, now)| now < before) =>
+            {
+                found.push(finding(
+                    "over-length",
+                    "prompt_truncated",
+                    format!(
+                        "a prompt that counted {} tokens was answered counting {} (asked for {} \
+                         tokens in all, the {window}-token window): part of it was silently \
+                         dropped to fit",
+                        c.prompt_tokens_before.unwrap_or(0),
+                        a.prompt_tokens.unwrap_or(0),
+                        c.total_tokens
+                    ),
+                ))
+            }
             "under" | "at" if !a.ok() => found.push(finding(
                 "over-length",
                 "within_window_refused",
@@ -456,6 +480,7 @@ mod tests {
             name,
             tenant: 0,
             total_tokens: 10,
+            prompt_tokens_before: None,
             answer: answer(status, Some(9)),
         };
         assert!(over_length(10, &[b("under", 200), b("at", 200), b("over", 400)]).is_empty());
@@ -465,7 +490,18 @@ mod tests {
         assert_eq!(
             over_length(10, &[b("over", 500)])[0].kind,
             "over_length_not_4xx"
-        );
+        ); // The same text counted 9 tokens before, 7 now: cut to fit.
+        let cut = Boundary {
+            prompt_tokens_before: Some(9),
+            answer: answer(200, Some(7)),
+            ..b("at", 200)
+        };
+        assert_eq!(over_length(10, &[cut])[0].kind, "prompt_truncated");
+        let whole = Boundary {
+            prompt_tokens_before: Some(9),
+            ..b("at", 200)
+        };
+        assert!(over_length(10, &[whole]).is_empty());
     }
 
     #[test]

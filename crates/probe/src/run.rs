@@ -171,13 +171,10 @@ pub fn run(
         tenants: cfg.tenant_keys.len(),
         ..Report::default()
     };
-    // Nonces lead every prompt, so no two prompts are equal. Consecutive
-    // nonces share their leading hex digits, hence a prompt's first ~16
-    // tokens: an honest prefix cache may serve that much of a timed
-    // prompt, 3% of a 512-token one, far inside the timing check's slack.
-    // (Mixing them changes which filler sentences each prompt gets, and
-    // the token-accounting check's char/token heuristics are tuned to
-    // these: see docs/prefix-cache.md.)
+    // Nonces lead every prompt, so no two prompts are equal; each is
+    // written mixed (`secrets::shown`), so two prompts share nothing after
+    // their first word and no honest prefix cache serves a timed prompt
+    // (a chat template's fixed opening aside: at most a page or two).
     let mut nonce = cfg.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut next_nonce = move || {
         nonce = nonce.wrapping_add(1);
@@ -747,6 +744,7 @@ fn over_recalls(
             name: "over-recall",
             total_tokens: recall_tokens + u64::from(max_tokens),
             tenant: r.cfg.tenant_keys.len() - 1,
+            prompt_tokens_before: None,
             answer: a,
         });
     }
@@ -773,6 +771,7 @@ fn boundaries(
         name: "under",
         tenant: 0,
         total_tokens: a.prompt_tokens.map_or(window / 2, |p| p + 1),
+        prompt_tokens_before: None,
         answer: a,
     });
     // At: learn the exact prompt length with one token to spare, then ask
@@ -805,6 +804,7 @@ fn boundaries(
             name: "at",
             tenant: 0,
             total_tokens: p + rest as u64,
+            prompt_tokens_before: Some(p),
             answer: a,
         });
     }
@@ -820,6 +820,7 @@ fn boundaries(
         name: "over",
         tenant: 0,
         total_tokens: window + 33,
+        prompt_tokens_before: None,
         answer: a,
     });
     Ok(cases)

@@ -173,7 +173,7 @@ pub fn prompt_with_secret(nonce: u64, words: usize, secret: &Secret) -> String {
 fn secret_every(nonce: u64, words: usize, secret: &Secret, every: usize) -> String {
     let every = every.max(1);
     let code = secret.text();
-    let mut s = format!("Note {nonce:016x}. ");
+    let mut s = format!("Note {:016x}. ", shown(nonce));
     // A statement of the code costs about as many tokens as 23 words of
     // prose: keep the whole prompt near `words` words' worth.
     let body = filler(nonce, words * every / (every + 23));
@@ -207,6 +207,18 @@ pub const FLOOD_SECRET_EVERY_WORDS: usize = 4;
 /// Filler words between two statements of a prompt's secret.
 pub const SECRET_EVERY_WORDS: usize = 40;
 
+/// How a nonce is written into a prompt: a bijective mix (splitmix64's
+/// finaliser), so consecutive nonces differ from their first hex digit and
+/// two prompts share no token after "Note " — no honest prefix cache can
+/// serve a timed prompt from an earlier one. (The nonce itself still picks
+/// the filler, which the token-accounting heuristics are tuned to.)
+pub fn shown(nonce: u64) -> u64 {
+    let mut z = nonce.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// About `words` words of filler prose, in an order `nonce` picks.
 pub fn filler(nonce: u64, words: usize) -> String {
     let mut s = String::new();
@@ -228,7 +240,8 @@ pub fn filler(nonce: u64, words: usize) -> String {
 /// earlier prompt shares even their first page).
 pub fn cache_prompt(nonce: u64, words: usize) -> String {
     format!(
-        "Note {nonce:016x}. {} Summarise the note in one word:",
+        "Note {:016x}. {} Summarise the note in one word:",
+        shown(nonce),
         filler(nonce, words)
     )
 }
@@ -237,7 +250,7 @@ pub fn cache_prompt(nonce: u64, words: usize) -> String {
 /// token count grows by a fixed step per unit on any tokenizer that
 /// gives the word one token (checked, not assumed: see `checks`).
 pub fn unit_prompt(nonce: u64, units: usize) -> String {
-    format!("Note {nonce:016x}.{}", " hello".repeat(units))
+    format!("Note {:016x}.{}", shown(nonce), " hello".repeat(units))
 }
 
 #[cfg(test)]
@@ -287,7 +300,10 @@ mod tests {
         let mut r = crate::rng(5);
         let s = Secret::generate(&mut r, 0, 0);
         let p = flood_prompt(9, 400, &s);
-        assert!(p.starts_with("Note 0000000000000009. "), "{p}");
+        assert!(p.starts_with(&format!("Note {:016x}. ", shown(9))), "{p}");
+        // Consecutive nonces are written apart from their first digit.
+        let (a, b) = (format!("{:016x}", shown(9)), format!("{:016x}", shown(10)));
+        assert_ne!(a[..1], b[..1], "{a} {b}");
         let stated = p.matches(&s.text()).count();
         let words = p.split_whitespace().count();
         // A statement (5 words) after every few words of filler, about 400

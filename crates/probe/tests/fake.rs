@@ -20,6 +20,10 @@ struct Fake {
     cache: Cache,
     /// (key or "" for a global cache, prompt) seen.
     seen: Mutex<HashSet<(String, String)>>,
+    /// Keeps 4 tokens of the window spare by dropping the prompt's oldest
+    /// tokens, silently (llama.cpp's `truncated`, reported only in its own
+    /// fields).
+    cuts: bool,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -81,6 +85,8 @@ impl Endpoint for Fake {
             }
             tokens = 1;
             text = self.last_code.lock().unwrap().clone();
+        } else if self.cuts && total > self.window - 4 {
+            tokens -= total - (self.window - 4);
         }
         if let Some(c) = code_of(&req.prompt) {
             *self.last_code.lock().unwrap() = c;
@@ -136,6 +142,7 @@ fn with_cache(incident: bool, cache: Cache) -> Fake {
         last_code: Mutex::new(String::new()),
         cache,
         seen: Mutex::new(HashSet::new()),
+        cuts: false,
     }
 }
 
@@ -196,6 +203,29 @@ fn the_incidents_server_is_caught_by_every_check_it_breaks() {
         over.detail.contains("prompt_tokens Some(1)"),
         "{}",
         over.detail
+    );
+}
+
+/// A server that answers a prompt after silently dropping part of it to
+/// fit the window: the "at the window" prompt counts fewer tokens than the
+/// same text did when sized.
+#[test]
+fn a_server_that_cuts_prompts_to_fit_is_caught() {
+    let f = Fake {
+        cuts: true,
+        ..fake(false)
+    };
+    let r = run(&f, "fake://", &cfg(), &Quiet).expect("runs");
+    let cut: Vec<_> = r
+        .findings
+        .iter()
+        .filter(|f| f.kind == "prompt_truncated")
+        .collect();
+    assert_eq!(cut.len(), 1, "{}", r.human());
+    assert!(
+        cut[0].detail.contains("silently dropped"),
+        "{}",
+        cut[0].detail
     );
 }
 
