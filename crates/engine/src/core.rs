@@ -410,6 +410,23 @@ impl<F: Forward> Core<F> {
                 let reusable = (sub.req.prompt.len() - 1) / ps;
                 self.pool
                     .cached_prefix(owner.scope, &keys[..reusable.min(keys.len())], &mut hits);
+                // A running request of the same scope is computing the next
+                // page of this prefix right now (its prefill publishes it
+                // within a few steps): wait for it rather than compute the
+                // same KV twice — conversations that open with one system
+                // prompt arrive together. It makes progress without us, so
+                // this wait ends.
+                let next = hits.len();
+                if next < reusable.min(keys.len())
+                    && self.running.iter().any(|a| {
+                        a.mode == Mode::Full
+                            && !a.decoding()
+                            && a.owner.scope == owner.scope
+                            && a.keys.get(next) == Some(&keys[next])
+                    })
+                {
+                    break;
+                }
             }
             // Cached pages about to be held stop being evictable.
             let available = self.pool.pages_available() as usize - self.pool.idle_among(&hits);

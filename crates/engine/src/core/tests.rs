@@ -767,3 +767,26 @@ fn cached_pages_a_request_will_hold_do_not_count_as_room_for_it_k8() {
     assert_eq!(h.core.stats().requests_failed_total, 0);
     h.assert_quiet();
 }
+
+#[test]
+fn a_prefix_being_computed_is_waited_for_not_computed_twice_k11() {
+    // Two 10-token prompts of one tenant arrive together (conversations
+    // opening with one system prompt): r2 waits while r1 prefills the two
+    // pages they share, then starts from them. r3, another tenant's copy,
+    // is not r1's business: it waits only because FIFO puts it behind r2.
+    let mut h = cached(16);
+    let r1 = h.submit(GenRequest::greedy(TenantId(1), prompt(10), 2));
+    let r2 = h.submit(GenRequest::greedy(TenantId(1), prompt(10), 2));
+    let r3 = h.submit(GenRequest::greedy(TenantId(2), prompt(10), 2));
+    h.run(10);
+    h.check(expect![[r#"
+        t1 rows r1 0-9* | r1+"t" | queue [r2 r3] running [r1] free 13/16 cached 2 (0 idle)
+        t2 rows r1 10* r2 8-9* r3 0-9* | r1+"n" r1 done length (2 tokens, 3 pages) r2+"t" r3+"t" | queue [] running [r3 r2] free 10/16 cached 4 (0 idle)
+        t3 rows r3 10* r2 10* | r2+"n" r2 done length (2 tokens, 3 pages, 8 cached) r3+"n" r3 done length (2 tokens, 3 pages) | queue [] running [] free 12/16 cached 4 (4 idle)
+    "#]]);
+    let text = h.client(r1).text.clone();
+    for r in [r2, r3] {
+        assert_eq!(h.client(r).text, text, "K12");
+    }
+    h.assert_quiet();
+}
