@@ -98,6 +98,8 @@ def test_a_cache_group_shares_and_salts_only_narrow(cache_server):
 
 def test_cache_counters_and_a_clean_pool(unified_server):
     s = unified_server
+    # The startup capacity line says what the cache does to capacity.
+    assert "| prefix cache per tenant, in the pool (idle cached pages are evicted" in s.stderr()
     ask(s, "a", "Name the cape.")
     ask(s, "a", "Name the cape.")
     m = wait_pool_idle(s)
@@ -144,6 +146,7 @@ def test_prefix_cache_off_reuses_nothing(tmp_root):
     s = Server(["--tenants", str(path), "--prefix-cache", "off"], tmp_root, "prefix-cache-off")
     try:
         assert "prefix_cache=Off" in s.stderr()
+        assert "| prefix cache off" in s.stderr()
         for _ in range(2):
             _, u = ask(s, "a", "Who kept the ledger?")
             assert cached(u) == 0, u

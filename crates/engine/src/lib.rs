@@ -147,18 +147,25 @@ pub struct CapacityInfo {
     /// The largest `prompt + max_tokens` accepted: min(model window, pool,
     /// `max_context`).
     pub max_request_tokens: usize,
+    /// Whether the pool keeps a prefix cache (its idle pages count as
+    /// available: an allocation evicts them).
+    pub prefix_cache: PrefixCache,
 }
 
 impl CapacityInfo {
     /// The one-line capacity table printed at start.
     pub fn table(&self) -> String {
         format!(
-            "capacity: model window {} tokens | KV pool {} tokens ({} pages × {} tokens) | max request {} tokens",
+            "capacity: model window {} tokens | KV pool {} tokens ({} pages × {} tokens) | max request {} tokens | prefix cache {}",
             self.model_window_tokens,
             self.pool_tokens,
             self.pool_pages,
             self.page_size_tokens,
-            self.max_request_tokens
+            self.max_request_tokens,
+            match self.prefix_cache {
+                PrefixCache::Tenant => "per tenant, in the pool (idle cached pages are evicted when a request needs them, so they count as free)",
+                PrefixCache::Off => "off",
+            }
         )
     }
 }
@@ -457,6 +464,7 @@ pub fn measure(
         pool_pages: pages,
         page_size_tokens: cfg.page_size_tokens,
         max_request_tokens: max_request,
+        prefix_cache: cfg.prefix_cache,
     };
     Ok((shape, pages, capacity))
 }

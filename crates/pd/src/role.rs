@@ -139,7 +139,11 @@ impl PdNode {
         commands: Box<dyn FnMut(NetCommand) + Send>,
     ) -> Result<PdNode, StartError> {
         let model = model::Runner::new(model, cfg.step_tokens);
-        let (shape, pages, capacity) = engine::measure(&model, &cfg)?;
+        let (shape, pages, mut capacity) = engine::measure(&model, &cfg)?;
+        if role == PdRole::Decode {
+            // Decode receives every page; only prefill nodes cache.
+            capacity.prefix_cache = engine::PrefixCache::Off;
+        }
         if pd.transfer_window_pages == 0 || pd.requests_max == 0 || pd.events_max == 0 {
             return Err(StartError::Config(
                 "transfer window, request and event limits must be positive".into(),
