@@ -5,13 +5,13 @@
 //! [`Core::start_decode`], [`Core::step_if_running`] and the
 //! [`Core::take_outbox`] of what they produced).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId};
+use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId, TenantId};
 use model::sample::{FinishReason, Sampler, StopStrings};
 use model::{Forward, Row, Runner, SeqCtx};
 use tokenizer::{StreamDecoder, Tokenizer};
@@ -70,6 +70,10 @@ pub(crate) struct Active {
     mode: Mode,
     id: RequestId,
     owner: Owner,
+    /// Arrival order (unified role; 0 on PD roles).
+    seq: u64,
+    /// Order among the tenant's requests (lower first).
+    priority: i32,
     prompt: Vec<u32>,
     max_tokens: usize,
     ignore_eos: bool,
@@ -85,8 +89,10 @@ pub(crate) struct Active {
     keys: Vec<u64>,
     /// Prompt tokens whose KV came from the cache.
     cached_tokens: usize,
-    /// Prompt positions whose KV is computed.
-    prefilled: usize,
+    /// Positions of `history` whose KV is computed: the prompt's, and
+    /// after preemption whatever is recomputed; one short of `history`
+    /// while decoding (the last token is the next row).
+    computed: usize,
     /// Tokens generated so far (EOS included when it ended the request).
     generated: Vec<u32>,
     /// Prompt followed by generated tokens (for penalties).
@@ -98,8 +104,10 @@ pub(crate) struct Active {
 }
 
 impl Active {
+    /// One row a step: the last sampled token. Otherwise the request is
+    /// prefilling its prompt or, after preemption, recomputing its history.
     fn decoding(&self) -> bool {
-        self.prefilled == self.prompt.len()
+        !self.generated.is_empty() && self.computed + 1 == self.history.len()
     }
     fn cancelled(&self) -> bool {
         match &self.sink {
@@ -186,7 +194,10 @@ pub struct Core<F: Forward = Runner> {
     /// Events of remote requests and prefill results (PD roles).
     outbox: Vec<Outcome>,
     max_request: usize,
-    waiting: VecDeque<Submitted>,
+    /// Active tenants' lines and service counts (K13).
+    tenants: BTreeMap<TenantId, TenantQueue>,
+    /// Requests submitted so far (their arrival order).
+    arrivals: u64,
     running: Vec<Active>,
     rows: Vec<Row>,
     stats: Arc<Mutex<EngineStats>>,
@@ -218,7 +229,8 @@ impl<F: Forward> Core<F> {
             tokenizer,
             outbox: Vec::new(),
             rows: Vec::with_capacity(cfg.step_tokens),
-            waiting: VecDeque::with_capacity(cfg.max_queue),
+            tenants: BTreeMap::new(),
+            arrivals: 0,
             running: Vec::with_capacity(cfg.max_running),
             local: EngineStats::new(pool.stats()),
             pool,
@@ -245,7 +257,7 @@ impl<F: Forward> Core<F> {
     pub(crate) fn run(mut self, rx: Receiver<Command>) {
         loop {
             // Intake: block when idle, otherwise take what is there.
-            if self.running.is_empty() && self.waiting.is_empty() {
+            if self.running.is_empty() && !self.has_work() {
                 if self.shutdown.is_some() {
                     break;
                 }
@@ -290,12 +302,32 @@ impl<F: Forward> Core<F> {
         }
         self.reap_cancelled();
         self.admit();
-        self.running.is_empty() || self.step()
+        let stepped = self.running.is_empty() || self.step();
+        self.prune_tenants();
+        stepped
+    }
+
+    /// Requests wait (new or preempted).
+    fn has_work(&self) -> bool {
+        self.tenants.values().any(TenantQueue::has_work)
     }
 
     pub(crate) fn command(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit(sub) => self.waiting.push_back(*sub),
+            Command::Submit(sub) => {
+                self.arrivals += 1;
+                let least = self.least_served();
+                let q = self
+                    .tenants
+                    .entry(sub.req.tenant)
+                    .or_insert_with(|| TenantQueue::new(least, 1));
+                q.weight = sub.req.weight.max(1);
+                // By priority, then arrival.
+                let at = q
+                    .waiting
+                    .partition_point(|(_, w)| w.req.priority <= sub.req.priority);
+                q.waiting.insert(at, (self.arrivals, *sub));
+            }
             Command::Shutdown { drain } => {
                 self.shutdown = Some(drain && self.shutdown != Some(false));
             }
@@ -306,7 +338,8 @@ impl<F: Forward> Core<F> {
     pub fn publish(&mut self) {
         self.local.pool = self.pool.stats();
         self.local.running = self.running.len();
-        self.local.waiting = self.waiting.len();
+        self.local.waiting = self.tenants.values().map(|q| q.waiting.len()).sum();
+        self.local.preempted = self.tenants.values().map(|q| q.resumed.len()).sum();
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.local.clone();
     }
 
@@ -317,12 +350,17 @@ impl<F: Forward> Core<F> {
     }
 
     fn cancel_all(&mut self, err: RequestError) {
-        let n = self.waiting.len();
-        for sub in self.waiting.drain(..) {
-            let _ = sub.events.try_send(Event::Error(err.clone()));
-            self.local.requests_cancelled_total += 1;
+        for (_, q) in std::mem::take(&mut self.tenants) {
+            self.left_queue(q.waiting.len());
+            for (_, sub) in q.waiting {
+                let _ = sub.events.try_send(Event::Error(err.clone()));
+                self.local.requests_cancelled_total += 1;
+            }
+            for a in q.resumed {
+                emit(&mut self.outbox, &a, Event::Error(err.clone()));
+                self.local.requests_cancelled_total += 1;
+            }
         }
-        self.left_queue(n);
         let running = std::mem::take(&mut self.running);
         for a in running {
             emit(&mut self.outbox, &a, Event::Error(err.clone()));
@@ -333,11 +371,19 @@ impl<F: Forward> Core<F> {
 
     /// Drops cancelled requests, waiting or running, freeing their pages.
     fn reap_cancelled(&mut self) {
-        let before = self.waiting.len();
-        self.waiting
-            .retain(|s| !(s.cancel.load(Ordering::Relaxed) || s.events.is_closed()));
-        self.local.requests_cancelled_total += (before - self.waiting.len()) as u64;
-        self.left_queue(before - self.waiting.len());
+        let (mut waiting, mut resumed) = (0, 0);
+        for q in self.tenants.values_mut() {
+            let before = q.waiting.len();
+            q.waiting
+                .retain(|(_, s)| !(s.cancel.load(Ordering::Relaxed) || s.events.is_closed()));
+            waiting += before - q.waiting.len();
+            // Preempted requests hold no pages.
+            let before = q.resumed.len();
+            q.resumed.retain(|a| !a.cancelled());
+            resumed += before - q.resumed.len();
+        }
+        self.local.requests_cancelled_total += (waiting + resumed) as u64;
+        self.left_queue(waiting);
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].cancelled() {
@@ -374,146 +420,339 @@ impl<F: Forward> Core<F> {
         }
     }
 
-    /// FIFO admission: the head waits until the pool has pages for its whole
-    /// request (all or nothing). No request behind it passes it, so none
+    /// Admission: fair share between tenants (K13), then room (K8). The
+    /// tenant that has received the least service per weight goes first
+    /// (ties: the earlier arrival); within a tenant, preempted requests
+    /// resume first, then new ones by priority and arrival. A request is
+    /// admitted whole (all its pages) or not at all. If it does not fit,
+    /// running requests of tenants above their fair share of the batch
+    /// (or of its own tenant at a worse priority) are preempted to make
+    /// room, most recently admitted first ([`Core::make_room`]); if none
+    /// can be, admission stops: no request passes the chosen one, so none
     /// starves.
     fn admit(&mut self) {
-        while self.running.len() < self.cfg.max_running {
-            let Some(sub) = self.waiting.front() else {
+        // Tenants whose next request waits this tick for a running
+        // request that is computing its prefix (it is not blocked on room).
+        let mut deferred: Vec<TenantId> = Vec::new();
+        for _ in 0..ADMISSIONS_PER_TICK_MAX {
+            let Some(t) = self.next_tenant(&deferred) else {
                 break;
             };
-            let need_tokens = sub.req.prompt.len() + sub.req.max_tokens;
-            // Re-check on this node, before any allocation (K8).
-            if let Err(e) = crate::validate(&sub.req, self.max_request, self.fwd.vocab()) {
-                let sub = self.waiting.pop_front().expect("front exists");
-                self.left_queue(1);
-                let _ = sub.events.try_send(Event::Error(e));
-                self.local.requests_refused_total += 1;
-                continue;
-            }
-            let ps = self.cfg.page_size_tokens;
-            let need_pages = need_tokens.div_ceil(ps);
-            let owner = Owner::scoped(sub.id, sub.req.tenant, sub.req.scope());
-            #[cfg(feature = "fault-incident")]
-            let owner = match self.global_scope {
-                true => Owner::scoped(sub.id, sub.req.tenant, kv::Scope::derived(0)),
-                false => owner,
+            let placed = match self.tenants[&t].resumed.is_empty() {
+                false => self.resume(t),
+                true => self.admit_new(t),
             };
-            // The longest cached prefix of whole pages in the request's
-            // scope (K11). The last prompt token is always computed: its
-            // logits give the first token.
-            let mut keys = Vec::new();
-            let mut hits = Vec::new();
-            if self.cfg.prefix_cache == PrefixCache::Tenant {
-                self.prefix_keys
-                    .extend(ps, owner.scope, &sub.req.prompt, &mut keys);
-                let reusable = (sub.req.prompt.len() - 1) / ps;
-                self.pool
-                    .cached_prefix(owner.scope, &keys[..reusable.min(keys.len())], &mut hits);
-                // A running request of the same scope is computing the next
-                // page of this prefix right now (its prefill publishes it
-                // within a few steps): wait for it rather than compute the
-                // same KV twice — conversations that open with one system
-                // prompt arrive together. It makes progress without us, so
-                // this wait ends.
-                let next = hits.len();
-                if next < reusable.min(keys.len())
-                    && self.running.iter().any(|a| {
-                        a.mode == Mode::Full
-                            && !a.decoding()
-                            && a.owner.scope == owner.scope
-                            && a.keys.get(next) == Some(&keys[next])
-                    })
-                {
-                    break;
-                }
+            match placed {
+                Placed::Admitted | Placed::Dropped => {}
+                Placed::Deferred => deferred.push(t),
+                Placed::NoRoom => break,
             }
-            // Cached pages about to be held stop being evictable.
-            let available = self.pool.pages_available() as usize - self.pool.idle_among(&hits);
-            if need_pages - hits.len() > available {
-                break;
+        }
+    }
+
+    /// The active tenant to serve next: the least service per weight;
+    /// ties go to the earliest arrival.
+    fn next_tenant(&self, skip: &[TenantId]) -> Option<TenantId> {
+        self.tenants
+            .iter()
+            .filter(|(t, q)| !skip.contains(t) && q.has_work())
+            .min_by(|(_, a), (_, b)| {
+                a.served
+                    .total_cmp(&b.served)
+                    .then(a.first_arrival().cmp(&b.first_arrival()))
+            })
+            .map(|(&t, _)| t)
+    }
+
+    /// Admits tenant `t`'s next new request, refuses it (K8 re-check), or
+    /// says why it waits.
+    fn admit_new(&mut self, t: TenantId) -> Placed {
+        let ps = self.cfg.page_size_tokens;
+        let q = &self.tenants[&t];
+        let (_, sub) = q.waiting.front().expect("chosen: has a new request");
+        // Re-check on this node, before any allocation (K8).
+        if let Err(e) = crate::validate(&sub.req, self.max_request, self.fwd.vocab()) {
+            let (_, sub) = self.pop_waiting(t);
+            let _ = sub.events.try_send(Event::Error(e));
+            self.local.requests_refused_total += 1;
+            return Placed::Dropped;
+        }
+        let need_pages = (sub.req.prompt.len() + sub.req.max_tokens).div_ceil(ps);
+        let priority = sub.req.priority;
+        let owner = Owner::scoped(sub.id, sub.req.tenant, sub.req.scope());
+        #[cfg(feature = "fault-incident")]
+        let owner = match self.global_scope {
+            true => Owner::scoped(sub.id, sub.req.tenant, kv::Scope::derived(0)),
+            false => owner,
+        };
+        // The longest cached prefix of whole pages in the request's scope
+        // (K11). The last prompt token is always computed: its logits give
+        // the first token.
+        let mut keys = Vec::new();
+        let mut hits = Vec::new();
+        if self.cfg.prefix_cache == PrefixCache::Tenant {
+            self.prefix_keys
+                .extend(ps, owner.scope, &sub.req.prompt, &mut keys);
+            let reusable = ((sub.req.prompt.len() - 1) / ps).min(keys.len());
+            self.pool
+                .cached_prefix(owner.scope, &keys[..reusable], &mut hits);
+            // A running request of the same scope is computing the next
+            // page of this prefix right now (it publishes it within a few
+            // steps): wait for it rather than compute the same KV twice —
+            // conversations that open with one system prompt arrive
+            // together. It makes progress without us, so this wait ends.
+            let next = hits.len();
+            if next < reusable
+                && self.running.iter().any(|a| {
+                    a.mode == Mode::Full
+                        && !a.decoding()
+                        && a.owner.scope == owner.scope
+                        && a.keys.get(next) == Some(&keys[next])
+                })
+            {
+                return Placed::Deferred;
             }
-            let sub = self.waiting.pop_front().expect("front exists");
-            self.left_queue(1);
-            let mut pages = Vec::with_capacity(need_pages);
-            let acquired = hits
-                .iter()
-                .try_for_each(|&h| self.pool.acquire(h, owner).map(|()| pages.push(h)));
-            let allocated =
-                acquired.and_then(|()| self.pool.alloc(owner, need_pages - hits.len(), &mut pages));
-            if let Err(e) = allocated {
-                give_back(&mut self.pool, owner, &pages, hits.len());
+        }
+        if !self.make_room(t, priority, need_pages - hits.len(), &hits) {
+            return Placed::NoRoom;
+        }
+        let (seq, sub) = self.pop_waiting(t);
+        let mut pages = Vec::with_capacity(need_pages);
+        if let Err(e) = hold(&mut self.pool, owner, &hits, need_pages, &mut pages) {
+            let _ = sub
+                .events
+                .try_send(Event::Error(RequestError::Internal(e.to_string())));
+            self.local.requests_failed_total += 1;
+            return Placed::Dropped;
+        }
+        if self.cfg.prefix_cache == PrefixCache::Tenant {
+            self.local.prefix_cache_queries_total += 1;
+            self.local.prefix_cache_query_tokens_total += sub.req.prompt.len() as u64;
+            self.local.prefix_cache_hit_pages_total += hits.len() as u64;
+            self.local.prefix_cache_hit_tokens_total += (hits.len() * ps) as u64;
+        }
+        let mut shared = vec![false; pages.len()];
+        shared[..hits.len()].fill(true);
+        let cached_tokens = hits.len() * ps;
+        // Paired with the request log's read when the request ends.
+        sub.pages.store(pages.len() as u64, Ordering::Release);
+        let stops = match StopStrings::new(sub.req.stop.clone()) {
+            Ok(s) => s,
+            Err(e) => {
+                // validate() accepted it; unreachable, but never panic.
                 let _ = sub
                     .events
-                    .try_send(Event::Error(RequestError::Internal(e.to_string())));
-                self.local.requests_failed_total += 1;
-                continue;
+                    .try_send(Event::Error(RequestError::InvalidParam {
+                        field: e.field,
+                        why: e.why,
+                    }));
+                give_back(&mut self.pool, owner, &pages, hits.len());
+                return Placed::Dropped;
             }
-            if self.cfg.prefix_cache == PrefixCache::Tenant {
-                self.local.prefix_cache_queries_total += 1;
-                self.local.prefix_cache_query_tokens_total += sub.req.prompt.len() as u64;
-                self.local.prefix_cache_hit_pages_total += hits.len() as u64;
-                self.local.prefix_cache_hit_tokens_total += (hits.len() * ps) as u64;
-            }
-            let mut shared = vec![false; pages.len()];
-            shared[..hits.len()].fill(true);
-            let cached_tokens = hits.len() * ps;
-            // Paired with the request log's read when the request ends.
-            sub.pages.store(pages.len() as u64, Ordering::Release);
-            let stops = match StopStrings::new(sub.req.stop.clone()) {
-                Ok(s) => s,
-                Err(e) => {
-                    // validate() accepted it; unreachable, but never panic.
-                    let _ = sub
-                        .events
-                        .try_send(Event::Error(RequestError::InvalidParam {
-                            field: e.field,
-                            why: e.why,
-                        }));
-                    give_back(&mut self.pool, owner, &pages, hits.len());
-                    continue;
-                }
-            };
-            self.local.prompt_tokens_total += sub.req.prompt.len() as u64;
-            let history = sub.req.prompt.clone();
-            // The incident (test builds only): a placeholder computes only
-            // its last token and reads the rest of its pages as it finds
-            // them.
-            #[cfg(feature = "fault-incident")]
-            let prefilled = if sub.placeholder {
-                sub.req.prompt.len() - 1
-            } else {
-                cached_tokens
-            };
-            #[cfg(not(feature = "fault-incident"))]
-            let prefilled = cached_tokens;
-            self.running.push(Active {
-                mode: Mode::Full,
-                id: sub.id,
-                owner,
-                prompt: sub.req.prompt,
-                max_tokens: sub.req.max_tokens,
-                ignore_eos: sub.req.ignore_eos,
-                logprobs: sub.req.logprobs,
-                sampler: Sampler::new(sub.req.params),
-                stops,
-                decoder: self.tokenizer.stream_decoder().skip_special(true),
-                pages,
-                shared,
-                keys,
-                cached_tokens,
-                prefilled,
-                generated: Vec::with_capacity(sub.req.max_tokens.min(4096)),
-                history,
-                sink: Sink::Local {
-                    events: sub.events,
-                    cancel: sub.cancel,
-                },
-                submitted_at: sub.submitted_at,
-                admitted_at: Instant::now(),
-                first_token_at: None,
-            });
+        };
+        self.local.prompt_tokens_total += sub.req.prompt.len() as u64;
+        let history = sub.req.prompt.clone();
+        // The incident (test builds only): a placeholder computes only its
+        // last token and reads the rest of its pages as it finds them.
+        #[cfg(feature = "fault-incident")]
+        let computed = if sub.placeholder {
+            sub.req.prompt.len() - 1
+        } else {
+            cached_tokens
+        };
+        #[cfg(not(feature = "fault-incident"))]
+        let computed = cached_tokens;
+        self.running.push(Active {
+            mode: Mode::Full,
+            id: sub.id,
+            owner,
+            seq,
+            priority,
+            prompt: sub.req.prompt,
+            max_tokens: sub.req.max_tokens,
+            ignore_eos: sub.req.ignore_eos,
+            logprobs: sub.req.logprobs,
+            sampler: Sampler::new(sub.req.params),
+            stops,
+            decoder: self.tokenizer.stream_decoder().skip_special(true),
+            pages,
+            shared,
+            keys,
+            cached_tokens,
+            computed,
+            generated: Vec::with_capacity(sub.req.max_tokens.min(4096)),
+            history,
+            sink: Sink::Local {
+                events: sub.events,
+                cancel: sub.cancel,
+            },
+            submitted_at: sub.submitted_at,
+            admitted_at: Instant::now(),
+            first_token_at: None,
+        });
+        Placed::Admitted
+    }
+
+    /// Takes tenant `t`'s next new request out of the queue.
+    fn pop_waiting(&mut self, t: TenantId) -> (u64, Submitted) {
+        let w = self
+            .tenants
+            .get_mut(&t)
+            .and_then(|q| q.waiting.pop_front())
+            .expect("chosen: has a new request");
+        self.left_queue(1);
+        w
+    }
+
+    /// Puts tenant `t`'s oldest preempted request back in the batch: the
+    /// cached pages of what it had computed (its full pages were cached
+    /// when it was preempted, if they are still there), its other pages
+    /// fresh; it recomputes the rest before it samples again, so its
+    /// output is what it would have been (K12).
+    fn resume(&mut self, t: TenantId) -> Placed {
+        let ps = self.cfg.page_size_tokens;
+        let a = self.tenants[&t]
+            .resumed
+            .front()
+            .expect("chosen: has a preempted request");
+        let need_pages = (a.prompt.len() + a.max_tokens).div_ceil(ps);
+        let mut hits = Vec::new();
+        if self.cfg.prefix_cache == PrefixCache::Tenant {
+            // The last token of the history is always run (its logits).
+            let reusable = ((a.history.len() - 1) / ps).min(a.keys.len());
+            self.pool
+                .cached_prefix(a.owner.scope, &a.keys[..reusable], &mut hits);
         }
+        let priority = a.priority;
+        if !self.make_room(t, priority, need_pages - hits.len(), &hits) {
+            return Placed::NoRoom;
+        }
+        let mut a = self
+            .tenants
+            .get_mut(&t)
+            .and_then(|q| q.resumed.pop_front())
+            .expect("chosen: has a preempted request");
+        let mut pages = Vec::with_capacity(need_pages);
+        if let Err(e) = hold(&mut self.pool, a.owner, &hits, need_pages, &mut pages) {
+            emit(
+                &mut self.outbox,
+                &a,
+                Event::Error(RequestError::Internal(e.to_string())),
+            );
+            self.local.requests_failed_total += 1;
+            return Placed::Dropped;
+        }
+        a.shared = vec![false; pages.len()];
+        a.shared[..hits.len()].fill(true);
+        a.pages = pages;
+        a.computed = hits.len() * ps;
+        self.running.push(a);
+        Placed::Admitted
+    }
+
+    /// Makes room for a request of tenant `t` at `priority` that needs
+    /// `need` pages besides the cached `hits` it will hold: true once a
+    /// batch slot and the pages are there. Preempts, one at a time and
+    /// only while that can help, running requests of tenants holding more
+    /// than their fair share of the batch — more running requests per
+    /// weight than `t` would hold with this one — or of `t` itself at a
+    /// worse priority; the tenant furthest over its share first, its most
+    /// recently admitted request first (the least work lost).
+    fn make_room(&mut self, t: TenantId, priority: i32, need: usize, hits: &[PageRef]) -> bool {
+        for _ in 0..=self.running.len() {
+            let slot = self.running.len() < self.cfg.max_running;
+            // Cached pages about to be held stop being evictable.
+            let available = self.pool.pages_available() as usize - self.pool.idle_among(hits);
+            if slot && need <= available {
+                return true;
+            }
+            let victims = self.victims(t, priority);
+            // Only preempt if the victims' pages could cover the shortfall.
+            let freeable: usize = victims.iter().map(|&i| self.running[i].pages.len()).sum();
+            let Some(&victim) = victims.first() else {
+                return false;
+            };
+            if need > available + freeable {
+                return false;
+            }
+            self.preempt(victim);
+        }
+        false
+    }
+
+    /// Running requests that tenant `t`'s request at `priority` may
+    /// preempt, best victim first.
+    fn victims(&self, t: TenantId, priority: i32) -> Vec<usize> {
+        let mut running: BTreeMap<TenantId, usize> = BTreeMap::new();
+        for a in self.running.iter().filter(|a| a.mode == Mode::Full) {
+            *running.entry(a.owner.tenant).or_default() += 1;
+        }
+        let weight = |x: &TenantId| self.tenants.get(x).map_or(1, |q| q.weight) as usize;
+        let mine = running.get(&t).copied().unwrap_or(0) + 1;
+        let over = |v: &TenantId| running[v] * weight(&t) > mine * weight(v);
+        let mut v: Vec<(usize, bool, f64, Instant)> = self
+            .running
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.mode == Mode::Full)
+            .filter(|(_, a)| match a.owner.tenant == t {
+                true => a.priority > priority,
+                false => over(&a.owner.tenant),
+            })
+            .map(|(i, a)| {
+                let x = a.owner.tenant;
+                let share = running[&x] as f64 / weight(&x) as f64;
+                (i, x != t, share, a.admitted_at)
+            })
+            .collect();
+        // Other tenants first, the furthest over its share first, the
+        // latest admitted first.
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(b.3.cmp(&a.3)));
+        v.into_iter().map(|x| x.0).collect()
+    }
+
+    /// Takes running request `i` out of the batch to resume later: its full
+    /// computed pages go to the prefix cache first (so resuming costs
+    /// little while they stay cached), then every page is given back; it
+    /// waits first in its tenant's line.
+    fn preempt(&mut self, i: usize) {
+        let mut a = self.running.remove(i);
+        if self.cfg.prefix_cache == PrefixCache::Tenant {
+            let ps = self.cfg.page_size_tokens;
+            let computed = a.computed;
+            self.prefix_keys
+                .extend(ps, a.owner.scope, &a.history[..computed], &mut a.keys);
+            cache_pages(&mut self.pool, &mut a, computed / ps);
+        }
+        self.release(&a);
+        a.pages.clear();
+        a.shared.clear();
+        a.computed = 0;
+        self.local.requests_preempted_total += 1;
+        let least = self.least_served();
+        let q = self
+            .tenants
+            .entry(a.owner.tenant)
+            .or_insert_with(|| TenantQueue::new(least, 1));
+        let at = q.resumed.partition_point(|r| r.seq < a.seq);
+        q.resumed.insert(at, a);
+    }
+
+    /// The service count of the least-served active tenant (a tenant that
+    /// becomes active starts there: no credit is banked while away).
+    fn least_served(&self) -> f64 {
+        self.tenants
+            .values()
+            .map(|q| q.served)
+            .min_by(f64::total_cmp)
+            .unwrap_or(0.0)
+    }
+
+    /// Forgets tenants with nothing waiting or running (bounds the map).
+    fn prune_tenants(&mut self) {
+        let running: BTreeSet<TenantId> = self.running.iter().map(|a| a.owner.tenant).collect();
+        self.tenants
+            .retain(|t, q| q.has_work() || running.contains(t));
     }
 
     /// One forward step: a decode row per decoding request whose reader has
@@ -539,21 +778,34 @@ impl<F: Forward> Core<F> {
                 });
             }
         }
-        for (i, a) in self.running.iter().enumerate() {
+        // Then prompt chunks (and the recomputation of preempted requests)
+        // under the budget, the least-served tenant's first (K13), so one
+        // tenant's long prompts do not hold back another's first token.
+        let served = |a: &Active| self.tenants.get(&a.owner.tenant).map_or(0.0, |q| q.served);
+        let mut chunks: Vec<usize> = (0..self.running.len())
+            .filter(|&i| !self.running[i].decoding())
+            .collect();
+        chunks.sort_by(|&x, &y| served(&self.running[x]).total_cmp(&served(&self.running[y])));
+        let mut catching_up = Vec::with_capacity(chunks.len());
+        for i in chunks {
+            let a = &self.running[i];
             let left = budget - self.rows.len();
             if left == 0 {
                 break;
             }
-            if a.decoding() {
+            // A preempted request's last recomputed row samples a token:
+            // it needs room in its reader's channel like a decode row.
+            if !a.generated.is_empty() && !a.has_room() {
                 continue;
             }
-            let end = (a.prefilled + left).min(a.prompt.len());
-            for pos in a.prefilled..end {
+            catching_up.push(i);
+            let end = (a.computed + left).min(a.history.len());
+            for pos in a.computed..end {
                 self.rows.push(Row {
                     seq: i,
                     pos,
-                    token: a.prompt[pos],
-                    logits: pos == a.prompt.len() - 1,
+                    token: a.history[pos],
+                    logits: pos == a.history.len() - 1,
                 });
             }
         }
@@ -612,23 +864,26 @@ impl<F: Forward> Core<F> {
             }
             return true;
         }
-        // Advance prefill positions; a prompt just computed offers its
-        // full pages to the prefix cache.
-        let mut prefilled_now = Vec::new();
+        // Advance computed positions and count each tenant's service.
         for r in &self.rows {
             let a = &mut self.running[r.seq];
-            if !a.decoding() && r.pos + 1 > a.prefilled {
-                a.prefilled = r.pos + 1;
-                if a.decoding() && a.mode == Mode::Full {
-                    prefilled_now.push(r.seq);
-                }
+            a.computed = a.computed.max(r.pos + 1);
+            if let Some(q) = self.tenants.get_mut(&a.owner.tenant) {
+                q.served += 1.0 / f64::from(q.weight.max(1));
             }
         }
+        // A prompt (or a preempted request's history) just computed offers
+        // its full pages to the prefix cache.
         if self.cfg.prefix_cache == PrefixCache::Tenant {
-            for i in prefilled_now {
+            let ps = self.cfg.page_size_tokens;
+            for i in catching_up {
                 let a = &mut self.running[i];
-                let full = a.prompt.len() / self.cfg.page_size_tokens;
-                cache_pages(&mut self.pool, a, full);
+                if a.mode == Mode::Full && a.computed == a.history.len() {
+                    let computed = a.computed;
+                    self.prefix_keys
+                        .extend(ps, a.owner.scope, &a.history[..computed], &mut a.keys);
+                    cache_pages(&mut self.pool, a, computed / ps);
+                }
             }
         }
         // Sample for every row that produced logits, in row order.
@@ -751,6 +1006,8 @@ impl<F: Forward> Core<F> {
             mode: Mode::PrefillOnly,
             id: RequestId(job.req),
             owner: job.owner,
+            seq: 0,
+            priority: 0,
             history: job.prompt.clone(),
             prompt: job.prompt,
             max_tokens: 1,
@@ -763,7 +1020,7 @@ impl<F: Forward> Core<F> {
             keys: Vec::new(),
             cached_tokens: cached,
             pages: job.pages,
-            prefilled: cached,
+            computed: cached,
             generated: Vec::new(),
             sink: Sink::Remote { conn: 0 },
             submitted_at: now,
@@ -784,8 +1041,10 @@ impl<F: Forward> Core<F> {
             mode: Mode::DecodeOnly,
             id: RequestId(job.req),
             owner: job.owner,
+            seq: 0,
+            priority: 0,
             history: job.prompt.clone(),
-            prefilled: job.prompt.len(),
+            computed: job.prompt.len(),
             prompt: job.prompt,
             max_tokens: job.max_tokens,
             ignore_eos: job.ignore_eos,
@@ -980,3 +1239,73 @@ fn logprobs_of(logits: &[f32], n: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
 
 #[cfg(test)]
 mod tests;
+
+/// Most admissions (and refusals) in one tick: bounds the admission loop.
+const ADMISSIONS_PER_TICK_MAX: usize = 1 << 12;
+
+/// What admission did with a tenant's next request.
+enum Placed {
+    Admitted,
+    /// Refused or failed (its client told): the next one may go.
+    Dropped,
+    /// Waits for a running request computing its prefix; others may go.
+    Deferred,
+    /// No room, and none could be made: admission stops for this tick.
+    NoRoom,
+}
+
+/// An active tenant's line and service count (K13).
+struct TenantQueue {
+    /// Rows computed for the tenant (prompt and generated tokens alike)
+    /// divided by its weight: the virtual token counter of "Fairness in
+    /// Serving Large Language Models" (OSDI 2024), on rows.
+    served: f64,
+    weight: u32,
+    /// New requests (arrival, request), by priority then arrival.
+    waiting: VecDeque<(u64, Submitted)>,
+    /// Preempted requests, by arrival: they resume before new ones.
+    resumed: VecDeque<Active>,
+}
+
+impl TenantQueue {
+    fn new(served: f64, weight: u32) -> TenantQueue {
+        TenantQueue {
+            served,
+            weight,
+            waiting: VecDeque::new(),
+            resumed: VecDeque::new(),
+        }
+    }
+
+    fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.resumed.is_empty()
+    }
+
+    /// The earliest arrival among what waits.
+    fn first_arrival(&self) -> u64 {
+        let new = self.waiting.iter().map(|w| w.0).min();
+        let old = self.resumed.front().map(|a| a.seq);
+        new.into_iter().chain(old).min().unwrap_or(u64::MAX)
+    }
+}
+
+/// Takes the request's pages: references to the cached `hits`, then fresh
+/// pages up to `need` in all (all or nothing: on an error what was taken
+/// is given back).
+fn hold(
+    pool: &mut Pool,
+    owner: Owner,
+    hits: &[PageRef],
+    need: usize,
+    pages: &mut Vec<PageRef>,
+) -> Result<(), kv::KvError> {
+    let acquired = hits
+        .iter()
+        .try_for_each(|&h| pool.acquire(h, owner).map(|()| pages.push(h)));
+    let r = acquired.and_then(|()| pool.alloc(owner, need - hits.len(), pages));
+    if r.is_err() {
+        give_back(pool, owner, pages, hits.len().min(pages.len()));
+        pages.clear();
+    }
+    r
+}

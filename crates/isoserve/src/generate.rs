@@ -113,6 +113,8 @@ pub fn generate(
         ignore_eos: args.ignore_eos,
         logprobs: None,
         cache_scope: None,
+        priority: 0,
+        weight: 1,
     };
     let mut h = engine.submit(req)?;
     while let Some(ev) = h.blocking_next() {

@@ -261,6 +261,12 @@ pub struct GenRequest {
     /// authenticated tenant, its sharing group and the request's salt —
     /// never taken from the caller. `None`: the tenant's own scope.
     pub cache_scope: Option<Scope>,
+    /// Order among the tenant's own requests (vLLM's meaning: lower runs
+    /// earlier; default 0). It never reaches past the tenant's share (K13).
+    pub priority: i32,
+    /// The tenant's weight in the fair share (K13), set by the serving
+    /// layer from `tenants.toml`; at least 1.
+    pub weight: u32,
 }
 
 impl GenRequest {
@@ -279,6 +285,8 @@ impl GenRequest {
             ignore_eos: false,
             logprobs: None,
             cache_scope: None,
+            priority: 0,
+            weight: 1,
         }
     }
 }
@@ -690,6 +698,12 @@ pub struct EngineStats {
     /// Prompt tokens and pages served from the prefix cache.
     pub prefix_cache_hit_tokens_total: u64,
     pub prefix_cache_hit_pages_total: u64,
+    /// Running requests taken out of the batch to make room for a tenant
+    /// under its fair share (or a better priority of the same tenant):
+    /// their pages freed (full ones cached first), recomputed on resuming.
+    pub requests_preempted_total: u64,
+    /// Preempted requests waiting to resume.
+    pub preempted: usize,
 }
 
 impl EngineStats {

@@ -86,6 +86,8 @@ pub struct GenParams {
     /// `cache_salt` (vLLM, SGLang) and `prompt_cache_key` (OpenAI), joined:
     /// narrows the request's prefix-cache scope inside its tenant's (K11).
     pub cache_salt: Option<String>,
+    /// Order among the tenant's own requests (lower first; default 0).
+    pub priority: i32,
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -353,6 +355,9 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
         }
     }
     let cache_salt = (!salts.is_empty()).then(|| salts.join("\u{0}"));
+    let priority = f
+        .int_in("priority", i64::from(i32::MIN), i64::from(i32::MAX))?
+        .unwrap_or(0) as i32;
     let logprobs = match endpoint {
         Endpoint::Chat => {
             let on = f.bool("logprobs")?.unwrap_or(false);
@@ -395,6 +400,7 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
         logprobs,
         ignore_eos,
         cache_salt,
+        priority,
     })
 }
 

@@ -473,7 +473,21 @@ async fn admit(
         cache_scope: st
             .tenants
             .cache_scope(&tenant, params.cache_salt.as_deref()),
+        priority: params.priority,
+        weight: tenant.weight,
     };
+    if let Some(m) = tenant.max_priority.filter(|&m| params.priority < m) {
+        // Priority orders only the tenant's own requests; the operator may
+        // still bound it (K13).
+        return Err(ApiError::invalid_value(
+            "priority",
+            format!(
+                "{} is more precedence than this tenant may ask: the lowest value allowed is {m} \
+                 (lower values run earlier)",
+                params.priority
+            ),
+        ));
+    }
     let engine_err = |e: &request::RequestError| {
         ApiError::from_engine(e, ep.prompt_param(), ep.logprobs_param())
     };

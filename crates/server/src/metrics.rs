@@ -252,6 +252,19 @@ impl Collector for EngineCollector {
             "Requests waiting for admission in the engine",
             s.waiting as u64,
         )?;
+        const_gauge(
+            &mut enc,
+            "isoserve_requests_preempted",
+            "Requests preempted for another tenant's fair share, waiting to resume (K13)",
+            s.preempted as u64,
+        )?;
+        const_counter(
+            &mut enc,
+            "isoserve_requests_preemptions",
+            "Running requests preempted (pages given back, recomputed on resuming) to make room \
+             for a tenant under its fair share or a better priority of the same tenant",
+            s.requests_preempted_total,
+        )?;
         const_counter(
             &mut enc,
             "isoserve_prompt_tokens",

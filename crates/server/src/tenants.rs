@@ -10,7 +10,15 @@
 //! max_concurrent = 8            # optional; default 64
 //! max_tokens_per_minute = 100000  # optional; default unlimited
 //! cache_group = "acme"          # optional; see below
+//! weight = 2                    # optional; default 1 (share of the engine)
+//! max_priority = -10            # optional; the most precedence it may ask
 //! ```
+//!
+//! Fair share (K13): while several tenants have work, the engine serves each
+//! in proportion to its `weight` (1 to 1000); a tenant alone may use all of
+//! it. A request's `priority` (vLLM's meaning: lower runs earlier, default
+//! 0) orders only that tenant's own requests; `max_priority` bounds how low
+//! a value it may send (a lower one is refused with a 400).
 //!
 //! Prefix cache (K11): by default each tenant's cached KV is its own. Tenants
 //! with the same `cache_group` share one cache scope — the only way a scope
@@ -59,7 +67,14 @@ pub struct TenantSpec {
     pub max_tokens_per_minute: Option<u64>,
     /// Tenants naming the same group share cached KV (K11).
     pub cache_group: Option<String>,
+    /// Share of the engine against other busy tenants (K13).
+    pub weight: Option<u32>,
+    /// The lowest `priority` value its requests may carry.
+    pub max_priority: Option<i32>,
 }
+
+/// Upper bound on a tenant's weight.
+pub const WEIGHT_MAX: u32 = 1000;
 
 /// A tenant and its live usage.
 #[derive(Debug)]
@@ -70,6 +85,10 @@ pub struct Tenant {
     pub max_concurrent: usize,
     pub max_tokens_per_minute: Option<u64>,
     pub cache_group: Option<String>,
+    /// Share of the engine (K13), 1 to [`WEIGHT_MAX`].
+    pub weight: u32,
+    /// The lowest `priority` value its requests may carry (`None`: any).
+    pub max_priority: Option<i32>,
     usage: Mutex<Usage>,
 }
 
@@ -233,6 +252,8 @@ impl Tenants {
                 max_concurrent: usize::MAX,
                 max_tokens_per_minute: None,
                 cache_group: None,
+                weight: 1,
+                max_priority: None,
                 usage: Mutex::new(Usage::default()),
             })],
             anonymous: true,
@@ -281,6 +302,13 @@ impl Tenants {
                     ));
                 }
             }
+            let weight = s.weight.unwrap_or(1);
+            if !(1..=WEIGHT_MAX).contains(&weight) {
+                return Err(format!(
+                    "tenant `{}`: weight must be 1 to {WEIGHT_MAX}",
+                    s.name
+                ));
+            }
             if list.iter().any(|t| t.name == s.name) {
                 return Err(format!("tenant name `{}` appears twice", s.name));
             }
@@ -297,6 +325,8 @@ impl Tenants {
                 max_concurrent: s.max_concurrent.unwrap_or(MAX_CONCURRENT_DEFAULT),
                 max_tokens_per_minute: s.max_tokens_per_minute,
                 cache_group: s.cache_group,
+                weight,
+                max_priority: s.max_priority,
                 usage: Mutex::new(Usage::default()),
             }));
         }

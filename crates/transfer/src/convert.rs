@@ -51,6 +51,9 @@ pub fn gen_request(tenant: u64, tokens: &[u32], max_tokens: u32, g: &GenSpec) ->
         ignore_eos: g.ignore_eos,
         logprobs: g.logprobs.map(usize::from),
         cache_scope: g.cache_scope.map(Scope),
+        // Fair share is the unified engine's (K13); PD nodes admit in order.
+        priority: 0,
+        weight: 1,
     }
 }
 

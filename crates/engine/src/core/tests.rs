@@ -292,11 +292,20 @@ impl Harness {
         if line.len() == events_at {
             line += " -";
         }
-        let queue: Vec<String> = self
+        // New requests in arrival order, across tenants.
+        let mut waiting: Vec<(u64, u64)> = self
             .core
-            .waiting
-            .iter()
-            .map(|s| format!("r{}", s.id.0))
+            .tenants
+            .values()
+            .flat_map(|q| q.waiting.iter().map(|(seq, s)| (*seq, s.id.0)))
+            .collect();
+        waiting.sort_unstable();
+        let queue: Vec<String> = waiting.iter().map(|(_, id)| format!("r{id}")).collect();
+        let preempted: Vec<String> = self
+            .core
+            .tenants
+            .values()
+            .flat_map(|q| q.resumed.iter().map(|a| format!("r{}", a.id.0)))
             .collect();
         let running: Vec<String> = self
             .core
@@ -314,6 +323,9 @@ impl Harness {
             pool.pages_total
         )
         .unwrap();
+        if !preempted.is_empty() {
+            write!(line, " preempted [{}]", preempted.join(" ")).unwrap();
+        }
         if pool.pages_cached > 0 {
             write!(
                 line,
@@ -333,7 +345,7 @@ impl Harness {
     /// Ticks until nothing runs or waits (at most `max` ticks).
     fn run(&mut self, max: usize) {
         for _ in 0..max {
-            if self.core.running.is_empty() && self.core.waiting.is_empty() {
+            if self.core.running.is_empty() && !self.core.has_work() {
                 return;
             }
             self.tick();
@@ -773,20 +785,228 @@ fn a_prefix_being_computed_is_waited_for_not_computed_twice_k11() {
     // Two 10-token prompts of one tenant arrive together (conversations
     // opening with one system prompt): r2 waits while r1 prefills the two
     // pages they share, then starts from them. r3, another tenant's copy,
-    // is not r1's business: it waits only because FIFO puts it behind r2.
+    // shares nothing with r1 (K11) and does not wait behind r2 (K13).
     let mut h = cached(16);
     let r1 = h.submit(GenRequest::greedy(TenantId(1), prompt(10), 2));
     let r2 = h.submit(GenRequest::greedy(TenantId(1), prompt(10), 2));
     let r3 = h.submit(GenRequest::greedy(TenantId(2), prompt(10), 2));
     h.run(10);
     h.check(expect![[r#"
-        t1 rows r1 0-9* | r1+"t" | queue [r2 r3] running [r1] free 13/16 cached 2 (0 idle)
-        t2 rows r1 10* r2 8-9* r3 0-9* | r1+"n" r1 done length (2 tokens, 3 pages) r2+"t" r3+"t" | queue [] running [r3 r2] free 10/16 cached 4 (0 idle)
-        t3 rows r3 10* r2 10* | r2+"n" r2 done length (2 tokens, 3 pages, 8 cached) r3+"n" r3 done length (2 tokens, 3 pages) | queue [] running [] free 12/16 cached 4 (4 idle)
+        t1 rows r1 0-9* r3 0-9* | r1+"t" r3+"t" | queue [r2] running [r1 r3] free 10/16 cached 4 (0 idle)
+        t2 rows r1 10* r3 10* r2 8-9* | r1+"n" r1 done length (2 tokens, 3 pages) r2+"t" r3+"n" r3 done length (2 tokens, 3 pages) | queue [] running [r2] free 11/16 cached 4 (2 idle)
+        t3 rows r2 10* | r2+"n" r2 done length (2 tokens, 3 pages, 8 cached) | queue [] running [] free 12/16 cached 4 (4 idle)
     "#]]);
     let text = h.client(r1).text.clone();
     for r in [r2, r3] {
         assert_eq!(h.client(r).text, text, "K12");
     }
+    h.assert_quiet();
+}
+
+// ---------------------------------------------------------- fair share (K13)
+
+fn of(tenant: u64, len: usize, max_tokens: usize) -> GenRequest {
+    GenRequest::greedy(TenantId(tenant), prompt(len), max_tokens)
+}
+
+/// What each request says when it runs alone on a fresh core: the
+/// reference a preempted and resumed request must match (K12).
+fn alone(reqs: &[GenRequest]) -> Vec<String> {
+    reqs.iter()
+        .map(|r| {
+            let mut h = Harness::new(32, 32, 4);
+            let id = h.submit(r.clone());
+            h.run(100);
+            h.client(id).text.clone()
+        })
+        .collect()
+}
+
+#[test]
+fn a_newcomer_preempts_a_tenant_holding_the_whole_batch_and_the_victim_resumes_unchanged_k13_k12() {
+    // Tenant 1 fills the batch (max 3 running) with long answers and has
+    // one more waiting; tenant 2's short request arrives: the batch is
+    // tenant 1's alone, so its latest admission (r3) is preempted and r5
+    // runs at once. r3 resumes when tenant 1's turn comes, recomputing
+    // what it had (no prefix cache here) — its answer is what it says
+    // alone.
+    let reqs = [
+        of(1, 3, 8),
+        of(1, 3, 8),
+        of(1, 3, 8),
+        of(1, 3, 8),
+        of(2, 2, 2),
+    ];
+    let want = alone(&reqs);
+    let mut h = Harness::new(32, 32, 3);
+    let ids: Vec<u64> = reqs[..4].iter().map(|r| h.submit(r.clone())).collect();
+    h.tick();
+    h.tick();
+    let b = h.submit(reqs[4].clone());
+    h.run(40);
+    h.check(expect![[r#"
+        t1 rows r1 0-2* r2 0-2* r3 0-2* | r1+"c" r2+"c" r3+"c" | queue [r4] running [r1 r2 r3] free 23/32
+        t2 rows r1 3* r2 3* r3 3* | r1+"i" r2+"i" r3+"i" | queue [r4] running [r1 r2 r3] free 23/32
+        t3 rows r1 4* r2 4* r3 4* | r1+"v" r2+"v" r3+"v" | queue [r4 r5] running [r1 r2 r3] free 23/32
+        t4 rows r1 5* r2 5* r5 0-1* | r1+"y" r2+"y" r5+"y" | queue [r4] running [r1 r2 r5] free 25/32 preempted [r3]
+        t5 rows r1 6* r2 6* r5 2* | r1+"k" r2+"k" r5+"b" r5 done length (2 tokens, 1 pages) | queue [r4] running [r1 r2] free 26/32 preempted [r3]
+        t6 rows r1 7* r2 7* r3 0-5* | r1+"l" r2+"l" r3+"y" | queue [r4] running [r1 r2 r3] free 23/32
+        t7 rows r1 8* r2 8* r3 6* | r1+"q" r2+"q" r3+"k" | queue [r4] running [r1 r2 r3] free 23/32
+        t8 rows r1 9* r2 9* r3 7* | r1+"m" r1 done length (8 tokens, 3 pages) r2+"m" r2 done length (8 tokens, 3 pages) r3+"l" | queue [r4] running [r3] free 29/32
+        t9 rows r3 8* r4 0-2* | r3+"q" r4+"c" | queue [] running [r3 r4] free 26/32
+        t10 rows r3 9* r4 3* | r3+"m" r3 done length (8 tokens, 3 pages) r4+"i" | queue [] running [r4] free 29/32
+        t11 rows r4 4* | r4+"v" | queue [] running [r4] free 29/32
+        t12 rows r4 5* | r4+"y" | queue [] running [r4] free 29/32
+        t13 rows r4 6* | r4+"k" | queue [] running [r4] free 29/32
+        t14 rows r4 7* | r4+"l" | queue [] running [r4] free 29/32
+        t15 rows r4 8* | r4+"q" | queue [] running [r4] free 29/32
+        t16 rows r4 9* | r4+"m" r4 done length (8 tokens, 3 pages) | queue [] running [] free 32/32
+    "#]]);
+    for (i, &id) in ids.iter().chain([&b]).enumerate() {
+        assert_eq!(
+            h.client(id).text,
+            want[i],
+            "r{id} differs from its run alone (K12)"
+        );
+    }
+    assert_eq!(h.core.stats().requests_preempted_total, 1);
+    h.assert_quiet();
+}
+
+#[test]
+fn no_preemption_while_every_tenant_is_within_its_share_k13() {
+    // Two tenants, two requests each, a batch of 4: both at their share,
+    // nobody is preempted; a third request of tenant 1 waits for a slot
+    // instead of preempting tenant 2 (it would take tenant 1 over its
+    // share). Without the share test in `victims`, it would preempt.
+    let mut h = Harness::new(32, 32, 4);
+    for t in [1, 2, 1, 2, 1] {
+        h.submit(of(t, 3, 4));
+    }
+    h.run(40);
+    h.check(expect![[r#"
+        t1 rows r1 0-2* r2 0-2* r3 0-2* r4 0-2* | r1+"c" r2+"c" r3+"c" r4+"c" | queue [r5] running [r1 r2 r3 r4] free 24/32
+        t2 rows r1 3* r2 3* r3 3* r4 3* | r1+"i" r2+"i" r3+"i" r4+"i" | queue [r5] running [r1 r2 r3 r4] free 24/32
+        t3 rows r1 4* r2 4* r3 4* r4 4* | r1+"v" r2+"v" r3+"v" r4+"v" | queue [r5] running [r1 r2 r3 r4] free 24/32
+        t4 rows r1 5* r2 5* r3 5* r4 5* | r1+"y" r1 done length (4 tokens, 2 pages) r2+"y" r2 done length (4 tokens, 2 pages) r3+"y" r3 done length (4 tokens, 2 pages) r4+"y" r4 done length (4 tokens, 2 pages) | queue [r5] running [] free 32/32
+        t5 rows r5 0-2* | r5+"c" | queue [] running [r5] free 30/32
+        t6 rows r5 3* | r5+"i" | queue [] running [r5] free 30/32
+        t7 rows r5 4* | r5+"v" | queue [] running [r5] free 30/32
+        t8 rows r5 5* | r5+"y" r5 done length (4 tokens, 2 pages) | queue [] running [] free 32/32
+    "#]]);
+    assert_eq!(h.core.stats().requests_preempted_total, 0);
+    h.assert_quiet();
+}
+
+#[test]
+fn weights_divide_the_batch_and_admission_follows_the_least_served_k13() {
+    // A batch of 4; tenant 1 (weight 1) and tenant 2 (weight 3) each queue
+    // six requests. Admission alternates by service per weight: tenant 2
+    // gets about three rows for each of tenant 1's.
+    let mut h = Harness::new(64, 32, 4);
+    for _ in 0..6 {
+        h.submit(of(1, 2, 6));
+        h.submit(GenRequest {
+            weight: 3,
+            ..of(2, 2, 6)
+        });
+    }
+    h.run(60);
+    h.check(expect![[r#"
+        t1 rows r1 0-1* r2 0-1* r3 0-1* r4 0-1* | r1+"y" r2+"y" r3+"y" r4+"y" | queue [r5 r6 r7 r8 r9 r10 r11 r12] running [r1 r2 r3 r4] free 56/64
+        t2 rows r1 2* r2 2* r4 2* r6 0-1* | r1+"b" r2+"b" r4+"b" r6+"y" | queue [r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64 preempted [r3]
+        t3 rows r1 3* r2 3* r4 3* r6 2* | r1+"a" r2+"a" r4+"a" r6+"b" | queue [r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64 preempted [r3]
+        t4 rows r1 4* r2 4* r4 4* r6 3* | r1+"u" r2+"u" r4+"u" r6+"a" | queue [r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64 preempted [r3]
+        t5 rows r1 5* r2 5* r4 5* r6 4* | r1+"o" r2+"o" r4+"o" r6+"u" | queue [r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64 preempted [r3]
+        t6 rows r1 6* r2 6* r4 6* r6 5* | r1+"w" r1 done length (6 tokens, 2 pages) r2+"w" r2 done length (6 tokens, 2 pages) r4+"w" r4 done length (6 tokens, 2 pages) r6+"o" | queue [r5 r7 r8 r9 r10 r11 r12] running [r6] free 62/64 preempted [r3]
+        t7 rows r6 6* r8 0-1* r10 0-1* r3 0-2* | r3+"b" r6+"w" r6 done length (6 tokens, 2 pages) r8+"y" r10+"y" | queue [r5 r7 r9 r11] running [r3 r8 r10] free 58/64 preempted [r12]
+        t8 rows r3 3* r8 2* r10 2* r12 0-1* | r3+"a" r8+"b" r10+"b" r12+"y" | queue [r5 r7 r9 r11] running [r3 r8 r10 r12] free 56/64
+        t9 rows r3 4* r8 3* r10 3* r12 2* | r3+"u" r8+"a" r10+"a" r12+"b" | queue [r5 r7 r9 r11] running [r3 r8 r10 r12] free 56/64
+        t10 rows r3 5* r8 4* r10 4* r12 3* | r3+"o" r8+"u" r10+"u" r12+"a" | queue [r5 r7 r9 r11] running [r3 r8 r10 r12] free 56/64
+        t11 rows r3 6* r8 5* r10 5* r12 4* | r3+"w" r3 done length (6 tokens, 2 pages) r8+"o" r10+"o" r12+"u" | queue [r5 r7 r9 r11] running [r12 r8 r10] free 58/64
+        t12 rows r12 5* r8 6* r10 6* r5 0-1* | r5+"y" r8+"w" r8 done length (6 tokens, 2 pages) r10+"w" r10 done length (6 tokens, 2 pages) r12+"o" | queue [r7 r9 r11] running [r12 r5] free 60/64
+        t13 rows r12 6* r5 2* r7 0-1* r9 0-1* | r5+"b" r7+"y" r9+"y" r12+"w" r12 done length (6 tokens, 2 pages) | queue [r11] running [r9 r5 r7] free 58/64
+        t14 rows r9 2* r5 3* r7 2* r11 0-1* | r5+"a" r7+"b" r9+"b" r11+"y" | queue [] running [r9 r5 r7 r11] free 56/64
+        t15 rows r9 3* r5 4* r7 3* r11 2* | r5+"u" r7+"a" r9+"a" r11+"b" | queue [] running [r9 r5 r7 r11] free 56/64
+        t16 rows r9 4* r5 5* r7 4* r11 3* | r5+"o" r7+"u" r9+"u" r11+"a" | queue [] running [r9 r5 r7 r11] free 56/64
+        t17 rows r9 5* r5 6* r7 5* r11 4* | r5+"w" r5 done length (6 tokens, 2 pages) r7+"o" r9+"o" r11+"u" | queue [] running [r9 r11 r7] free 58/64
+        t18 rows r9 6* r11 5* r7 6* | r7+"w" r7 done length (6 tokens, 2 pages) r9+"w" r9 done length (6 tokens, 2 pages) r11+"o" | queue [] running [r11] free 62/64
+        t19 rows r11 6* | r11+"w" r11 done length (6 tokens, 2 pages) | queue [] running [] free 64/64
+    "#]]);
+    h.assert_quiet();
+}
+
+#[test]
+fn priority_orders_a_tenants_own_requests_and_preempts_only_its_own_k13() {
+    // Batch of 2. Tenant 1 runs two requests at priority 5; its urgent
+    // request (priority -1) preempts the later of them — its own tenant's:
+    // a priority never reaches another tenant's requests (`victims` takes
+    // another tenant's only when it is over its share).
+    let reqs = [
+        GenRequest {
+            priority: 5,
+            ..of(1, 3, 6)
+        },
+        GenRequest {
+            priority: 5,
+            ..of(1, 3, 6)
+        },
+        GenRequest {
+            priority: -1,
+            ..of(1, 2, 2)
+        },
+    ];
+    let want = alone(&reqs);
+    let mut h = Harness::new(32, 32, 2);
+    let a = h.submit(reqs[0].clone());
+    let b = h.submit(reqs[1].clone());
+    h.tick();
+    let urgent = h.submit(reqs[2].clone());
+    h.run(40);
+    h.check(expect![[r#"
+        t1 rows r1 0-2* r2 0-2* | r1+"c" r2+"c" | queue [] running [r1 r2] free 26/32
+        t2 rows r1 3* r3 0-1* | r1+"i" r3+"y" | queue [] running [r1 r3] free 28/32 preempted [r2]
+        t3 rows r1 4* r3 2* | r1+"v" r3+"b" r3 done length (2 tokens, 1 pages) | queue [] running [r1] free 29/32 preempted [r2]
+        t4 rows r1 5* r2 0-3* | r1+"y" r2+"i" | queue [] running [r1 r2] free 26/32
+        t5 rows r1 6* r2 4* | r1+"k" r2+"v" | queue [] running [r1 r2] free 26/32
+        t6 rows r1 7* r2 5* | r1+"l" r1 done length (6 tokens, 3 pages) r2+"y" | queue [] running [r2] free 29/32
+        t7 rows r2 6* | r2+"k" | queue [] running [r2] free 29/32
+        t8 rows r2 7* | r2+"l" r2 done length (6 tokens, 3 pages) | queue [] running [] free 32/32
+    "#]]);
+    for (i, id) in [a, b, urgent].into_iter().enumerate() {
+        assert_eq!(h.client(id).text, want[i], "r{id} (K12)");
+    }
+    h.assert_quiet();
+}
+
+#[test]
+fn a_tenant_short_of_pages_preempts_one_holding_them_and_resumes_from_its_cache_k13_k11() {
+    // 8 pages of 4. Tenant 1's two requests hold 6 pages; tenant 2 needs
+    // 3 and 2 are free: the later of tenant 1's is preempted — its two
+    // full pages cached first, so when it resumes it recomputes only the
+    // rest.
+    let other = |t, skip: usize| {
+        let p: Vec<u32> = prompt(9 + skip)[skip..].to_vec();
+        GenRequest::greedy(TenantId(t), p, 3)
+    };
+    let reqs = [other(1, 0), other(1, 1), other(2, 2)];
+    let want = alone(&reqs);
+    let mut h = cached(8);
+    let ids: Vec<u64> = reqs[..2].iter().map(|r| h.submit(r.clone())).collect();
+    h.tick();
+    h.tick();
+    let b = h.submit(reqs[2].clone());
+    h.run(40);
+    h.check(expect![[r#"
+        t1 rows r1 0-8* r2 0-8* | r1+"o" r2+"b" | queue [] running [r1 r2] free 2/8 cached 4 (0 idle)
+        t2 rows r1 9* r2 9* | r1+"b" r2+"d" | queue [] running [r1 r2] free 2/8 cached 4 (0 idle)
+        t3 rows r1 10* r3 0-8* | r1+"a" r1 done length (3 tokens, 3 pages) r3+"o" | queue [] running [r3] free 1/8 preempted [r2] cached 6 (4 idle)
+        t4 rows r3 9* r2 8-10* | r2+"e" r2 done length (3 tokens, 3 pages) r3+"d" | queue [] running [r3] free 1/8 cached 6 (4 idle)
+        t5 rows r3 10* | r3+"w" r3 done length (3 tokens, 3 pages) | queue [] running [] free 2/8 cached 6 (6 idle)
+    "#]]);
+    for (i, &id) in ids.iter().chain([&b]).enumerate() {
+        assert_eq!(h.client(id).text, want[i], "r{id} (K12)");
+    }
+    assert_eq!(h.core.stats().requests_preempted_total, 1);
     h.assert_quiet();
 }
