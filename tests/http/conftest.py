@@ -50,6 +50,9 @@ def write_tenants(path: Path, tenants):
                 lines.append(f"{k} = {t[k]}")
         if "cache_group" in t:
             lines.append(f'cache_group = "{t["cache_group"]}"')
+        for k in ("weight", "max_priority"):
+            if k in t:
+                lines.append(f"{k} = {t[k]}")
         lines.append("")
     path.write_text("\n".join(lines))
     return path
