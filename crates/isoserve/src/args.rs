@@ -58,9 +58,18 @@ pub struct HttpArgs {
     /// up front).
     #[arg(long, default_value_t = 1024)]
     pub default_max_tokens: usize,
-    /// Most open client connections (more wait in the listen backlog).
+    /// Most open client connections; beyond it a connection is answered
+    /// 503 and closed, but `/health` still answers.
     #[arg(long, default_value_t = 1024)]
     pub max_connections: usize,
+    /// Most open connections from one client address (beyond it: 429).
+    /// Default: a quarter of --max-connections.
+    #[arg(long)]
+    pub max_connections_per_client: Option<usize>,
+    /// Seconds a new connection has to send its first request byte before
+    /// it is closed.
+    #[arg(long, default_value_t = 5)]
+    pub first_byte_timeout_s: u64,
     /// After SIGTERM or Ctrl-C: seconds running requests get to finish
     /// before they are cancelled (new requests get 503 meanwhile).
     #[arg(long, default_value_t = 30)]
@@ -217,6 +226,11 @@ pub(crate) fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerCon
     scfg.max_body_bytes = usize::try_from(http.max_body).context("--max-body is too large")?;
     scfg.default_max_tokens = http.default_max_tokens.max(1);
     scfg.max_connections = http.max_connections.max(1);
+    scfg.max_connections_per_client = http
+        .max_connections_per_client
+        .unwrap_or(scfg.max_connections / 4)
+        .clamp(1, scfg.max_connections);
+    scfg.first_byte_timeout = Duration::from_secs(http.first_byte_timeout_s.max(1));
     scfg.shutdown_grace = Duration::from_secs(http.shutdown_grace_secs);
     scfg.log_prompts = http.log_prompts;
     Ok(scfg)

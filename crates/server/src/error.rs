@@ -25,11 +25,14 @@ pub enum Reason {
     Internal,
     /// A prefill or decode node failed under the request (PD).
     Upstream,
+    /// The client's address, or the server, holds its limit of
+    /// connections (the front door, K13).
+    ConnectionLimit,
 }
 
 impl Reason {
     /// Every reason, for pre-registering metric series at 0.
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 14] = [
         Reason::ContextLengthExceeded,
         Reason::QueueFull,
         Reason::TenantLimit,
@@ -43,6 +46,7 @@ impl Reason {
         Reason::Timeout,
         Reason::Internal,
         Reason::Upstream,
+        Reason::ConnectionLimit,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -60,6 +64,7 @@ impl Reason {
             Reason::Timeout => "timeout",
             Reason::Internal => "internal_error",
             Reason::Upstream => "upstream_error",
+            Reason::ConnectionLimit => "connection_limit",
         }
     }
 }
@@ -277,6 +282,35 @@ impl ApiError {
         )
         .code("rate_limit_exceeded");
         e.retry_after = Some(retry_after.max(1));
+        e
+    }
+
+    /// 429: the client's address holds its limit of connections.
+    pub fn client_connections(limit: usize) -> ApiError {
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            Reason::ConnectionLimit,
+            format!(
+                "Your address holds {limit} connections to this server, the most one client may \
+                 hold; reuse or close one and retry."
+            ),
+        )
+        .code("too_many_connections");
+        e.retry_after = Some(1);
+        e
+    }
+
+    /// 503: the server holds its limit of connections.
+    pub fn server_connections(limit: usize) -> ApiError {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Reason::ConnectionLimit,
+            format!("The server holds {limit} connections, its limit; retry shortly."),
+        )
+        .code("server_busy");
+        e.retry_after = Some(1);
         e
     }
 

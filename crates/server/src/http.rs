@@ -50,6 +50,24 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
         .with_state(st)
 }
 
+/// The overflow lane's routes (see [`crate::door`]): `/health` as usual,
+/// anything else the connection limit's error.
+pub(crate) fn overflow_router(st: Arc<AppState>, why: crate::door::Overflow) -> Router {
+    use crate::door::Overflow;
+    let refuse = move |State(st): State<Arc<AppState>>| async move {
+        let e = match why {
+            Overflow::Client { limit } => ApiError::client_connections(limit),
+            Overflow::Server { limit } => ApiError::server_connections(limit),
+        };
+        st.metrics.rejection(e.reason);
+        e.into_response()
+    };
+    Router::new()
+        .route("/health", get(health))
+        .fallback(refuse)
+        .with_state(st)
+}
+
 async fn not_found(State(st): State<Arc<AppState>>, method: Method, uri: Uri) -> Response {
     let e = ApiError::route_not_found(method.as_str(), uri.path());
     st.metrics.rejection(e.reason);

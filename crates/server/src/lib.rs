@@ -49,6 +49,7 @@
 //! ```
 
 pub mod api;
+pub mod door;
 pub mod error;
 mod http;
 pub mod metrics;
@@ -87,8 +88,13 @@ pub struct ServerConfig {
     pub max_headers: usize,
     /// Time to receive a request head.
     pub header_timeout: Duration,
-    /// Most open connections; further clients wait in the listen backlog.
+    /// Most open connections; beyond it a connection gets 503 (`/health`
+    /// is still answered: [`door`]).
     pub max_connections: usize,
+    /// Most open connections from one client address; beyond it 429.
+    pub max_connections_per_client: usize,
+    /// Time a new connection has to send its first request byte.
+    pub first_byte_timeout: Duration,
     /// `max_tokens` of a request that sets none: the rest of the window,
     /// capped at this (every request reserves pages for its whole
     /// `prompt + max_tokens` up front).
@@ -112,6 +118,8 @@ impl ServerConfig {
             max_headers: 100,
             header_timeout: Duration::from_secs(30),
             max_connections: 1024,
+            max_connections_per_client: 256,
+            first_byte_timeout: Duration::from_secs(5),
             default_max_tokens: 1024,
             shutdown_grace: Duration::from_secs(30),
             log_prompts: false,
@@ -129,8 +137,18 @@ impl ServerConfig {
         if self.header_limit < 1024 {
             return bad("the header limit must be at least 1024 bytes");
         }
-        if self.max_headers == 0 || self.max_connections == 0 || self.default_max_tokens == 0 {
-            return bad("header count, connections and default max_tokens must be positive");
+        if self.max_headers == 0
+            || self.max_connections == 0
+            || self.max_connections_per_client == 0
+            || self.default_max_tokens == 0
+        {
+            return bad(
+                "header count, connections (in all and per client) and default max_tokens must \
+                 be positive",
+            );
+        }
+        if self.first_byte_timeout.is_zero() {
+            return bad("the first-byte timeout must be positive");
         }
         Ok(())
     }
@@ -265,6 +283,27 @@ impl Server {
             .keep_alive(true);
         let graceful = GracefulShutdown::new();
         let conns = Arc::new(Semaphore::new(st.cfg.max_connections));
+        let door = door::Door::new(st.cfg.max_connections_per_client);
+        let overflow = Arc::new(Semaphore::new(door::OVERFLOW_MAX));
+        let over_client = http::overflow_router(
+            st.clone(),
+            door::Overflow::Client {
+                limit: st.cfg.max_connections_per_client,
+            },
+        );
+        let over_server = http::overflow_router(
+            st.clone(),
+            door::Overflow::Server {
+                limit: st.cfg.max_connections,
+            },
+        );
+        let mut lane = hyper::server::conn::http1::Builder::new();
+        lane.timer(TokioTimer::new())
+            .header_read_timeout(door::OVERFLOW_TIMEOUT)
+            .max_header_size(st.cfg.header_limit)
+            .max_headers(st.cfg.max_headers)
+            .keep_alive(false);
+        let first_byte = st.cfg.first_byte_timeout;
 
         let drain = {
             let st = st.clone();
@@ -301,14 +340,8 @@ impl Server {
         tokio::pin!(drain);
 
         loop {
-            let permit = tokio::select! {
-                biased;
-                _ = &mut drain => break,
-                p = conns.clone().acquire_owned() => match p {
-                    Ok(p) => p,
-                    Err(_) => break,
-                },
-            };
+            // Always accept: a full server still answers (the overflow
+            // lane), so no client waits unseen in the listen backlog.
             let (tcp, peer) = tokio::select! {
                 biased;
                 _ = &mut drain => break,
@@ -323,14 +356,47 @@ impl Server {
                 },
             };
             let _ = tcp.set_nodelay(true);
+            let slot = door.enter(peer.ip());
+            let permit = match &slot {
+                Some(_) => conns.clone().try_acquire_owned().ok(),
+                None => None,
+            };
+            let client_full = slot.is_none();
+            let (Some(slot), Some(permit)) = (slot, permit) else {
+                // The overflow lane: `/health`, or the limit's error.
+                let Ok(lane_permit) = overflow.clone().try_acquire_owned() else {
+                    drop(tcp);
+                    continue;
+                };
+                let app = match client_full {
+                    true => over_client.clone(),
+                    false => over_server.clone(),
+                };
+                let svc = hyper_util::service::TowerToHyperService::new(app);
+                let conn = lane.serve_connection(TokioIo::new(tcp), svc);
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(door::OVERFLOW_TIMEOUT * 2, conn).await;
+                    drop(lane_permit);
+                });
+                continue;
+            };
             let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-            let conn = http.serve_connection(TokioIo::new(tcp), svc);
-            let fut = graceful.watch(conn);
+            let http = http.clone();
+            let watcher = graceful.watcher();
             tokio::spawn(async move {
-                if let Err(e) = fut.await {
-                    tracing::debug!(%peer, "connection ended: {e}");
+                // A connection that never speaks gives its slot back soon.
+                let mut byte = [0u8; 1];
+                match tokio::time::timeout(first_byte, tcp.peek(&mut byte)).await {
+                    Ok(Ok(n)) if n > 0 => {
+                        let conn = http.serve_connection(TokioIo::new(tcp), svc);
+                        if let Err(e) = watcher.watch(conn).await {
+                            tracing::debug!(%peer, "connection ended: {e}");
+                        }
+                    }
+                    _ => tracing::debug!(%peer, "connection closed: silent or gone"),
                 }
                 drop(permit);
+                drop(slot);
             });
         }
         drop(listener);

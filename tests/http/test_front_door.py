@@ -1,0 +1,138 @@
+"""The front door (K13): one client's sockets cannot lock out other clients
+or `/health`. Clients come from distinct loopback addresses (127.0.0.2,
+127.0.0.3, ...) to the server on 127.0.0.1, so the per-client limit sees
+them as different clients; nothing but loopback is contacted."""
+
+import json
+import resource
+import socket
+import time
+
+import pytest
+
+from conftest import Server
+
+ATTACKER = "127.0.0.2"
+OTHER = "127.0.0.3"
+
+
+@pytest.fixture(autouse=True)
+def enough_descriptors():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 8192)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 4096, "too few file descriptors"
+
+
+def silent_sockets(s, n, source=ATTACKER):
+    """n connections that never send a byte (bounded: n <= 2048)."""
+    assert n <= 2048
+    socks = []
+    for _ in range(n):
+        c = socket.socket()
+        c.bind((source, 0))
+        c.settimeout(5)
+        c.connect((s.host, s.port))
+        socks.append(c)
+    return socks
+
+
+def request(s, method, path, body=None, source=OTHER, timeout=10):
+    """One HTTP/1.1 request from `source`; (status, json body, seconds)."""
+    t0 = time.monotonic()
+    c = socket.socket()
+    c.bind((source, 0))
+    c.settimeout(timeout)
+    try:
+        c.connect((s.host, s.port))
+        data = b"" if body is None else json.dumps(body).encode()
+        head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        c.sendall(head.encode() + data)
+        out = b""
+        while True:
+            chunk = c.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        c.close()
+    head, _, rest = out.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1]) if head else 0
+    try:
+        j = json.loads(rest) if rest else None
+    except ValueError:
+        j = None
+    return status, j, time.monotonic() - t0
+
+
+def completion(s, source=OTHER):
+    return request(s, "POST", "/v1/completions",
+                   {"prompt": "Hello", "max_tokens": 2, "temperature": 0}, source=source)
+
+
+def test_1024_silent_sockets_from_one_client_do_not_lock_others_out(tmp_root):
+    s = Server([], tmp_root, "door-1024")
+    socks = []
+    try:
+        socks = silent_sockets(s, 1024)
+        time.sleep(0.3)
+        st, j, dt = request(s, "GET", "/health")
+        assert st == 200 and j == {"status": "ok"} and dt < 1.0, (st, j, dt)
+        # The attacker's own next connection is over its limit: 429 in
+        # OpenAI's shape (or closed, when the overflow lane is full).
+        st, j, _ = request(s, "GET", "/v1/models", source=ATTACKER)
+        assert st in (0, 429), (st, j)
+        if st == 429:
+            assert j["error"]["code"] == "too_many_connections", j
+        st, j, dt = completion(s)
+        assert st == 200 and j["usage"]["completion_tokens"] == 2 and dt < 5.0, (st, j, dt)
+        # Silent connections are closed after the first-byte timeout (5 s).
+        socks[0].settimeout(15)
+        t0 = time.monotonic()
+        assert socks[0].recv(1) == b""
+        assert time.monotonic() - t0 < 10
+        m = s.metrics()
+        assert m['isoserve_rejections_total{reason="connection_limit"}'] >= 0
+    finally:
+        for c in socks:
+            c.close()
+        assert s.terminate() == 0, s.stderr()
+
+
+def test_20_sockets_against_max_connections_20(tmp_root):
+    # One client's 20 sockets take its 5 (a quarter of 20): others still
+    # get in. Four clients' 20 take them all: others get a clear 503, and
+    # /health still answers.
+    s = Server(["--max-connections", "20"], tmp_root, "door-20")
+    socks = []
+    try:
+        socks = silent_sockets(s, 20)
+        time.sleep(0.3)
+        st, j, dt = request(s, "GET", "/health")
+        assert st == 200 and dt < 1.0, (st, j, dt)
+        st, j, _ = completion(s)
+        assert st == 200, (st, j)
+        for i in range(4):
+            socks += silent_sockets(s, 5, source=f"127.0.0.{10 + i}")
+        time.sleep(0.3)
+        st, j, dt = request(s, "GET", "/health")
+        assert st == 200 and j == {"status": "ok"} and dt < 1.0, (st, j, dt)
+        st, j, _ = completion(s)
+        assert st == 503 and j["error"]["code"] == "server_busy", (st, j)
+        assert "20 connections" in j["error"]["message"], j
+        # Once the silent ones are closed (first-byte timeout), it serves.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            st, j, _ = completion(s)
+            if st == 200:
+                break
+            time.sleep(0.5)
+        assert st == 200, (st, j)
+        m = s.metrics()
+        assert m['isoserve_rejections_total{reason="connection_limit"}'] >= 1
+    finally:
+        for c in socks:
+            c.close()
+        assert s.terminate() == 0, s.stderr()
