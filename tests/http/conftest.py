@@ -32,14 +32,18 @@ START_TIMEOUT_S = 60
 # Four tenants for the determinism test, one tightly limited tenant.
 TENANT_KEYS = {f"t{i}": f"sk-test-tenant-{i}-key" for i in range(4)}
 LIMITED_KEY = "sk-test-limited-key"
+# The operator's key: every tenants file the tests write has it, and
+# `Server.metrics()` reads /metrics with it (a tenant's key may not).
+OPERATOR_KEY = "sk-test-operator-key"
 
 
 def sha256_hex(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()
 
 
-def write_tenants(path: Path, tenants):
-    """tenants: list of dicts with name, key and optional limits."""
+def write_tenants(path: Path, tenants, operator=True):
+    """tenants: list of dicts with name, key and optional limits; with the
+    operator's key (`[operator]`) unless `operator` is false."""
     lines = []
     for t in tenants:
         lines.append("[[tenant]]")
@@ -54,6 +58,8 @@ def write_tenants(path: Path, tenants):
             if k in t:
                 lines.append(f"{k} = {t[k]}")
         lines.append("")
+    if operator:
+        lines += ["[operator]", f'api_key_sha256 = "{sha256_hex(OPERATOR_KEY)}"', ""]
     path.write_text("\n".join(lines))
     return path
 
@@ -113,7 +119,8 @@ class Server:
         return [json.loads(l) for l in self.request_log.read_text().splitlines() if l.strip()]
 
     def metrics(self) -> dict:
-        r = requests.get(self.url("/metrics"), timeout=10)
+        r = requests.get(self.url("/metrics"), timeout=10,
+                         headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
         assert r.status_code == 200, r.text
         return parse_metrics(r.text)
 

@@ -331,6 +331,9 @@ def test_serve_disaggregated_one_command_and_clean_sigterm(tmp_root):
     # One scrape of the gateway sees the whole set: every child's samples
     # with a `node` label, encoded by the same Prometheus library.
     gm = s.metrics()
+    # The gateway has no pool of its own and exports none (a pool of 0
+    # pages would trip "no free pages" alerts); its nodes' pools are here.
+    assert not any(k.startswith("isoserve_kv_") for k in gm), sorted(gm)
     assert gm['isoserve_node_scrape_ok{node="prefill-0"}'] == 1
     assert gm['isoserve_node_scrape_ok{node="decode-0"}'] == 1
     assert gm['isoserve_node_decode_transfers_completed_total{node="decode-0"}'] == 1

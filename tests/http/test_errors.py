@@ -146,11 +146,62 @@ def test_unknown_route_and_method(server):
     assert after["method_not_allowed"] - before["method_not_allowed"] == 1
 
 
+def raw_request(server, data: bytes):
+    """Sends raw bytes; returns (status, parsed JSON body or None)."""
+    with socket.create_connection((server.host, server.port), timeout=10) as c:
+        c.sendall(data)
+        out = b""
+        while True:
+            chunk = c.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body) if body else None
+
+
 def test_oversized_headers_are_refused_and_server_survives(server):
     r = requests.get(server.url("/health"), headers={"X-Big": "a" * (80 << 10)}, timeout=10)
-    assert r.status_code == 431
+    assert_error(r, 431, "headers_too_large")
     r = requests.get(server.url("/health"), timeout=10)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("head,status,code", [
+    (b"Content-Length: abc\r\n", 400, "invalid_content_length"),
+    (b"Content-Length: 99999999999999999999999999\r\n", 400, "invalid_content_length"),
+    (b"Content-Length: 5\r\nContent-Length: 6\r\n", 400, "invalid_content_length"),
+    (b"".join(b"X-H%d: v\r\n" % i for i in range(150)), 431, "too_many_headers"),
+    (b"Bad Header Line\r\n", 400, "malformed_request"),
+])
+def test_transport_errors_answer_in_openai_shape(server, head, status, code):
+    data = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n"
+    st, j = raw_request(server, data)
+    assert st == status, (st, j)
+    assert j["error"]["code"] == code and j["error"]["message"], j
+    assert len(j["error"]["message"]) < 300, j
+    r = requests.get(server.url("/health"), timeout=10)
+    assert r.status_code == 200
+
+
+def test_a_huge_but_valid_content_length_is_413_before_the_body(server):
+    st, j = raw_request(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                b"Content-Type: application/json\r\n"
+                                b"Content-Length: 1000000000000\r\n\r\n{")
+    assert st == 413 and j["error"]["code"] == "request_too_large", (st, j)
+
+
+def test_cli_errors_are_one_line_and_nonzero(tmp_root):
+    import subprocess
+    from conftest import BIN
+    for args, says in [(["serve", "--model", str(tmp_root)], "is a directory"),
+                       (["serve", "--kv-pages", "0", "--port", "0"], "holds no page")]:
+        p = subprocess.run([str(BIN), *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0, p
+        last = p.stderr.strip().splitlines()[-1]
+        assert says in last, p.stderr
+        assert "--max-context 0" not in p.stderr, p.stderr
 
 
 def test_garbage_bytes_do_not_hurt_the_server(server):

@@ -58,6 +58,9 @@ def test_a_noisy_neighbour_does_not_take_another_tenants_time(tmp_root):
         while time.monotonic() < deadline:
             m = s.metrics()
             if m["isoserve_requests_running"] == 32 and m["isoserve_requests_waiting"] > 0:
+                # Per tenant: all of it is A's.
+                assert m['isoserve_tenant_requests{tenant="a",state="running"}'] == 32, m
+                assert m['isoserve_tenant_requests{tenant="a",state="waiting"}'] > 0, m
                 break
             time.sleep(0.05)
         else:
@@ -79,6 +82,12 @@ def test_a_noisy_neighbour_does_not_take_another_tenants_time(tmp_root):
         # B got in by preempting one of A's streams; A's resumed.
         assert m["isoserve_requests_preemptions_total"] >= 1, m
         assert m["isoserve_requests_preempted"] == 0
+        # Per-tenant service: A's tokens (its 40 streams and the reference),
+        # B's four requests, and the time A's requests waited.
+        assert m['isoserve_tenant_completion_tokens_total{tenant="a"}'] == (A_STREAMS + 1) * A_TOKENS
+        assert m['isoserve_tenant_requests_finished_total{tenant="b"}'] == 4
+        assert m['isoserve_tenant_queue_seconds_total{tenant="a"}'] > 0
+        assert not any(k.startswith("isoserve_tenant_requests{") for k in m), "idle tenants listed"
         print(f"B idle {idle_s:.3f} s, beside A's {A_STREAMS} streams {busy_s:.3f} s "
               f"(bound {bound:.3f} s); preemptions {m['isoserve_requests_preemptions_total']}")
     finally:

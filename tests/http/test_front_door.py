@@ -136,3 +136,40 @@ def test_20_sockets_against_max_connections_20(tmp_root):
         for c in socks:
             c.close()
         assert s.terminate() == 0, s.stderr()
+
+
+def test_metrics_want_the_operator_key_or_a_port_of_their_own(tmp_root):
+    import requests
+
+    from conftest import OPERATOR_KEY, write_tenants
+    key = "sk-door-tenant"
+    path = write_tenants(tmp_root / "door-tenants.toml", [{"name": "a", "key": key}])
+    s = Server(["--tenants", str(path), "--metrics-port", "0"], tmp_root, "door-metrics")
+    try:
+        url = s.url("/metrics")
+        r = requests.get(url, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        # A tenant's key is not the operator's.
+        r = requests.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert r.status_code == 401, r.text
+        r = requests.get(url, headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=10)
+        assert r.status_code == 200 and "isoserve_kv_pages_total" in r.text
+        # The operations listener: no key, /metrics and /health only.
+        import re
+        m = re.search(r"isoserve: metrics on (http://[0-9.:]+)/metrics", s.stderr())
+        assert m, s.stderr()
+        ops = m.group(1)
+        assert "isoserve_kv_pages_total" in requests.get(ops + "/metrics", timeout=10).text
+        assert requests.get(ops + "/health", timeout=10).json() == {"status": "ok"}
+        assert requests.get(ops + "/v1/models", timeout=10).status_code == 404
+    finally:
+        assert s.terminate() == 0, s.stderr()
+    # Without an [operator] section, nobody reads /metrics on the API port.
+    path = write_tenants(tmp_root / "door-noop.toml", [{"name": "a", "key": key}], operator=False)
+    s = Server(["--tenants", str(path)], tmp_root, "door-noop")
+    try:
+        r = requests.get(s.url("/metrics"), headers={"Authorization": f"Bearer {key}"},
+                         timeout=10)
+        assert r.status_code == 403 and "--metrics-port" in r.json()["error"]["message"], r.text
+    finally:
+        assert s.terminate() == 0, s.stderr()

@@ -48,7 +48,13 @@ def incident_server(tmp_root):
 def test_incident_replay(incident_server):
     s = incident_server
     assert "max request 1024 tokens" in s.stderr()
-    models = requests.get(s.url("/v1/models"), timeout=10).json()
+    # Under --tenants, what is served is not public: a key is wanted.
+    r = requests.get(s.url("/v1/models"), timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    r = requests.get(s.url("/v1/models"), headers={"Authorization": "Bearer " + "x" * 2000},
+                     timeout=10)
+    assert r.status_code == 401 and "longer than 1024 bytes" in r.json()["error"]["message"]
+    models = requests.get(s.url("/v1/models"), headers=auth(ALICE), timeout=10).json()
     assert models["data"][0]["max_model_len"] == 1024
 
     # Alice's request with a secret runs and fills pages with its KV.

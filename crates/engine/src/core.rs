@@ -340,6 +340,25 @@ impl<F: Forward> Core<F> {
         self.local.running = self.running.len();
         self.local.waiting = self.tenants.values().map(|q| q.waiting.len()).sum();
         self.local.preempted = self.tenants.values().map(|q| q.resumed.len()).sum();
+        self.local.tenants.clear();
+        for (&tenant, q) in &self.tenants {
+            self.local.tenants.push(request::TenantLoad {
+                tenant,
+                running: 0,
+                waiting: q.waiting.len(),
+                preempted: q.resumed.len(),
+            });
+        }
+        for a in self.running.iter().filter(|a| a.mode == Mode::Full) {
+            if let Some(t) = self
+                .local
+                .tenants
+                .iter_mut()
+                .find(|t| t.tenant == a.owner.tenant)
+            {
+                t.running += 1;
+            }
+        }
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.local.clone();
     }
 

@@ -421,6 +421,16 @@ pub fn measure(
         None => kv::pages_for_budget(&shape, cfg.kv_memory_bytes),
     };
     let pool_tokens = kv::capacity_tokens(&shape, pages);
+    if pages == 0 {
+        // No window fits, however small: say so rather than suggest
+        // `--max-context 0` (K8).
+        return Err(StartError::Config(format!(
+            "the KV pool holds no page (one page of {} tokens takes {} bytes): give it more \
+             memory with --kv-memory, or pages with --kv-pages",
+            cfg.page_size_tokens,
+            shape.page_bytes()
+        )));
+    }
     let window = model.context_length();
     let max_request = match cfg.max_context {
         Some(mc) => {

@@ -70,6 +70,14 @@ pub struct HttpArgs {
     /// it is closed.
     #[arg(long, default_value_t = 5)]
     pub first_byte_timeout_s: u64,
+    /// Serve `/metrics` and `/health` (no key) on this port too, on
+    /// --metrics-host. With --tenants, `/metrics` on the API port wants the
+    /// operator's key (tenants file `[operator]`).
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
+    /// Address of the --metrics-port listener.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub metrics_host: String,
     /// After SIGTERM or Ctrl-C: seconds running requests get to finish
     /// before they are cancelled (new requests get 503 meanwhile).
     #[arg(long, default_value_t = 30)]

@@ -226,6 +226,7 @@ async fn serve_gateway(
         writeln!(out, "isoserve: listening on http://{addr}")?;
         out.flush()?;
     }
+    crate::serve::serve_ops(&server, http).await?;
     server.run(listener, stop).await?;
     Ok(())
 }

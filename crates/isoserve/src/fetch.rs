@@ -43,6 +43,12 @@ pub fn default_model_path() -> Result<PathBuf> {
 pub fn resolve_model(explicit: Option<&Path>, quiet: bool) -> Result<PathBuf> {
     match explicit {
         Some(p) => {
+            if p.is_dir() {
+                bail!(
+                    "--model {} is a directory; give the path of a .gguf file",
+                    p.display()
+                );
+            }
             if !p.is_file() {
                 bail!("model file {} does not exist", p.display());
             }

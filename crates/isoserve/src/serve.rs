@@ -24,6 +24,26 @@ pub(crate) fn init_tracing() {
 }
 
 /// Resolves on the first SIGTERM or Ctrl-C; a second one exits at once.
+/// The operations listener (`--metrics-port`): `/metrics` and `/health`
+/// without a key, on its own address; runs until the process ends.
+pub(crate) async fn serve_ops(server: &Server, http: &crate::args::HttpArgs) -> Result<()> {
+    let Some(port) = http.metrics_port else {
+        return Ok(());
+    };
+    let l = tokio::net::TcpListener::bind((http.metrics_host.as_str(), port))
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on {}:{port} (--metrics-port)",
+                http.metrics_host
+            )
+        })?;
+    let addr = l.local_addr()?;
+    eprintln!("isoserve: metrics on http://{addr}/metrics");
+    server.spawn_ops(l);
+    Ok(())
+}
+
 pub(crate) async fn shutdown_signal() {
     async fn ctrl_c() {
         if tokio::signal::ctrl_c().await.is_err() {
@@ -110,6 +130,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             out.flush()?;
         }
         tracing::info!(model = %model_id, "serving on http://{addr}");
+        serve_ops(&server, &http).await?;
         server.run(listener, shutdown_signal()).await?;
         anyhow::Ok(())
     })?;

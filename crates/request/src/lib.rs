@@ -704,6 +704,17 @@ pub struct EngineStats {
     pub requests_preempted_total: u64,
     /// Preempted requests waiting to resume.
     pub preempted: usize,
+    /// Each active tenant's requests in the engine (K13), by tenant id.
+    pub tenants: Vec<TenantLoad>,
+}
+
+/// One active tenant's requests in the engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TenantLoad {
+    pub tenant: TenantId,
+    pub running: usize,
+    pub waiting: usize,
+    pub preempted: usize,
 }
 
 impl EngineStats {

@@ -90,6 +90,17 @@ pub struct GenParams {
     pub priority: i32,
 }
 
+/// A number as an error message shows it: short whatever its size (Rust's
+/// `{}` writes 1e300 as 301 digits).
+fn shown_number(x: f64) -> String {
+    let a = x.abs();
+    if a != 0.0 && !(1e-4..1e9).contains(&a) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
+}
+
 fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -150,7 +161,7 @@ impl<'a> Fields<'a> {
             let open = if lo_open { "(" } else { "[" };
             return Err(ApiError::invalid_value(
                 key,
-                format!("{x} is not in {open}{lo}, {hi}]"),
+                format!("{} is not in {open}{lo}, {hi}]", shown_number(x)),
             ));
         }
         Ok(Some(x as f32))
@@ -1140,5 +1151,16 @@ mod tests {
         assert_eq!(ctx.code, Some("context_length_exceeded"));
         assert!(ctx.message.contains("1024") && ctx.message.contains("1100"));
         assert_eq!(ctx.param.as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn a_huge_number_is_shown_short_in_an_error() {
+        let body = br#"{"prompt": "x", "temperature": 1e300}"#;
+        let e = parse_completion(body).expect_err("out of range");
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+        assert!(e.message.len() < 120, "{}", e.message);
+        assert!(e.message.contains("1e300"), "{}", e.message);
+        assert_eq!(shown_number(0.5), "0.5");
+        assert_eq!(shown_number(-3.0), "-3");
     }
 }

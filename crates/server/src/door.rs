@@ -118,3 +118,119 @@ mod tests {
         assert!(d.enter(a).is_some());
     }
 }
+
+/// What the front door makes of a connection's first request head.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Head {
+    /// Well formed (as far as the door checks): hyper takes it from here.
+    Fine,
+    /// Malformed: answer this error and close.
+    Refuse(crate::ApiError),
+    /// The connection ended or stalled before a whole head arrived.
+    Gone,
+}
+
+/// Reads (without consuming) the first request head on `tcp` and checks
+/// what hyper would refuse with a bare status line: too many headers, a
+/// head over `limit` bytes, a malformed request line or header, and a
+/// `Content-Length` that is not one decimal number (or several that
+/// disagree). Bounded by `limit` bytes and `timeout`.
+pub(crate) async fn first_head(
+    tcp: &tokio::net::TcpStream,
+    limit: usize,
+    max_headers: usize,
+    timeout: Duration,
+) -> Head {
+    use crate::ApiError;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut buf = vec![0u8; limit + 1];
+    let mut seen = 0;
+    loop {
+        let n = match tokio::time::timeout_at(deadline, tcp.peek(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => n,
+            _ => return Head::Gone,
+        };
+        let mut headers = vec![httparse::EMPTY_HEADER; max_headers];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(&buf[..n]) {
+            Ok(httparse::Status::Complete(_)) => return check_lengths(req.headers),
+            Ok(httparse::Status::Partial) if n > limit => {
+                return Head::Refuse(ApiError::head_too_large(limit))
+            }
+            Ok(httparse::Status::Partial) => {}
+            Err(httparse::Error::TooManyHeaders) => {
+                return Head::Refuse(ApiError::too_many_headers(max_headers))
+            }
+            Err(e) => return Head::Refuse(ApiError::malformed_request(&e.to_string())),
+        }
+        // More of the head is on its way: look again shortly (peek does
+        // not wait for new bytes).
+        if n == seen {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        seen = n;
+        if tokio::time::Instant::now() >= deadline {
+            return Head::Gone;
+        }
+    }
+}
+
+fn check_lengths(headers: &[httparse::Header<'_>]) -> Head {
+    use crate::ApiError;
+    let mut length: Option<u64> = None;
+    for h in headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("content-length"))
+    {
+        let v = std::str::from_utf8(h.value).unwrap_or("").trim();
+        let parsed = match v.bytes().all(|b| b.is_ascii_digit()) && !v.is_empty() {
+            true => v.parse::<u64>().ok(),
+            false => None,
+        };
+        let Some(n) = parsed else {
+            let shown: String = v.chars().take(32).collect();
+            return Head::Refuse(ApiError::bad_content_length(&format!(
+                "`{shown}` is not a length in bytes"
+            )));
+        };
+        if length.is_some_and(|l| l != n) {
+            return Head::Refuse(ApiError::bad_content_length(
+                "two Content-Length headers disagree",
+            ));
+        }
+        length = Some(n);
+    }
+    Head::Fine
+}
+
+/// Writes `e` as a whole HTTP/1.1 response (OpenAI's JSON error, then
+/// `Connection: close`) and closes the connection; bounded by a second.
+pub(crate) async fn answer_and_close(mut tcp: tokio::net::TcpStream, e: &crate::ApiError) {
+    use tokio::io::AsyncWriteExt;
+    let body = serde_json::to_vec(&e.body()).unwrap_or_default();
+    let head = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        e.status.as_u16(),
+        e.status.canonical_reason().unwrap_or(""),
+        body.len()
+    );
+    let write = async {
+        tcp.write_all(head.as_bytes()).await?;
+        tcp.write_all(&body).await?;
+        tcp.shutdown().await?;
+        // Read what the client sent (the head was only peeked): closing
+        // with unread bytes would reset the connection and could lose the
+        // answer. Bounded: 1 MiB, and the timeout below.
+        let mut sink = [0u8; 16 << 10];
+        let mut drained = 0;
+        use tokio::io::AsyncReadExt;
+        while drained < (1 << 20) {
+            match tcp.read(&mut sink).await? {
+                0 => break,
+                n => drained += n,
+            }
+        }
+        std::io::Result::Ok(())
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+}

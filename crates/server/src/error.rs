@@ -197,20 +197,91 @@ impl ApiError {
     }
 
     /// 401: wrong or missing API key.
-    pub fn unauthorized(missing: bool) -> ApiError {
-        let message = if missing {
-            "You didn't provide an API key. You need to provide your API key in an Authorization \
-             header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
-        } else {
-            "Incorrect API key provided."
+    pub fn unauthorized(why: crate::tenants::AuthError) -> ApiError {
+        use crate::tenants::{AuthError, API_KEY_BYTES_MAX};
+        let message = match why {
+            AuthError::Missing => "You didn't provide an API key. You need to provide your API key \
+                 in an Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+                .to_string(),
+            AuthError::TooLong => format!(
+                "The API key provided is longer than {API_KEY_BYTES_MAX} bytes, the most accepted."
+            ),
+            AuthError::Wrong => "Incorrect API key provided.".to_string(),
         };
         ApiError::new(
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
             Reason::Unauthorized,
-            message.to_string(),
+            message,
         )
         .code("invalid_api_key")
+    }
+
+    /// 431: the request head is over the limit.
+    pub fn head_too_large(limit: usize) -> ApiError {
+        ApiError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("The request line and headers are over {limit} bytes, the limit."),
+        )
+        .code("headers_too_large")
+    }
+
+    /// 431: more headers than the limit.
+    pub fn too_many_headers(limit: usize) -> ApiError {
+        ApiError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("The request has more than {limit} headers, the limit."),
+        )
+        .code("too_many_headers")
+    }
+
+    /// 400: the request line or a header is not HTTP/1.1.
+    pub fn malformed_request(why: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("The request is not valid HTTP/1.1: {why}."),
+        )
+        .code("malformed_request")
+    }
+
+    /// 400: an unusable `Content-Length`.
+    pub fn bad_content_length(why: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("Bad Content-Length: {why}."),
+        )
+        .code("invalid_content_length")
+    }
+
+    /// 400: a request over the tenant's whole per-minute budget.
+    pub fn never_fits(message: String) -> ApiError {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::TenantLimit,
+            message,
+        )
+        .code("request_exceeds_tokens_per_minute")
+        .param("max_tokens")
+    }
+
+    /// 403: the key is fine but may not do this.
+    pub fn forbidden(why: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            Reason::Unauthorized,
+            why.to_string(),
+        )
+        .code("forbidden")
     }
 
     /// 404: the `model` field names no model served here.

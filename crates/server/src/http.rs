@@ -44,7 +44,7 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
         .route("/v1/models/{*id}", get(model_by_id))
         .route("/tokenize", post(tokenize_route))
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics_api))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(st)
@@ -98,14 +98,64 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
     }
 }
 
+/// `GET /metrics` on the API port: with a tenants file, the operator's key
+/// only (what every tenant does is not a tenant's business).
+async fn metrics_api(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    let refusal = match st.tenants.operator(auth) {
+        Ok(true) => return metrics(State(st)).await,
+        Ok(false) => ApiError::forbidden(
+            "/metrics on the API port needs the operator's key: add an [operator] section with \
+             its api_key_sha256 to the tenants file, or serve metrics on --metrics-port",
+        ),
+        Err(why) => ApiError::unauthorized(why),
+    };
+    st.metrics.rejection(refusal.reason);
+    refusal.into_response()
+}
+
+/// The operations listener's routes (`--metrics-port`): `/metrics` and
+/// `/health`, no key (bind it where only operators reach).
+pub(crate) fn ops_router(st: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .with_state(st)
+}
+
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     st.metrics.set_inflight(st.inflight());
     // A backend may ask its nodes (bounded, loopback): off the async threads.
     let backend = st.engine.clone();
-    let samples = tokio::task::spawn_blocking(move || backend.metric_samples())
+    let mut samples = tokio::task::spawn_blocking(move || backend.metric_samples())
         .await
         .unwrap_or_default();
-    let text = st.metrics.render(st.engine.stats(), samples);
+    let stats = st.engine.stats();
+    // Each active tenant's requests in the engine, under its name (K13).
+    for t in &stats.tenants {
+        let name = st
+            .tenants
+            .name_of(t.tenant)
+            .unwrap_or("unknown")
+            .to_string();
+        for (state, n) in [
+            ("running", t.running),
+            ("waiting", t.waiting),
+            ("preempted", t.preempted),
+        ] {
+            samples.push(
+                request::MetricSample::gauge(
+                    "isoserve_tenant_requests",
+                    "Requests of an active tenant in the engine, by state (K13)",
+                    n as f64,
+                )
+                .label("tenant", name.clone())
+                .label("state", state),
+            );
+        }
+    }
+    let text = st.metrics.render(stats, samples);
     (
         [(
             header::CONTENT_TYPE,
@@ -127,7 +177,21 @@ fn model_card(st: &AppState) -> ModelCard {
     }
 }
 
-async fn models(State(st): State<Arc<AppState>>) -> Response {
+/// Under `--tenants`, `/v1/models` wants a valid key like every `/v1`
+/// route (what is served is not public).
+fn check_key(st: &AppState, headers: &HeaderMap) -> Result<(), Box<Response>> {
+    let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    st.tenants.authenticate(auth).map(|_| ()).map_err(|why| {
+        let e = ApiError::unauthorized(why);
+        st.metrics.rejection(e.reason);
+        Box::new(e.into_response())
+    })
+}
+
+async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(r) = check_key(&st, &headers) {
+        return *r;
+    }
     Json(ModelList {
         object: "list".into(),
         data: vec![model_card(&st)],
@@ -135,7 +199,14 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
-async fn model_by_id(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+async fn model_by_id(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Err(r) = check_key(&st, &headers) {
+        return *r;
+    }
     if id == st.cfg.model_id || id == "default" {
         Json(model_card(&st)).into_response()
     } else {
@@ -311,7 +382,7 @@ impl Tracker {
         m.e2e.observe(self.start.elapsed().as_secs_f64());
         m.tokens(d.usage.prompt_tokens, d.usage.completion_tokens);
         if let Some(t) = &self.rec.tenant {
-            m.tenant_tokens(t, d.usage.prompt_tokens, d.usage.cached_tokens);
+            m.tenant_finished(t, &d.usage, d.queue_ms / 1e3);
         }
         self.rec.cached_tokens = d.usage.cached_tokens;
         // The prompt as the client sent it (tokenised here), not as the

@@ -258,6 +258,23 @@ impl Server {
         }
     }
 
+    /// The operations routes (`/metrics` and `/health`, no key), for a
+    /// listener of their own (`--metrics-port`).
+    pub fn ops_router(&self) -> axum::Router {
+        http::ops_router(self.state.clone())
+    }
+
+    /// Serves the operations routes on `listener` in a task of its own
+    /// (it runs as long as the runtime does).
+    pub fn spawn_ops(&self, listener: TcpListener) {
+        let ops = self.ops_router();
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, ops).await {
+                tracing::error!("the metrics listener stopped: {e}");
+            }
+        });
+    }
+
     /// The routes, for serving with any hyper/axum setup (tests use it
     /// directly).
     pub fn router(&self) -> axum::Router {
@@ -383,17 +400,36 @@ impl Server {
             let svc = hyper_util::service::TowerToHyperService::new(app.clone());
             let http = http.clone();
             let watcher = graceful.watcher();
+            let st2 = st.clone();
+            let limits = (
+                st.cfg.header_limit,
+                st.cfg.max_headers,
+                st.cfg.header_timeout,
+            );
             tokio::spawn(async move {
                 // A connection that never speaks gives its slot back soon.
                 let mut byte = [0u8; 1];
                 match tokio::time::timeout(first_byte, tcp.peek(&mut byte)).await {
-                    Ok(Ok(n)) if n > 0 => {
+                    Ok(Ok(n)) if n > 0 => {}
+                    _ => {
+                        tracing::debug!(%peer, "connection closed: silent or gone");
+                        return;
+                    }
+                }
+                // A malformed first head is answered in OpenAI's shape
+                // (hyper would answer a bare status line).
+                match door::first_head(&tcp, limits.0, limits.1, limits.2).await {
+                    door::Head::Fine => {
                         let conn = http.serve_connection(TokioIo::new(tcp), svc);
                         if let Err(e) = watcher.watch(conn).await {
                             tracing::debug!(%peer, "connection ended: {e}");
                         }
                     }
-                    _ => tracing::debug!(%peer, "connection closed: silent or gone"),
+                    door::Head::Refuse(e) => {
+                        st2.metrics.rejection(e.reason);
+                        door::answer_and_close(tcp, &e).await;
+                    }
+                    door::Head::Gone => {}
                 }
                 drop(permit);
                 drop(slot);

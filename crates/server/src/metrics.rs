@@ -9,6 +9,7 @@
 //! pool's state is read from `Engine::stats()` at scrape time by a
 //! [`Collector`], so the exported values are exactly the engine's.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::collector::Collector;
@@ -41,6 +42,9 @@ pub struct Metrics {
     prompt_tokens: Counter,
     tenant_prompt_tokens: Family<TenantLabels, Counter>,
     tenant_cached_tokens: Family<TenantLabels, Counter>,
+    tenant_completion_tokens: Family<TenantLabels, Counter>,
+    tenant_finished: Family<TenantLabels, Counter>,
+    tenant_queue_seconds: Family<TenantLabels, Counter<f64, AtomicU64>>,
     completion_tokens: Counter,
     pub ttft: Histogram,
     pub inter_token: Histogram,
@@ -155,91 +159,96 @@ impl Collector for EngineCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let s = self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let p = &s.pool;
-        const_gauge(
-            &mut enc,
-            "isoserve_kv_pages_total",
-            "Pages in the KV pool",
-            p.pages_total,
-        )?;
-        {
-            let mut m = enc.encode_descriptor(
-                "isoserve_kv_pages",
-                "KV pages by state. free: no request or transfer holds it — on the free list, or cached and idle (evictable, taken back on demand, as vLLM counts its cached free blocks); owned: held (= total − free), leased and release-pending ones included; cached: in the prefix cache, held or idle; evictable: cached and idle",
-                None,
-                MetricType::Gauge,
+        // A backend without a pool of its own (the PD gateway: its nodes'
+        // pools come as `isoserve_node_*` samples) exports none, rather
+        // than a pool of 0 pages that trips "no free pages" alerts.
+        if p.pages_total > 0 {
+            const_gauge(
+                &mut enc,
+                "isoserve_kv_pages_total",
+                "Pages in the KV pool",
+                p.pages_total,
             )?;
-            for (state, v) in [
-                ("free", p.pages_unheld()),
-                ("owned", p.pages_total - p.pages_unheld()),
-                ("leased", p.pages_leased),
-                ("release_pending", p.pages_release_pending),
-                ("cached", p.pages_cached),
-                ("evictable", p.pages_evictable),
-            ] {
-                let labels = [("state", state)];
-                ConstGauge::new(v as i64).encode(m.encode_family(&labels)?)?;
+            {
+                let mut m = enc.encode_descriptor(
+                    "isoserve_kv_pages",
+                    "KV pages by state. free: no request or transfer holds it — on the free list, or cached and idle (evictable, taken back on demand, as vLLM counts its cached free blocks); owned: held (= total − free), leased and release-pending ones included; cached: in the prefix cache, held or idle; evictable: cached and idle",
+                    None,
+                    MetricType::Gauge,
+                )?;
+                for (state, v) in [
+                    ("free", p.pages_unheld()),
+                    ("owned", p.pages_total - p.pages_unheld()),
+                    ("leased", p.pages_leased),
+                    ("release_pending", p.pages_release_pending),
+                    ("cached", p.pages_cached),
+                    ("evictable", p.pages_evictable),
+                ] {
+                    let labels = [("state", state)];
+                    ConstGauge::new(v as i64).encode(m.encode_family(&labels)?)?;
+                }
             }
-        }
-        {
-            let mut m = enc.encode_descriptor(
-                "isoserve_kv_refusals",
-                "KV pool refusals by kind (every one but out_of_pages is a safety check firing)",
-                None,
-                MetricType::Counter,
+            {
+                let mut m = enc.encode_descriptor(
+                    "isoserve_kv_refusals",
+                    "KV pool refusals by kind (every one but out_of_pages is a safety check firing)",
+                    None,
+                    MetricType::Counter,
+                )?;
+                for (kind, v) in [
+                    ("stale_handle", p.refused_stale_handle),
+                    ("foreign_owner", p.refused_foreign_owner),
+                    ("unwritten_read", p.refused_unwritten_read),
+                    ("double_free", p.refused_double_free),
+                    ("release_pending", p.refused_release_pending),
+                    ("out_of_range", p.refused_out_of_range),
+                    ("write_gap", p.refused_write_gap),
+                    ("already_written", p.refused_already_written),
+                    ("out_of_pages", p.refused_out_of_pages),
+                    ("lease_limit", p.refused_lease_limit),
+                    ("canary_mismatch", p.canary_mismatch),
+                    ("checksum_mismatch", p.checksum_mismatch),
+                    ("shared_write", p.refused_shared_write),
+                    ("foreign_scope", p.refused_foreign_scope),
+                    ("ref_underflow", p.refused_ref_underflow),
+                    ("unpublishable", p.refused_unpublishable),
+                ] {
+                    let labels = [("kind", kind)];
+                    ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+                }
+            }
+            const_counter(
+                &mut enc,
+                "isoserve_kv_safety_refusals",
+                "Sum of every KV safety refusal (must stay 0)",
+                p.safety_refusals(),
             )?;
-            for (kind, v) in [
-                ("stale_handle", p.refused_stale_handle),
-                ("foreign_owner", p.refused_foreign_owner),
-                ("unwritten_read", p.refused_unwritten_read),
-                ("double_free", p.refused_double_free),
-                ("release_pending", p.refused_release_pending),
-                ("out_of_range", p.refused_out_of_range),
-                ("write_gap", p.refused_write_gap),
-                ("already_written", p.refused_already_written),
-                ("out_of_pages", p.refused_out_of_pages),
-                ("lease_limit", p.refused_lease_limit),
-                ("canary_mismatch", p.canary_mismatch),
-                ("checksum_mismatch", p.checksum_mismatch),
-                ("shared_write", p.refused_shared_write),
-                ("foreign_scope", p.refused_foreign_scope),
-                ("ref_underflow", p.refused_ref_underflow),
-                ("unpublishable", p.refused_unpublishable),
-            ] {
-                let labels = [("kind", kind)];
-                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
-            }
+            const_counter(
+                &mut enc,
+                "isoserve_kv_allocs",
+                "KV page allocations",
+                p.allocs,
+            )?;
+            const_counter(&mut enc, "isoserve_kv_frees", "KV page frees", p.frees)?;
+            const_counter(
+                &mut enc,
+                "isoserve_kv_frees_deferred",
+                "KV page frees deferred by a lease",
+                p.frees_deferred,
+            )?;
+            const_counter(
+                &mut enc,
+                "isoserve_prefix_cache_publishes",
+                "KV pages entered into the prefix cache",
+                p.cache_publishes,
+            )?;
+            const_counter(
+                &mut enc,
+                "isoserve_prefix_cache_evictions",
+                "Idle cached KV pages evicted for an allocation",
+                p.cache_evictions,
+            )?;
         }
-        const_counter(
-            &mut enc,
-            "isoserve_kv_safety_refusals",
-            "Sum of every KV safety refusal (must stay 0)",
-            p.safety_refusals(),
-        )?;
-        const_counter(
-            &mut enc,
-            "isoserve_kv_allocs",
-            "KV page allocations",
-            p.allocs,
-        )?;
-        const_counter(&mut enc, "isoserve_kv_frees", "KV page frees", p.frees)?;
-        const_counter(
-            &mut enc,
-            "isoserve_kv_frees_deferred",
-            "KV page frees deferred by a lease",
-            p.frees_deferred,
-        )?;
-        const_counter(
-            &mut enc,
-            "isoserve_prefix_cache_publishes",
-            "KV pages entered into the prefix cache",
-            p.cache_publishes,
-        )?;
-        const_counter(
-            &mut enc,
-            "isoserve_prefix_cache_evictions",
-            "Idle cached KV pages evicted for an allocation",
-            p.cache_evictions,
-        )?;
         const_gauge(
             &mut enc,
             "isoserve_requests_running",
@@ -379,6 +388,26 @@ impl Metrics {
             "Prompt tokens served from the tenant's prefix cache scope, per tenant",
             tenant_cached_tokens.clone(),
         );
+        let tenant_completion_tokens = Family::<TenantLabels, Counter>::default();
+        let tenant_finished = Family::<TenantLabels, Counter>::default();
+        let tenant_queue_seconds = Family::<TenantLabels, Counter<f64, AtomicU64>>::default();
+        registry.register(
+            "isoserve_tenant_completion_tokens",
+            "Tokens generated for finished requests, per tenant (its share of the engine, with \
+             its prompt tokens)",
+            tenant_completion_tokens.clone(),
+        );
+        registry.register(
+            "isoserve_tenant_requests_finished",
+            "Requests finished, per tenant",
+            tenant_finished.clone(),
+        );
+        registry.register(
+            "isoserve_tenant_queue_seconds",
+            "Time finished requests waited for admission, summed per tenant (divide by \
+             isoserve_tenant_requests_finished_total for the mean)",
+            tenant_queue_seconds.clone(),
+        );
         let ttft = Histogram::new(latency_buckets());
         let inter_token = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let queue_time = Histogram::new(latency_buckets());
@@ -420,6 +449,9 @@ impl Metrics {
             prompt_tokens,
             tenant_prompt_tokens,
             tenant_cached_tokens,
+            tenant_completion_tokens,
+            tenant_finished,
+            tenant_queue_seconds,
             completion_tokens,
             ttft,
             inter_token,
@@ -448,10 +480,18 @@ impl Metrics {
         self.completion_tokens.inc_by(completion as u64);
     }
 
-    /// A finished request's prompt tokens and how many came from the
-    /// prefix cache, under its tenant's name.
-    pub fn tenant_tokens(&self, tenant: &str, prompt: usize, cached: usize) {
+    /// A finished request under its tenant's name: prompt tokens (and how
+    /// many came from the prefix cache), generated tokens, queue time.
+    pub fn tenant_finished(&self, tenant: &str, usage: &request::Usage, queue_s: f64) {
         let labels = vec![("tenant", tenant.to_string())];
+        self.tenant_completion_tokens
+            .get_or_create(&labels)
+            .inc_by(usage.completion_tokens as u64);
+        self.tenant_finished.get_or_create(&labels).inc();
+        self.tenant_queue_seconds
+            .get_or_create(&labels)
+            .inc_by(queue_s.max(0.0));
+        let (prompt, cached) = (usage.prompt_tokens, usage.cached_tokens);
         self.tenant_prompt_tokens
             .get_or_create(&labels)
             .inc_by(prompt as u64);

@@ -12,7 +12,14 @@
 //! cache_group = "acme"          # optional; see below
 //! weight = 2                    # optional; default 1 (share of the engine)
 //! max_priority = -10            # optional; the most precedence it may ask
+//!
+//! [operator]                    # optional: the key that reads /metrics
+//! api_key_sha256 = "…"
 //! ```
+//!
+//! With a tenants file, `/metrics` on the API port answers only the operator's
+//! key (a 403 without an `[operator]` section); `--metrics-port` serves it on a
+//! listener of its own, without a key.
 //!
 //! Fair share (K13): while several tenants have work, the engine serves each
 //! in proportion to its `weight` (1 to 1000); a tenant alone may use all of
@@ -55,6 +62,14 @@ pub const WINDOW: Duration = Duration::from_secs(60);
 struct TenantsFile {
     #[serde(default)]
     tenant: Vec<TenantSpec>,
+    operator: Option<OperatorSpec>,
+}
+
+/// The `[operator]` section: the key that reads `/metrics` on the API port.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OperatorSpec {
+    pub api_key_sha256: String,
 }
 
 /// One `[[tenant]]` entry of the tenants file.
@@ -110,6 +125,8 @@ pub struct Tenants {
     /// A per-process secret in every derived cache scope, so no one can
     /// compute another's scope offline.
     scope_secret: [u8; 16],
+    /// The operator's key hash (`[operator]`): reads `/metrics`.
+    operator_key_hash: Option<[u8; 32]>,
 }
 
 /// Upper bound on a request's cache salt.
@@ -159,6 +176,11 @@ impl LimitError {
 
 impl From<LimitError> for ApiError {
     fn from(e: LimitError) -> ApiError {
+        if let LimitError::RequestTooLarge { .. } = e {
+            // Never fits, however long the client waits: not a 429 with a
+            // Retry-After, a 400 that says so.
+            return ApiError::never_fits(format!("{e}: it can never fit, whenever it is sent"));
+        }
         let retry = e.retry_after();
         ApiError::tenant_limit(e.to_string(), retry)
     }
@@ -259,6 +281,7 @@ impl Tenants {
             anonymous: true,
             epoch: Instant::now(),
             scope_secret: scope_secret(),
+            operator_key_hash: None,
         }
     }
 
@@ -335,6 +358,7 @@ impl Tenants {
             anonymous: false,
             epoch: Instant::now(),
             scope_secret: scope_secret(),
+            operator_key_hash: None,
         })
     }
 
@@ -379,7 +403,11 @@ impl Tenants {
     /// Parses the TOML text of a tenants file.
     pub fn from_toml(text: &str) -> Result<Tenants, String> {
         let f: TenantsFile = toml::from_str(text).map_err(|e| e.to_string())?;
-        Tenants::from_specs(f.tenant)
+        let mut t = Tenants::from_specs(f.tenant)?;
+        if let Some(op) = f.operator {
+            t.set_operator(&op.api_key_sha256)?;
+        }
+        Ok(t)
     }
 
     /// Reads a tenants file.
@@ -412,14 +440,11 @@ impl Tenants {
 
     /// The tenant of an `Authorization` header value (`Bearer KEY`).
     /// `Err(true)`: no key given; `Err(false)`: a wrong key.
-    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Arc<Tenant>, bool> {
+    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Arc<Tenant>, AuthError> {
         if self.anonymous {
             return Ok(self.list[0].clone());
         }
-        let key = authorization.and_then(bearer_key);
-        let Some(key) = key else {
-            return Err(true);
-        };
+        let key = bearer_key(authorization.ok_or(AuthError::Missing)?)?;
         let h = sha256(key);
         // Compare with every tenant; select the match without branching on
         // secret data.
@@ -434,7 +459,44 @@ impl Tenants {
         if std::hint::black_box(hit) == 1 {
             Ok(self.list[index].clone())
         } else {
-            Err(false)
+            Err(AuthError::Wrong)
+        }
+    }
+
+    /// The name of the tenant with pool owner id `id`.
+    pub fn name_of(&self, id: request::TenantId) -> Option<&str> {
+        self.list
+            .iter()
+            .find(|t| t.id == id)
+            .map(|t| t.name.as_str())
+    }
+
+    /// Sets the operator's key (its SHA-256, hex), which reads `/metrics`.
+    pub fn set_operator(&mut self, api_key_sha256: &str) -> Result<(), String> {
+        let h = parse_hex32(api_key_sha256).ok_or_else(|| {
+            "[operator]: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)".to_string()
+        })?;
+        if self.list.iter().any(|t| t.key_hash == h) {
+            return Err("[operator]: api_key_sha256 is also a tenant's key".into());
+        }
+        self.operator_key_hash = Some(h);
+        Ok(())
+    }
+
+    /// Who may read `/metrics` on the API port: anyone without a tenants
+    /// file; with one, the operator's key only (`Ok(false)`: no operator
+    /// key is set, so nobody).
+    pub fn operator(&self, authorization: Option<&[u8]>) -> Result<bool, AuthError> {
+        if self.anonymous {
+            return Ok(true);
+        }
+        let Some(op) = self.operator_key_hash else {
+            return Ok(false);
+        };
+        let key = bearer_key(authorization.ok_or(AuthError::Missing)?)?;
+        match ct_eq(&sha256(key), &op) {
+            1 => Ok(true),
+            _ => Err(AuthError::Wrong),
         }
     }
 
@@ -513,15 +575,29 @@ impl Tenants {
 }
 
 /// The key of `Bearer KEY` (scheme case-insensitive), bounded in length.
-fn bearer_key(value: &[u8]) -> Option<&[u8]> {
+/// Why a request's key was not accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuthError {
+    /// No `Authorization: Bearer KEY` header (or an empty key).
+    Missing,
+    /// A key longer than [`API_KEY_BYTES_MAX`] (never hashed).
+    TooLong,
+    /// A key no tenant has.
+    Wrong,
+}
+
+fn bearer_key(value: &[u8]) -> Result<&[u8], AuthError> {
     if value.len() < 7 || !value[..7].eq_ignore_ascii_case(b"bearer ") {
-        return None;
+        return Err(AuthError::Missing);
     }
     let key = value[7..].trim_ascii();
-    if key.is_empty() || key.len() > API_KEY_BYTES_MAX {
-        return None;
+    if key.is_empty() {
+        return Err(AuthError::Missing);
     }
-    Some(key)
+    if key.len() > API_KEY_BYTES_MAX {
+        return Err(AuthError::TooLong);
+    }
+    Ok(key)
 }
 
 /// Hex SHA-256 of a key, as the tenants file wants it.
@@ -584,14 +660,15 @@ mod tests {
     #[test]
     fn wrong_or_missing_keys_are_refused() {
         let t = two();
-        assert_eq!(t.authenticate(Some(b"Bearer key-c")).err(), Some(false));
-        assert_eq!(t.authenticate(Some(b"Bearer ")).err(), Some(true));
-        assert_eq!(t.authenticate(Some(b"Basic a2V5LWE=")).err(), Some(true));
-        assert_eq!(t.authenticate(None).err(), Some(true));
+        let e = |h: Option<&[u8]>| t.authenticate(h).err();
+        assert_eq!(e(Some(b"Bearer key-c")), Some(AuthError::Wrong));
+        assert_eq!(e(Some(b"Bearer ")), Some(AuthError::Missing));
+        assert_eq!(e(Some(b"Basic a2V5LWE=")), Some(AuthError::Missing));
+        assert_eq!(e(None), Some(AuthError::Missing));
         let long = [b'x'; API_KEY_BYTES_MAX + 10];
         let mut v = b"Bearer ".to_vec();
         v.extend_from_slice(&long);
-        assert_eq!(t.authenticate(Some(&v)).err(), Some(true));
+        assert_eq!(e(Some(&v)), Some(AuthError::TooLong));
     }
 
     #[test]
@@ -664,8 +741,11 @@ mod tests {
         assert!(t.admit(&a, 70, slid).is_ok(), "refund gave the tokens back");
         let big = t.admit(&a, 101, slid).unwrap_err();
         assert!(matches!(big, LimitError::RequestTooLarge { .. }));
+        // It can never fit: a 400 that says so, not a 429 to retry.
         let api: ApiError = big.into();
-        assert_eq!(api.status.as_u16(), 429);
-        assert_eq!(api.retry_after, Some(60));
+        assert_eq!(api.status.as_u16(), 400);
+        assert_eq!(api.code, Some("request_exceeds_tokens_per_minute"));
+        assert_eq!(api.retry_after, None);
+        assert!(api.message.contains("never fit"), "{}", api.message);
     }
 }

@@ -81,10 +81,17 @@ async fn call(app: &Router, req: Request<Body>) -> (StatusCode, Value) {
     (status, v)
 }
 
+/// The operator's key of the tenant-file tests (anonymous servers ignore
+/// it): `/metrics` wants it under `--tenants`.
+const OPERATOR: &str = "sk-router-operator";
+
 async fn metrics(app: &Router) -> String {
     let (status, v) = call(
         app,
-        Request::get("/metrics").body(Body::empty()).expect("req"),
+        Request::get("/metrics")
+            .header("authorization", format!("Bearer {OPERATOR}"))
+            .body(Body::empty())
+            .expect("req"),
     )
     .await;
     assert_eq!(status, StatusCode::OK);
@@ -261,8 +268,10 @@ async fn dropping_the_sse_body_cancels_and_frees_pages() {
 async fn errors_are_openai_shaped_and_counted() {
     let key = "sk-router-test";
     let file = format!(
-        "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{}\"\nmax_concurrent = 4\n",
-        key_sha256_hex(key)
+        "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{}\"\nmax_concurrent = 4\n\n\
+         [operator]\napi_key_sha256 = \"{}\"\n",
+        key_sha256_hex(key),
+        key_sha256_hex(OPERATOR)
     );
     let (app, _) = router(Tenants::from_toml(&file).expect("tenants"), |c| {
         c.max_body_bytes = 1024;

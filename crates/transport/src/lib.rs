@@ -34,6 +34,10 @@ pub struct TransportConfig {
     /// closed at once, before any byte is read, and counted
     /// (`connections_refused_total`).
     pub connections_max: usize,
+    /// Live connections accepted from one peer address at most (K13: one
+    /// host cannot take every slot of a node); beyond it a connection is
+    /// closed unread and counted like the global limit's.
+    pub connections_per_peer_max: usize,
 }
 
 impl Default for TransportConfig {
@@ -44,6 +48,7 @@ impl Default for TransportConfig {
             queue_frames_max: 16_384,
             dial_timeout: Duration::from_secs(5),
             connections_max: 1024,
+            connections_per_peer_max: 64,
         }
     }
 }
@@ -55,6 +60,8 @@ enum Outgoing {
 
 struct ConnEntry {
     tx: mpsc::Sender<Outgoing>,
+    /// The peer's address, for connections it opened to us.
+    peer: Option<std::net::IpAddr>,
 }
 
 /// Counters of the transport (bytes and frames both ways, per kind of end).
@@ -99,19 +106,30 @@ impl Transport {
     /// messages. Beyond `connections_max` live connections the stream is
     /// dropped unread (`None`).
     pub async fn accepted(self: &Arc<Self>, stream: TcpStream) -> Option<u64> {
-        let live = self.conns.lock().unwrap_or_else(|e| e.into_inner()).len();
-        if live >= self.cfg.connections_max {
+        let peer = stream.peer_addr().ok().map(|a| a.ip());
+        let (live, from_peer) = {
+            let conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+            let from_peer = conns
+                .values()
+                .filter(|c| c.peer.is_some() && c.peer == peer)
+                .count();
+            (conns.len(), from_peer)
+        };
+        if live >= self.cfg.connections_max || from_peer >= self.cfg.connections_per_peer_max {
             self.stats
                 .connections_refused_total
                 .fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
-                "{live} connections open (limit {}): refusing one",
-                self.cfg.connections_max
+                ?peer,
+                "{live} connections open, {from_peer} from this peer (limits {} and {} per \
+                 peer): refusing one",
+                self.cfg.connections_max,
+                self.cfg.connections_per_peer_max
             );
             return None;
         }
         Some(
-            self.register_gated(stream, |conn| NetEvent::Accepted { conn })
+            self.register_gated(stream, peer, |conn| NetEvent::Accepted { conn })
                 .await,
         )
     }
@@ -121,6 +139,7 @@ impl Transport {
     async fn register_gated(
         self: &Arc<Self>,
         stream: TcpStream,
+        peer: Option<std::net::IpAddr>,
         first: impl FnOnce(u64) -> NetEvent,
     ) -> u64 {
         let _ = stream.set_nodelay(true);
@@ -130,7 +149,7 @@ impl Transport {
         self.conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(conn, ConnEntry { tx });
+            .insert(conn, ConnEntry { tx, peer });
         let _ = self.events.send(first(conn)).await;
         let (read, write) = stream.into_split();
         let closed = Arc::new(AtomicBool::new(false));
@@ -151,8 +170,11 @@ impl Transport {
             match tokio::time::timeout(t.cfg.dial_timeout, TcpStream::connect(&addr)).await {
                 Ok(Ok(stream)) => {
                     let a = addr.clone();
-                    t.register_gated(stream, move |conn| NetEvent::Dialled { conn, addr: a })
-                        .await;
+                    t.register_gated(stream, None, move |conn| NetEvent::Dialled {
+                        conn,
+                        addr: a,
+                    })
+                    .await;
                 }
                 Ok(Err(e)) => {
                     let _ = t
@@ -184,7 +206,7 @@ impl Transport {
         first: impl FnOnce(u64) -> NetEvent,
     ) -> Result<u64, String> {
         match tokio::time::timeout(self.cfg.dial_timeout, TcpStream::connect(addr)).await {
-            Ok(Ok(stream)) => Ok(self.register_gated(stream, first).await),
+            Ok(Ok(stream)) => Ok(self.register_gated(stream, None, first).await),
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err("connect timed out".into()),
         }
