@@ -49,13 +49,17 @@ def request(s, method, path, body=None, source=OTHER, timeout=10):
         data = b"" if body is None else json.dumps(body).encode()
         head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-        c.sendall(head.encode() + data)
         out = b""
-        while True:
-            chunk = c.recv(65536)
-            if not chunk:
-                break
-            out += chunk
+        try:
+            c.sendall(head.encode() + data)
+            while True:
+                chunk = c.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except (ConnectionResetError, BrokenPipeError):
+            # Closed unanswered (the overflow lane was full): status 0.
+            pass
     finally:
         c.close()
     head, _, rest = out.partition(b"\r\n\r\n")
