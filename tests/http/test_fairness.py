@@ -94,6 +94,42 @@ def test_a_noisy_neighbour_does_not_take_another_tenants_time(tmp_root):
         assert s.terminate() == 0, s.stderr()
 
 
+def test_a_noisy_neighbour_on_a_disaggregated_set(tmp_root):
+    """The same storm against `serve --disaggregated`. The PD nodes admit in
+    arrival order but decode runs every request it holds pages for at once
+    (no batch cap to queue behind), so B's request costs one prefill and
+    four steps of a larger batch: within the same bound."""
+    path = write_tenants(tmp_root / "fair-pd-tenants.toml",
+                         [{"name": n, "key": k, "max_concurrent": 64} for n, k in KEYS.items()])
+    s = Server(["--tenants", str(path), "--disaggregated", "--kv-memory", "512MiB",
+                "--max-context", "2048"], tmp_root, "fairness-pd")
+    try:
+        ra, _ = complete(s, KEYS["a"], A_PROMPT, A_TOKENS)
+        story = ra.json()["choices"][0]["text"]
+        idle = min(complete(s, KEYS["b"], B_PROMPT, 4)[1] for _ in range(3))
+        results = [None] * A_STREAMS
+
+        def stream(i):
+            results[i] = complete(s, KEYS["a"], A_PROMPT, A_TOKENS)[0]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(A_STREAMS)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        assert any(r is None for r in results), "A's storm ended before B came"
+        rb, busy_s = complete(s, KEYS["b"], B_PROMPT, 4)
+        assert rb.status_code == 200, rb.text
+        bound = 3 * idle + 1.0
+        for t in threads:
+            t.join(timeout=300)
+        assert all(r is not None and r.status_code == 200 and
+                   r.json()["choices"][0]["text"] == story for r in results)
+        assert busy_s <= bound, (busy_s, idle)
+        print(f"PD: B idle {idle:.3f} s, beside A {busy_s:.3f} s (bound {bound:.3f} s)")
+    finally:
+        assert s.terminate() == 0, s.stderr()
+
+
 def test_priority_is_bounded_by_the_tenant_and_validated(tmp_root):
     path = write_tenants(tmp_root / "prio-tenants.toml",
                          [{"name": "a", "key": KEYS["a"], "max_priority": -2, "weight": 3},
