@@ -177,3 +177,22 @@ def test_metrics_want_the_operator_key_or_a_port_of_their_own(tmp_root):
         assert r.status_code == 403 and "--metrics-port" in r.json()["error"]["message"], r.text
     finally:
         assert s.terminate() == 0, s.stderr()
+
+
+def test_the_pd_gateway_has_the_same_front_door(tmp_root):
+    s = Server(["--disaggregated", "--kv-memory", "256MiB", "--max-context", "2048",
+                "--max-connections", "20"], tmp_root, "door-pd")
+    socks = []
+    try:
+        socks = silent_sockets(s, 20)
+        time.sleep(0.3)
+        st, j, dt = request(s, "GET", "/health")
+        assert st == 200 and dt < 1.0, (st, j, dt)
+        st, j, _ = completion(s)
+        assert st == 200 and j["usage"]["completion_tokens"] == 2, (st, j)
+        st, j, _ = request(s, "GET", "/v1/models", source=ATTACKER)
+        assert st in (0, 429), (st, j)
+    finally:
+        for c in socks:
+            c.close()
+        assert s.terminate() == 0, s.stderr()
