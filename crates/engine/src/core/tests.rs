@@ -1010,3 +1010,67 @@ fn a_tenant_short_of_pages_preempts_one_holding_them_and_resumes_from_its_cache_
     assert_eq!(h.core.stats().requests_preempted_total, 1);
     h.assert_quiet();
 }
+
+#[test]
+fn one_tenants_long_prompt_never_holds_back_anothers_decode_k13() {
+    // Budget 8 rows a step. Tenant 2 is decoding; tenant 1's 30-token
+    // prompt arrives: every step still gives tenant 2 its decode row
+    // first, tenant 1's prompt takes the rest of the budget.
+    let mut h = Harness::new(32, 8, 4);
+    h.submit(of(2, 2, 6));
+    h.tick();
+    h.submit(of(1, 30, 2));
+    h.run(30);
+    h.check(expect![[r#"
+        t1 rows r1 0-1* | r1+"y" | queue [] running [r1] free 30/32
+        t2 rows r1 2* r2 0-6 | r1+"b" | queue [] running [r1 r2] free 22/32
+        t3 rows r1 3* r2 7-13 | r1+"a" | queue [] running [r1 r2] free 22/32
+        t4 rows r1 4* r2 14-20 | r1+"u" | queue [] running [r1 r2] free 22/32
+        t5 rows r1 5* r2 21-27 | r1+"o" | queue [] running [r1 r2] free 22/32
+        t6 rows r1 6* r2 28-29* | r1+"w" r1 done length (6 tokens, 2 pages) r2+"z" | queue [] running [r2] free 24/32
+        t7 rows r2 30* | r2+"y" r2 done length (2 tokens, 8 pages) | queue [] running [] free 32/32
+    "#]]);
+    h.assert_quiet();
+}
+
+#[test]
+fn prompt_chunks_go_to_the_least_served_tenant_first_k13() {
+    // Budget 8. Tenant 1 is busy (r1, r2); then tenant 1 and tenant 2
+    // each send a 12-token prompt at once. Tenant 2 starts level with the
+    // least-served active tenant (no credit for having been away: the
+    // VTC's lift), so at t2 the earlier arrival, r3, takes the rest of the
+    // budget; from t3 tenant 1 has been served more and tenant 2's chunks
+    // (r4) come first.
+    let mut h = Harness::new(32, 8, 4);
+    h.submit(of(1, 6, 2));
+    let a = h.submit(of(1, 5, 20));
+    h.tick();
+    h.submit(of(1, 12, 1));
+    h.submit(of(2, 12, 1));
+    h.run(40);
+    h.check(expect![[r#"
+        t1 rows r1 0-5* r2 0-1 | r1+"j" | queue [] running [r1 r2] free 23/32
+        t2 rows r1 6* r2 2-4* r3 0-3 | r1+"f" r1 done length (2 tokens, 2 pages) r2+"m" | queue [] running [r4 r2 r3] free 17/32
+        t3 rows r2 5* r4 0-6 | r2+"p" | queue [] running [r4 r2 r3] free 17/32
+        t4 rows r2 6* r4 7-11* r3 4-5 | r2+"c" r4+"o" r4 done length (1 tokens, 4 pages) | queue [] running [r3 r2] free 21/32
+        t5 rows r2 7* r3 6-11* | r2+"e" r3+"o" r3 done length (1 tokens, 4 pages) | queue [] running [r2] free 25/32
+        t6 rows r2 8* | r2+"g" | queue [] running [r2] free 25/32
+        t7 rows r2 9* | r2+"g" | queue [] running [r2] free 25/32
+        t8 rows r2 10* | r2+"f" | queue [] running [r2] free 25/32
+        t9 rows r2 11* | r2+"z" | queue [] running [r2] free 25/32
+        t10 rows r2 12* | r2+"n" | queue [] running [r2] free 25/32
+        t11 rows r2 13* | r2+"b" | queue [] running [r2] free 25/32
+        t12 rows r2 14* | r2+"z" | queue [] running [r2] free 25/32
+        t13 rows r2 15* | r2+"x" | queue [] running [r2] free 25/32
+        t14 rows r2 16* | r2+"t" | queue [] running [r2] free 25/32
+        t15 rows r2 17* | r2+"d" | queue [] running [r2] free 25/32
+        t16 rows r2 18* | r2+"k" | queue [] running [r2] free 25/32
+        t17 rows r2 19* | r2+"k" | queue [] running [r2] free 25/32
+        t18 rows r2 20* | r2+"l" | queue [] running [r2] free 25/32
+        t19 rows r2 21* | r2+"k" | queue [] running [r2] free 25/32
+        t20 rows r2 22* | r2+"w" | queue [] running [r2] free 25/32
+        t21 rows r2 23* | r2+"i" r2 done length (20 tokens, 7 pages) | queue [] running [] free 32/32
+    "#]]);
+    let _ = a;
+    h.assert_quiet();
+}
