@@ -61,6 +61,8 @@ def test_a_noisy_neighbour_does_not_take_another_tenants_time(tmp_root):
                 # Per tenant: all of it is A's.
                 assert m['isoserve_tenant_requests{tenant="a",state="running"}'] == 32, m
                 assert m['isoserve_tenant_requests{tenant="a",state="waiting"}'] > 0, m
+                assert m['isoserve_tenant_weight{tenant="a"}'] == 1, m
+                assert m['isoserve_tenant_service{tenant="a"}'] > 0, m
                 break
             time.sleep(0.05)
         else:

@@ -347,6 +347,8 @@ impl<F: Forward> Core<F> {
                 running: 0,
                 waiting: q.waiting.len(),
                 preempted: q.resumed.len(),
+                weight: q.weight,
+                service: q.served,
             });
         }
         for a in self.running.iter().filter(|a| a.mode == Mode::Full) {

@@ -715,6 +715,11 @@ pub struct TenantLoad {
     pub running: usize,
     pub waiting: usize,
     pub preempted: usize,
+    /// Its fair-share weight.
+    pub weight: u32,
+    /// Rows computed for it per weight since it became active (the
+    /// virtual token counter admission compares).
+    pub service: f64,
 }
 
 impl EngineStats {

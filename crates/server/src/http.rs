@@ -154,6 +154,24 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
                 .label("state", state),
             );
         }
+        samples.push(
+            request::MetricSample::gauge(
+                "isoserve_tenant_weight",
+                "An active tenant's fair-share weight (its share of the engine when others \
+                 are busy: weight over the active tenants' sum)",
+                f64::from(t.weight),
+            )
+            .label("tenant", name.clone()),
+        );
+        samples.push(
+            request::MetricSample::gauge(
+                "isoserve_tenant_service",
+                "Rows computed for an active tenant per unit of weight since it became active \
+                 (the virtual token counter admission serves lowest first)",
+                t.service,
+            )
+            .label("tenant", name),
+        );
     }
     let text = st.metrics.render(stats, samples);
     (
