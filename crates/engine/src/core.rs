@@ -472,17 +472,29 @@ impl<F: Forward> Core<F> {
     }
 
     /// The active tenant to serve next: the least service per weight;
-    /// ties go to the earliest arrival.
+    /// ties go to the one running the fewest requests per weight (a
+    /// tenant that just arrived starts level with the least served, and
+    /// should not wait a step for it), then to the earliest arrival.
     fn next_tenant(&self, skip: &[TenantId]) -> Option<TenantId> {
+        let running = |t: &TenantId, q: &TenantQueue| {
+            let n = self
+                .running
+                .iter()
+                .filter(|a| a.mode == Mode::Full && a.owner.tenant == *t)
+                .count();
+            n as f64 / f64::from(q.weight.max(1))
+        };
         self.tenants
             .iter()
             .filter(|(t, q)| !skip.contains(t) && q.has_work())
-            .min_by(|(_, a), (_, b)| {
+            .map(|(t, q)| (t, q, running(t, q)))
+            .min_by(|(_, a, ra), (_, b, rb)| {
                 a.served
                     .total_cmp(&b.served)
+                    .then(ra.total_cmp(rb))
                     .then(a.first_arrival().cmp(&b.first_arrival()))
             })
-            .map(|(&t, _)| t)
+            .map(|(&t, _, _)| t)
     }
 
     /// Admits tenant `t`'s next new request, refuses it (K8 re-check), or

@@ -847,10 +847,10 @@ fn a_newcomer_preempts_a_tenant_holding_the_whole_batch_and_the_victim_resumes_u
     h.check(expect![[r#"
         t1 rows r1 0-2* r2 0-2* r3 0-2* | r1+"c" r2+"c" r3+"c" | queue [r4] running [r1 r2 r3] free 23/32
         t2 rows r1 3* r2 3* r3 3* | r1+"i" r2+"i" r3+"i" | queue [r4] running [r1 r2 r3] free 23/32
-        t3 rows r1 4* r2 4* r3 4* | r1+"v" r2+"v" r3+"v" | queue [r4 r5] running [r1 r2 r3] free 23/32
-        t4 rows r1 5* r2 5* r5 0-1* | r1+"y" r2+"y" r5+"y" | queue [r4] running [r1 r2 r5] free 25/32 preempted [r3]
-        t5 rows r1 6* r2 6* r5 2* | r1+"k" r2+"k" r5+"b" r5 done length (2 tokens, 1 pages) | queue [r4] running [r1 r2] free 26/32 preempted [r3]
-        t6 rows r1 7* r2 7* r3 0-5* | r1+"l" r2+"l" r3+"y" | queue [r4] running [r1 r2 r3] free 23/32
+        t3 rows r1 4* r2 4* r5 0-1* | r1+"v" r2+"v" r5+"y" | queue [r4] running [r1 r2 r5] free 25/32 preempted [r3]
+        t4 rows r1 5* r2 5* r5 2* | r1+"y" r2+"y" r5+"b" r5 done length (2 tokens, 1 pages) | queue [r4] running [r1 r2] free 26/32 preempted [r3]
+        t5 rows r1 6* r2 6* r3 0-4* | r1+"k" r2+"k" r3+"v" | queue [r4] running [r1 r2 r3] free 23/32
+        t6 rows r1 7* r2 7* r3 5* | r1+"l" r2+"l" r3+"y" | queue [r4] running [r1 r2 r3] free 23/32
         t7 rows r1 8* r2 8* r3 6* | r1+"q" r2+"q" r3+"k" | queue [r4] running [r1 r2 r3] free 23/32
         t8 rows r1 9* r2 9* r3 7* | r1+"m" r1 done length (8 tokens, 3 pages) r2+"m" r2 done length (8 tokens, 3 pages) r3+"l" | queue [r4] running [r3] free 29/32
         t9 rows r3 8* r4 0-2* | r3+"q" r4+"c" | queue [] running [r3 r4] free 26/32
@@ -913,25 +913,24 @@ fn weights_divide_the_batch_and_admission_follows_the_least_served_k13() {
     }
     h.run(60);
     h.check(expect![[r#"
-        t1 rows r1 0-1* r2 0-1* r3 0-1* r4 0-1* | r1+"y" r2+"y" r3+"y" r4+"y" | queue [r5 r6 r7 r8 r9 r10 r11 r12] running [r1 r2 r3 r4] free 56/64
-        t2 rows r1 2* r2 2* r4 2* r6 0-1* | r1+"b" r2+"b" r4+"b" r6+"y" | queue [r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64 preempted [r3]
-        t3 rows r1 3* r2 3* r4 3* r6 2* | r1+"a" r2+"a" r4+"a" r6+"b" | queue [r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64 preempted [r3]
-        t4 rows r1 4* r2 4* r4 4* r6 3* | r1+"u" r2+"u" r4+"u" r6+"a" | queue [r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64 preempted [r3]
-        t5 rows r1 5* r2 5* r4 5* r6 4* | r1+"o" r2+"o" r4+"o" r6+"u" | queue [r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64 preempted [r3]
-        t6 rows r1 6* r2 6* r4 6* r6 5* | r1+"w" r1 done length (6 tokens, 2 pages) r2+"w" r2 done length (6 tokens, 2 pages) r4+"w" r4 done length (6 tokens, 2 pages) r6+"o" | queue [r5 r7 r8 r9 r10 r11 r12] running [r6] free 62/64 preempted [r3]
-        t7 rows r6 6* r8 0-1* r10 0-1* r3 0-2* | r3+"b" r6+"w" r6 done length (6 tokens, 2 pages) r8+"y" r10+"y" | queue [r5 r7 r9 r11] running [r3 r8 r10] free 58/64 preempted [r12]
-        t8 rows r3 3* r8 2* r10 2* r12 0-1* | r3+"a" r8+"b" r10+"b" r12+"y" | queue [r5 r7 r9 r11] running [r3 r8 r10 r12] free 56/64
-        t9 rows r3 4* r8 3* r10 3* r12 2* | r3+"u" r8+"a" r10+"a" r12+"b" | queue [r5 r7 r9 r11] running [r3 r8 r10 r12] free 56/64
-        t10 rows r3 5* r8 4* r10 4* r12 3* | r3+"o" r8+"u" r10+"u" r12+"a" | queue [r5 r7 r9 r11] running [r3 r8 r10 r12] free 56/64
-        t11 rows r3 6* r8 5* r10 5* r12 4* | r3+"w" r3 done length (6 tokens, 2 pages) r8+"o" r10+"o" r12+"u" | queue [r5 r7 r9 r11] running [r12 r8 r10] free 58/64
-        t12 rows r12 5* r8 6* r10 6* r5 0-1* | r5+"y" r8+"w" r8 done length (6 tokens, 2 pages) r10+"w" r10 done length (6 tokens, 2 pages) r12+"o" | queue [r7 r9 r11] running [r12 r5] free 60/64
-        t13 rows r12 6* r5 2* r7 0-1* r9 0-1* | r5+"b" r7+"y" r9+"y" r12+"w" r12 done length (6 tokens, 2 pages) | queue [r11] running [r9 r5 r7] free 58/64
-        t14 rows r9 2* r5 3* r7 2* r11 0-1* | r5+"a" r7+"b" r9+"b" r11+"y" | queue [] running [r9 r5 r7 r11] free 56/64
-        t15 rows r9 3* r5 4* r7 3* r11 2* | r5+"u" r7+"a" r9+"a" r11+"b" | queue [] running [r9 r5 r7 r11] free 56/64
-        t16 rows r9 4* r5 5* r7 4* r11 3* | r5+"o" r7+"u" r9+"u" r11+"a" | queue [] running [r9 r5 r7 r11] free 56/64
-        t17 rows r9 5* r5 6* r7 5* r11 4* | r5+"w" r5 done length (6 tokens, 2 pages) r7+"o" r9+"o" r11+"u" | queue [] running [r9 r11 r7] free 58/64
-        t18 rows r9 6* r11 5* r7 6* | r7+"w" r7 done length (6 tokens, 2 pages) r9+"w" r9 done length (6 tokens, 2 pages) r11+"o" | queue [] running [r11] free 62/64
-        t19 rows r11 6* | r11+"w" r11 done length (6 tokens, 2 pages) | queue [] running [] free 64/64
+        t1 rows r1 0-1* r2 0-1* r4 0-1* r6 0-1* | r1+"y" r2+"y" r4+"y" r6+"y" | queue [r3 r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64
+        t2 rows r1 2* r2 2* r4 2* r6 2* | r1+"b" r2+"b" r4+"b" r6+"b" | queue [r3 r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64
+        t3 rows r1 3* r2 3* r4 3* r6 3* | r1+"a" r2+"a" r4+"a" r6+"a" | queue [r3 r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64
+        t4 rows r1 4* r2 4* r4 4* r6 4* | r1+"u" r2+"u" r4+"u" r6+"u" | queue [r3 r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64
+        t5 rows r1 5* r2 5* r4 5* r6 5* | r1+"o" r2+"o" r4+"o" r6+"o" | queue [r3 r5 r7 r8 r9 r10 r11 r12] running [r1 r2 r4 r6] free 56/64
+        t6 rows r1 6* r2 6* r4 6* r6 6* | r1+"w" r1 done length (6 tokens, 2 pages) r2+"w" r2 done length (6 tokens, 2 pages) r4+"w" r4 done length (6 tokens, 2 pages) r6+"w" r6 done length (6 tokens, 2 pages) | queue [r3 r5 r7 r8 r9 r10 r11 r12] running [] free 64/64
+        t7 rows r8 0-1* r10 0-1* r12 0-1* r3 0-1* | r3+"y" r8+"y" r10+"y" r12+"y" | queue [r5 r7 r9 r11] running [r8 r10 r12 r3] free 56/64
+        t8 rows r8 2* r10 2* r12 2* r3 2* | r3+"b" r8+"b" r10+"b" r12+"b" | queue [r5 r7 r9 r11] running [r8 r10 r12 r3] free 56/64
+        t9 rows r8 3* r10 3* r12 3* r3 3* | r3+"a" r8+"a" r10+"a" r12+"a" | queue [r5 r7 r9 r11] running [r8 r10 r12 r3] free 56/64
+        t10 rows r8 4* r10 4* r12 4* r3 4* | r3+"u" r8+"u" r10+"u" r12+"u" | queue [r5 r7 r9 r11] running [r8 r10 r12 r3] free 56/64
+        t11 rows r8 5* r10 5* r12 5* r3 5* | r3+"o" r8+"o" r10+"o" r12+"o" | queue [r5 r7 r9 r11] running [r8 r10 r12 r3] free 56/64
+        t12 rows r8 6* r10 6* r12 6* r3 6* | r3+"w" r3 done length (6 tokens, 2 pages) r8+"w" r8 done length (6 tokens, 2 pages) r10+"w" r10 done length (6 tokens, 2 pages) r12+"w" r12 done length (6 tokens, 2 pages) | queue [r5 r7 r9 r11] running [] free 64/64
+        t13 rows r5 0-1* r7 0-1* r9 0-1* r11 0-1* | r5+"y" r7+"y" r9+"y" r11+"y" | queue [] running [r5 r7 r9 r11] free 56/64
+        t14 rows r5 2* r7 2* r9 2* r11 2* | r5+"b" r7+"b" r9+"b" r11+"b" | queue [] running [r5 r7 r9 r11] free 56/64
+        t15 rows r5 3* r7 3* r9 3* r11 3* | r5+"a" r7+"a" r9+"a" r11+"a" | queue [] running [r5 r7 r9 r11] free 56/64
+        t16 rows r5 4* r7 4* r9 4* r11 4* | r5+"u" r7+"u" r9+"u" r11+"u" | queue [] running [r5 r7 r9 r11] free 56/64
+        t17 rows r5 5* r7 5* r9 5* r11 5* | r5+"o" r7+"o" r9+"o" r11+"o" | queue [] running [r5 r7 r9 r11] free 56/64
+        t18 rows r5 6* r7 6* r9 6* r11 6* | r5+"w" r5 done length (6 tokens, 2 pages) r7+"w" r7 done length (6 tokens, 2 pages) r9+"w" r9 done length (6 tokens, 2 pages) r11+"w" r11 done length (6 tokens, 2 pages) | queue [] running [] free 64/64
     "#]]);
     h.assert_quiet();
 }
@@ -1050,10 +1049,10 @@ fn prompt_chunks_go_to_the_least_served_tenant_first_k13() {
     h.run(40);
     h.check(expect![[r#"
         t1 rows r1 0-5* r2 0-1 | r1+"j" | queue [] running [r1 r2] free 23/32
-        t2 rows r1 6* r2 2-4* r3 0-3 | r1+"f" r1 done length (2 tokens, 2 pages) r2+"m" | queue [] running [r4 r2 r3] free 17/32
-        t3 rows r2 5* r4 0-6 | r2+"p" | queue [] running [r4 r2 r3] free 17/32
-        t4 rows r2 6* r4 7-11* r3 4-5 | r2+"c" r4+"o" r4 done length (1 tokens, 4 pages) | queue [] running [r3 r2] free 21/32
-        t5 rows r2 7* r3 6-11* | r2+"e" r3+"o" r3 done length (1 tokens, 4 pages) | queue [] running [r2] free 25/32
+        t2 rows r1 6* r2 2-4* r4 0-3 | r1+"f" r1 done length (2 tokens, 2 pages) r2+"m" | queue [] running [r3 r2 r4] free 17/32
+        t3 rows r2 5* r3 0-6 | r2+"p" | queue [] running [r3 r2 r4] free 17/32
+        t4 rows r2 6* r4 4-10 | r2+"c" | queue [] running [r3 r2 r4] free 17/32
+        t5 rows r2 7* r4 11* r3 7-11* | r2+"e" r3+"o" r3 done length (1 tokens, 4 pages) r4+"o" r4 done length (1 tokens, 4 pages) | queue [] running [r2] free 25/32
         t6 rows r2 8* | r2+"g" | queue [] running [r2] free 25/32
         t7 rows r2 9* | r2+"g" | queue [] running [r2] free 25/32
         t8 rows r2 10* | r2+"f" | queue [] running [r2] free 25/32
