@@ -644,9 +644,12 @@ impl<F: Forward> Core<F> {
     /// output is what it would have been (K12).
     fn resume(&mut self, t: TenantId) -> Placed {
         let ps = self.cfg.page_size_tokens;
-        let a = self.tenants[&t]
-            .resumed
-            .front()
+        // Out of the line first: making room may preempt requests of this
+        // very tenant into it, ahead of this one (they arrived earlier).
+        let mut a = self
+            .tenants
+            .get_mut(&t)
+            .and_then(|q| q.resumed.pop_front())
             .expect("chosen: has a preempted request");
         let need_pages = (a.prompt.len() + a.max_tokens).div_ceil(ps);
         let mut hits = Vec::new();
@@ -656,15 +659,16 @@ impl<F: Forward> Core<F> {
             self.pool
                 .cached_prefix(a.owner.scope, &a.keys[..reusable], &mut hits);
         }
-        let priority = a.priority;
-        if !self.make_room(t, priority, need_pages - hits.len(), &hits) {
+        if !self.make_room(t, a.priority, need_pages - hits.len(), &hits) {
+            // Back to the front of its line, by arrival.
+            let q = self
+                .tenants
+                .get_mut(&t)
+                .expect("a running or waiting tenant");
+            let at = q.resumed.partition_point(|r| r.seq < a.seq);
+            q.resumed.insert(at, a);
             return Placed::NoRoom;
         }
-        let mut a = self
-            .tenants
-            .get_mut(&t)
-            .and_then(|q| q.resumed.pop_front())
-            .expect("chosen: has a preempted request");
         let mut pages = Vec::with_capacity(need_pages);
         if let Err(e) = hold(&mut self.pool, a.owner, &hits, need_pages, &mut pages) {
             emit(

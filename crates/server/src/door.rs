@@ -8,7 +8,8 @@
 //!   connection is answered 503 (`server_busy`) and closed — except
 //!   `GET /health`, which is answered as usual. These answers run in an
 //!   *overflow lane* of [`OVERFLOW_MAX`] connections, each with
-//!   [`OVERFLOW_TIMEOUT`] to send its request head; beyond that lane a
+//!   [`OVERFLOW_TIMEOUT`] to send its request head, at most
+//!   [`OVERFLOW_PER_CLIENT`] of them from one address; beyond that a
 //!   connection is closed at once. Nothing in the lane reaches the backend.
 //! * **Silence.** A connection must send its first request byte within
 //!   [`ServerConfig::first_byte_timeout`] (a connection that never speaks
@@ -28,6 +29,9 @@ use std::time::Duration;
 pub const OVERFLOW_MAX: usize = 64;
 /// Time an overflow connection has to send its request head.
 pub const OVERFLOW_TIMEOUT: Duration = Duration::from_secs(2);
+/// Overflow-lane connections of one client address at once: one address
+/// cannot fill the lane and keep `/health` from others.
+pub const OVERFLOW_PER_CLIENT: usize = 8;
 
 /// Connections held per client address.
 #[derive(Debug)]
@@ -145,33 +149,40 @@ pub(crate) async fn first_head(
     let deadline = tokio::time::Instant::now() + timeout;
     let mut buf = vec![0u8; limit + 1];
     let mut seen = 0;
+    let mut pause = Duration::from_millis(2);
     loop {
         let n = match tokio::time::timeout_at(deadline, tcp.peek(&mut buf)).await {
             Ok(Ok(n)) if n > 0 => n,
             _ => return Head::Gone,
         };
-        let mut headers = vec![httparse::EMPTY_HEADER; max_headers];
-        let mut req = httparse::Request::new(&mut headers);
-        match req.parse(&buf[..n]) {
-            Ok(httparse::Status::Complete(_)) => return check_lengths(req.headers),
-            Ok(httparse::Status::Partial) if n > limit => {
-                return Head::Refuse(ApiError::head_too_large(limit))
+        if n > seen {
+            // Parse only what is new to us (peek returns at once while
+            // bytes wait unread, so a stalled head must not be re-parsed
+            // in a loop).
+            seen = n;
+            pause = Duration::from_millis(2);
+            let mut headers = vec![httparse::EMPTY_HEADER; max_headers];
+            let mut req = httparse::Request::new(&mut headers);
+            match req.parse(&buf[..n]) {
+                Ok(httparse::Status::Complete(_)) => return check_lengths(req.headers),
+                Ok(httparse::Status::Partial) if n > limit => {
+                    return Head::Refuse(ApiError::head_too_large(limit))
+                }
+                Ok(httparse::Status::Partial) => {}
+                Err(httparse::Error::TooManyHeaders) => {
+                    return Head::Refuse(ApiError::too_many_headers(max_headers))
+                }
+                Err(e) => return Head::Refuse(ApiError::malformed_request(&e.to_string())),
             }
-            Ok(httparse::Status::Partial) => {}
-            Err(httparse::Error::TooManyHeaders) => {
-                return Head::Refuse(ApiError::too_many_headers(max_headers))
-            }
-            Err(e) => return Head::Refuse(ApiError::malformed_request(&e.to_string())),
         }
-        // More of the head is on its way: look again shortly (peek does
-        // not wait for new bytes).
-        if n == seen {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        seen = n;
-        if tokio::time::Instant::now() >= deadline {
+        // More of the head is on its way (or never comes): look again
+        // after a pause that doubles while nothing arrives (at most 4
+        // looks a second for a stalled head; bounded by `timeout`).
+        if tokio::time::Instant::now() + pause >= deadline {
             return Head::Gone;
         }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(250));
     }
 }
 

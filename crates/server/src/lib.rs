@@ -302,6 +302,7 @@ impl Server {
         let conns = Arc::new(Semaphore::new(st.cfg.max_connections));
         let door = door::Door::new(st.cfg.max_connections_per_client);
         let overflow = Arc::new(Semaphore::new(door::OVERFLOW_MAX));
+        let lane_door = door::Door::new(door::OVERFLOW_PER_CLIENT);
         let over_client = http::overflow_router(
             st.clone(),
             door::Overflow::Client {
@@ -381,6 +382,10 @@ impl Server {
             let client_full = slot.is_none();
             let (Some(slot), Some(permit)) = (slot, permit) else {
                 // The overflow lane: `/health`, or the limit's error.
+                let Some(lane_slot) = lane_door.enter(peer.ip()) else {
+                    drop(tcp);
+                    continue;
+                };
                 let Ok(lane_permit) = overflow.clone().try_acquire_owned() else {
                     drop(tcp);
                     continue;
@@ -394,6 +399,7 @@ impl Server {
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(door::OVERFLOW_TIMEOUT * 2, conn).await;
                     drop(lane_permit);
+                    drop(lane_slot);
                 });
                 continue;
             };

@@ -1073,3 +1073,52 @@ fn prompt_chunks_go_to_the_least_served_tenant_first_k13() {
     let _ = a;
     h.assert_quiet();
 }
+
+#[test]
+fn resuming_a_request_resumes_that_request_even_when_making_room_preempts_an_earlier_one_k12() {
+    // Batch of 2. Tenant 1 runs V (priority 5) and R (priority 0; later).
+    // Tenant 2 arrives: R, the later, is preempted. Tenant 1's turn: to
+    // resume R the engine preempts V (same tenant, worse priority), which
+    // arrived earlier and so lands ahead of R in the line. R — not V —
+    // must be the one resumed, on its own pages; both answer as alone.
+    // (Found by review: resuming popped the line's front after making
+    // room, i.e. V, onto R's cached pages.)
+    let shifted = |t, skip: usize, prio, n| GenRequest {
+        priority: prio,
+        ..GenRequest::greedy(TenantId(t), prompt(5 + skip)[skip..].to_vec(), n)
+    };
+    let reqs = [
+        shifted(1, 0, 5, 8),
+        shifted(1, 3, 0, 8),
+        shifted(2, 7, 0, 6),
+    ];
+    let want = alone(&reqs);
+    let mut h = Harness::with_cache(HashModel::new(64, 300), 32, 32, 2, PrefixCache::Tenant);
+    let v = h.submit(reqs[0].clone());
+    h.tick();
+    let r = h.submit(reqs[1].clone());
+    h.tick();
+    let x = h.submit(reqs[2].clone());
+    h.run(60);
+    h.check(expect![[r#"
+        t1 rows r1 0-4* | r1+"m" | queue [] running [r1] free 28/32 cached 1 (0 idle)
+        t2 rows r1 5* r2 0-4* | r1+"p" r2+"e" | queue [] running [r1 r2] free 24/32 cached 2 (0 idle)
+        t3 rows r3 0-4* r2 4-5* | r2+"n" r3+"b" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
+        t4 rows r3 5* r2 6* | r2+"o" r3+"e" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
+        t5 rows r3 6* r2 7* | r2+"l" r3+"v" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
+        t6 rows r3 7* r2 8* | r2+"x" r3+"y" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
+        t7 rows r3 8* r2 9* | r2+"c" r3+"g" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
+        t8 rows r3 9* r2 10* | r2+"z" r3+"l" r3 done length (6 tokens, 3 pages) | queue [] running [r2] free 25/32 preempted [r1] cached 4 (3 idle)
+        t9 rows r2 11* r1 4-6* | r1+"c" r2+"a" r2 done length (8 tokens, 4 pages) | queue [] running [r1] free 23/32 cached 6 (5 idle)
+        t10 rows r1 7* | r1+"e" | queue [] running [r1] free 23/32 cached 6 (5 idle)
+        t11 rows r1 8* | r1+"g" | queue [] running [r1] free 23/32 cached 6 (5 idle)
+        t12 rows r1 9* | r1+"g" | queue [] running [r1] free 23/32 cached 6 (5 idle)
+        t13 rows r1 10* | r1+"f" | queue [] running [r1] free 23/32 cached 6 (5 idle)
+        t14 rows r1 11* | r1+"z" r1 done length (8 tokens, 4 pages) | queue [] running [] free 24/32 cached 8 (8 idle)
+    "#]]);
+    for (i, id) in [v, r, x].into_iter().enumerate() {
+        assert_eq!(h.client(id).text, want[i], "r{id} (K12)");
+    }
+    assert_eq!(h.core.stats().requests_preempted_total, 2);
+    h.assert_quiet();
+}
