@@ -705,7 +705,11 @@ impl<F: Forward> Core<F> {
             }
             let victims = self.victims(t, priority);
             // Only preempt if the victims' pages could cover the shortfall.
-            let freeable: usize = victims.iter().map(|&i| self.running[i].pages.len()).sum();
+            // (A cached page another request also holds stays held.)
+            let freeable: usize = victims
+                .iter()
+                .map(|&i| self.pool.freed_by_giving_back(&self.running[i].pages))
+                .sum();
             let Some(&victim) = victims.first() else {
                 return false;
             };

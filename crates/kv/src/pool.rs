@@ -921,6 +921,20 @@ impl Pool {
         Ok(())
     }
 
+    /// How many of `pages` (current handles) giving back would make
+    /// available: private pages, and cached pages whose only reference is
+    /// the one given back (and no lease holds).
+    pub fn freed_by_giving_back(&self, pages: &[PageRef]) -> usize {
+        pages
+            .iter()
+            .filter(|h| {
+                self.meta.get(h.index as usize).is_some_and(|m| {
+                    m.epoch == h.epoch && m.leases == 0 && (!m.shared || m.refs == 1)
+                })
+            })
+            .count()
+    }
+
     /// How many of `pages` (current handles) are idle cached pages: what
     /// acquiring them takes out of [`Pool::pages_available`].
     pub fn idle_among(&self, pages: &[PageRef]) -> usize {

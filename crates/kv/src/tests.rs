@@ -870,3 +870,27 @@ fn a_second_publish_of_a_key_keeps_the_first_and_canaries_follow_the_cache() {
     assert!(p.check_canary(c, sibling).is_err());
     p.check_invariants().unwrap();
 }
+
+#[test]
+fn giving_back_frees_private_pages_and_last_references_only() {
+    let shape = KvShape::new(1, 1, 16, 4, DType::F32).unwrap();
+    let mut pool = Pool::new(shape, 8, PoolOptions::default()).unwrap();
+    let a = Owner::new(RequestId(1), TenantId(1));
+    let b = Owner::new(RequestId(2), TenantId(1));
+    let mut pages = Vec::new();
+    pool.alloc(a, 2, &mut pages).unwrap();
+    let row = [1.0f32; 16];
+    for slot in 0..4 {
+        pool.write_token(pages[0], a, 0, slot, &row, &row).unwrap();
+    }
+    let cached = pool.publish(pages[0], a, 7).unwrap().expect("published");
+    // a holds the cached page (its only reference) and a private one.
+    assert_eq!(pool.freed_by_giving_back(&[cached, pages[1]]), 2);
+    // Once b references the cached page too, giving back a's frees only
+    // the private one.
+    pool.acquire(cached, b).unwrap();
+    assert_eq!(pool.freed_by_giving_back(&[cached, pages[1]]), 1);
+    // A lease keeps a page too.
+    pool.lease(pages[1], a).unwrap();
+    assert_eq!(pool.freed_by_giving_back(&[pages[1]]), 0);
+}
