@@ -1174,41 +1174,24 @@ impl<F: Forward> Core<F> {
     }
 }
 
-/// Undoes an admission that failed half way: the first `acquired` of
-/// `pages` are cached pages it took a reference to (released), the rest
-/// private ones it allocated (freed); last first.
+/// Undoes an admission that failed half way (see [`Pool::give_back`]).
 fn give_back(pool: &mut Pool, owner: Owner, pages: &[PageRef], acquired: usize) {
-    for (i, &h) in pages.iter().enumerate().rev() {
-        let r = match i < acquired {
-            true => pool.release(h, owner),
-            false => pool.free(h, owner).map(|_| ()),
-        };
-        if let Err(e) = r {
-            tracing::error!(page = h.index, "cannot give back a page: {e}");
-        }
+    let refused = pool.give_back(owner, pages, acquired);
+    if refused > 0 {
+        tracing::error!(refused, "cannot give back pages");
     }
 }
 
-/// Caches the request's private pages among its first `n` (every slot
-/// written, keys known): each becomes shared and read-only, and the request
-/// goes on reading it through the new handle. A page whose key another
-/// request cached first stays private.
+/// Caches the request's private pages among its first `n` (see
+/// [`Pool::publish_pages`]); the request goes on reading them through the
+/// new handles.
 fn cache_pages(pool: &mut Pool, a: &mut Active, n: usize) {
-    for p in 0..n.min(a.keys.len()).min(a.pages.len()) {
-        if a.shared[p] {
-            continue;
-        }
-        match pool.publish(a.pages[p], a.owner, a.keys[p]) {
-            Ok(Some(h)) => {
-                a.pages[p] = h;
-                a.shared[p] = true;
-            }
-            Ok(None) => {}
-            // Every slot of these pages was written by this request: a
-            // refusal is a bug, counted by the pool; the page stays private
-            // and is freed with the request.
-            Err(e) => tracing::error!(request = a.id.0, page = p, "cannot cache a page: {e}"),
-        }
+    // Every slot of these pages was written by this request: a refusal is
+    // a bug, counted by the pool; the page stays private and is freed with
+    // the request.
+    let refused = pool.publish_pages(a.owner, &mut a.pages, &mut a.shared, &a.keys, n);
+    if refused > 0 {
+        tracing::error!(request = a.id.0, refused, "cannot cache pages");
     }
 }
 

@@ -921,6 +921,52 @@ impl Pool {
         Ok(())
     }
 
+    /// Caches the private pages among the first `n` of a request's
+    /// `pages` (every slot written, `keys[i]` the key of page `i`): each
+    /// becomes shared and read-only, its handle in `pages` replaced and
+    /// `shared[i]` set. A page whose key the scope already caches stays
+    /// private. Returns the pages the pool refused (each refusal counted;
+    /// for a caller that wrote every slot, a bug).
+    pub fn publish_pages(
+        &mut self,
+        owner: Owner,
+        pages: &mut [PageRef],
+        shared: &mut [bool],
+        keys: &[u64],
+        n: usize,
+    ) -> usize {
+        let mut refused = 0;
+        for p in 0..n.min(keys.len()).min(pages.len()).min(shared.len()) {
+            if shared[p] {
+                continue;
+            }
+            match self.publish(pages[p], owner, keys[p]) {
+                Ok(Some(h)) => {
+                    pages[p] = h;
+                    shared[p] = true;
+                }
+                Ok(None) => {}
+                Err(_) => refused += 1,
+            }
+        }
+        refused
+    }
+
+    /// Gives back pages a request took, last first: the first `acquired`
+    /// are cached pages it referenced (released), the rest its own
+    /// (freed). Returns how many the pool refused (each counted).
+    pub fn give_back(&mut self, owner: Owner, pages: &[PageRef], acquired: usize) -> usize {
+        let mut refused = 0;
+        for (i, &h) in pages.iter().enumerate().rev() {
+            let r = match i < acquired {
+                true => self.release(h, owner),
+                false => self.free(h, owner).map(|_| ()),
+            };
+            refused += usize::from(r.is_err());
+        }
+        refused
+    }
+
     /// How many of `pages` (current handles) giving back would make
     /// available: private pages, and cached pages whose only reference is
     /// the one given back (and no lease holds).

@@ -679,7 +679,7 @@ impl PrefillNode {
             .try_for_each(|&h| pool.acquire(h, r.owner).map(|()| own.push(h)));
         let allocated = acquired.and_then(|()| pool.alloc(r.owner, need - hits.len(), &mut own));
         if let Err(e) = allocated {
-            give_back(pool, r.owner, &own, hits.len());
+            pool.give_back(r.owner, &own, hits.len());
             let gw = r.gateway;
             self.reqs.remove(&req);
             out.push(PrefillAction::Send {
@@ -751,20 +751,9 @@ impl PrefillNode {
         // Every slot of the prompt's full pages is written now: offer them
         // to the cache, before any is leased (a leased page cannot enter
         // it). A page whose key another request cached first stays private.
-        for p in 0..r.keys.len().min(r.own.len()) {
-            if r.shared[p] {
-                continue;
-            }
-            match pool.publish(r.own[p], r.owner, r.keys[p]) {
-                Ok(Some(h)) => {
-                    r.own[p] = h;
-                    r.shared[p] = true;
-                }
-                Ok(None) => {}
-                // Refused (and counted by the pool): the page stays private.
-                Err(_) => {}
-            }
-        }
+        // A refusal is counted by the pool; the page stays private.
+        let n = r.keys.len();
+        pool.publish_pages(r.owner, &mut r.own, &mut r.shared, &r.keys, n);
         r.phase = PrefillPhase::Ready;
         let addr = r.decode.clone();
         if let Some(conn) = self.decode_conn_up(&addr) {
@@ -1041,15 +1030,4 @@ fn fits(pool: &Pool, owner: Owner, tokens: &[u32], keys: &[u64], ps: u32) -> boo
     let hits = cache_hits(pool, owner, tokens, keys, ps);
     let available = pool.pages_available() as usize - pool.idle_among(&hits);
     pages_for(tokens.len(), ps) - hits.len() <= available
-}
-
-/// Undoes an allocation that failed half way: the first `acquired` of
-/// `pages` are cached pages (released), the rest private (freed).
-fn give_back(pool: &mut Pool, owner: Owner, pages: &[PageRef], acquired: usize) {
-    for (i, &h) in pages.iter().enumerate().rev() {
-        let _ = match i < acquired {
-            true => pool.release(h, owner),
-            false => pool.free(h, owner).map(|_| ()),
-        };
-    }
 }
