@@ -8,18 +8,24 @@ use std::time::Duration;
 use transfer::node::NetEvent;
 use transport::{Transport, TransportConfig};
 
-#[test]
-fn a_connection_past_the_limit_is_closed_unread_and_counted() {
+/// A node's transport on 127.0.0.1 that hands its first `accepts`
+/// connections to `Transport::accepted`: (runtime, transport, its events,
+/// its address).
+fn node(
+    cfg: TransportConfig,
+    accepts: usize,
+) -> (
+    tokio::runtime::Runtime,
+    std::sync::Arc<Transport>,
+    tokio::sync::mpsc::Receiver<NetEvent>,
+    std::net::SocketAddr,
+) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
-    let cfg = TransportConfig {
-        connections_max: 2,
-        ..TransportConfig::default()
-    };
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
     let t = Transport::new(cfg, rt.handle().clone(), tx);
     let listener = rt
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
@@ -27,11 +33,21 @@ fn a_connection_past_the_limit_is_closed_unread_and_counted() {
     let addr = listener.local_addr().unwrap();
     let acc = t.clone();
     rt.spawn(async move {
-        for _ in 0..3 {
+        for _ in 0..accepts {
             let (s, _) = listener.accept().await.unwrap();
             acc.accepted(s).await;
         }
     });
+    (rt, t, rx, addr)
+}
+
+#[test]
+fn a_connection_past_the_limit_is_closed_unread_and_counted() {
+    let cfg = TransportConfig {
+        connections_max: 2,
+        ..TransportConfig::default()
+    };
+    let (rt, t, mut rx, addr) = node(cfg, 3);
     let mut clients = Vec::new();
     for _ in 0..3 {
         let c = std::net::TcpStream::connect(addr).unwrap();
@@ -65,28 +81,11 @@ fn a_connection_past_the_limit_is_closed_unread_and_counted() {
 /// address still gets in. Clients bind distinct loopback addresses.
 #[test]
 fn one_peer_past_its_limit_is_refused_while_another_gets_in() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
     let cfg = TransportConfig {
         connections_per_peer_max: 3,
         ..TransportConfig::default()
     };
-    let t = Transport::new(cfg, rt.handle().clone(), tx);
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    let acc = t.clone();
-    rt.spawn(async move {
-        for _ in 0..6 {
-            let (s, _) = listener.accept().await.unwrap();
-            acc.accepted(s).await;
-        }
-    });
+    let (rt, t, mut rx, addr) = node(cfg, 6);
     let from = |ip: &str| {
         let s = socket2_connect(ip, addr);
         std::thread::sleep(Duration::from_millis(100));
