@@ -28,31 +28,65 @@ def complete(s, key, prompt, max_tokens, **extra):
     return r, time.monotonic() - t0
 
 
-def test_a_noisy_neighbour_does_not_take_another_tenants_time(tmp_root):
-    path = write_tenants(tmp_root / "fair-tenants.toml",
+def tenants_file(tmp_root, name):
+    return write_tenants(tmp_root / name,
                          [{"name": n, "key": k, "max_concurrent": 64} for n, k in KEYS.items()])
-    s = Server(["--tenants", str(path)], tmp_root, "fairness")
+
+
+def references(s):
+    """Each alone: A's story, B's answer and B's idle latency (best of 3)."""
+    ra, _ = complete(s, KEYS["a"], A_PROMPT, A_TOKENS)
+    assert ra.status_code == 200, ra.text
+    idle = []
+    for _ in range(3):
+        rb, dt = complete(s, KEYS["b"], B_PROMPT, 4)
+        assert rb.status_code == 200, rb.text
+        idle.append(dt)
+    return ra.json()["choices"][0]["text"], rb.json()["choices"][0]["text"], min(idle)
+
+
+def start_storm(s):
+    """A's streams, all at once; (threads, their responses as they end)."""
+    results = [None] * A_STREAMS
+
+    def stream(i):
+        results[i] = complete(s, KEYS["a"], A_PROMPT, A_TOKENS)[0]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(A_STREAMS)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def join_storm(threads, results, story):
+    """Every stream of A answered in full with its story (K12, preempted
+    or not)."""
+    for t in threads:
+        t.join(timeout=300)
+    for r in results:
+        assert r is not None and r.status_code == 200, r and r.text
+        j = r.json()
+        assert j["usage"]["completion_tokens"] == A_TOKENS
+        assert j["choices"][0]["text"] == story
+
+
+def b_beside_the_storm(s, hello, idle_s):
+    """B's 4-token request while A's storm runs: its answer and time,
+    within 3x idle + 1 s."""
+    rb, busy_s = complete(s, KEYS["b"], B_PROMPT, 4)
+    assert rb.status_code == 200, rb.text
+    assert rb.json()["choices"][0]["text"] == hello
+    bound = 3 * idle_s + 1.0
+    assert busy_s <= bound, (busy_s, idle_s)
+    return busy_s, bound
+
+
+def test_a_noisy_neighbour_does_not_take_another_tenants_time(tmp_root):
+    s = Server(["--tenants", str(tenants_file(tmp_root, "fair-tenants.toml"))], tmp_root,
+               "fairness")
     try:
-        # References, each alone: A's story, and B's idle latency (best of 3).
-        ra, _ = complete(s, KEYS["a"], A_PROMPT, A_TOKENS)
-        assert ra.status_code == 200, ra.text
-        story = ra.json()["choices"][0]["text"]
-        idle = []
-        for _ in range(3):
-            rb, dt = complete(s, KEYS["b"], B_PROMPT, 4)
-            assert rb.status_code == 200, rb.text
-            idle.append(dt)
-        hello = rb.json()["choices"][0]["text"]
-        idle_s = min(idle)
-
-        results = [None] * A_STREAMS
-
-        def stream(i):
-            results[i] = complete(s, KEYS["a"], A_PROMPT, A_TOKENS)[0]
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(A_STREAMS)]
-        for t in threads:
-            t.start()
+        story, hello, idle_s = references(s)
+        threads, results = start_storm(s)
         # A holds the whole batch (32 running, the rest waiting).
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -67,18 +101,8 @@ def test_a_noisy_neighbour_does_not_take_another_tenants_time(tmp_root):
             time.sleep(0.05)
         else:
             raise AssertionError(f"A never filled the batch: {m}")
-        rb, busy_s = complete(s, KEYS["b"], B_PROMPT, 4)
-        assert rb.status_code == 200, rb.text
-        assert rb.json()["choices"][0]["text"] == hello
-        bound = 3 * idle_s + 1.0
-        assert busy_s <= bound, (busy_s, idle_s)
-        for t in threads:
-            t.join(timeout=300)
-        for r in results:
-            assert r is not None and r.status_code == 200, r and r.text
-            j = r.json()
-            assert j["usage"]["completion_tokens"] == A_TOKENS
-            assert j["choices"][0]["text"] == story  # K12, preempted or not
+        busy_s, bound = b_beside_the_storm(s, hello, idle_s)
+        join_storm(threads, results, story)
         m = wait_pool_idle(s)
         assert_pool_clean(m)
         # B got in by preempting one of A's streams; A's resumed.
@@ -101,33 +125,17 @@ def test_a_noisy_neighbour_on_a_disaggregated_set(tmp_root):
     arrival order but decode runs every request it holds pages for at once
     (no batch cap to queue behind), so B's request costs one prefill and
     four steps of a larger batch: within the same bound."""
-    path = write_tenants(tmp_root / "fair-pd-tenants.toml",
-                         [{"name": n, "key": k, "max_concurrent": 64} for n, k in KEYS.items()])
+    path = tenants_file(tmp_root, "fair-pd-tenants.toml")
     s = Server(["--tenants", str(path), "--disaggregated", "--kv-memory", "512MiB",
                 "--max-context", "2048"], tmp_root, "fairness-pd")
     try:
-        ra, _ = complete(s, KEYS["a"], A_PROMPT, A_TOKENS)
-        story = ra.json()["choices"][0]["text"]
-        idle = min(complete(s, KEYS["b"], B_PROMPT, 4)[1] for _ in range(3))
-        results = [None] * A_STREAMS
-
-        def stream(i):
-            results[i] = complete(s, KEYS["a"], A_PROMPT, A_TOKENS)[0]
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(A_STREAMS)]
-        for t in threads:
-            t.start()
+        story, hello, idle_s = references(s)
+        threads, results = start_storm(s)
         time.sleep(1.5)
         assert any(r is None for r in results), "A's storm ended before B came"
-        rb, busy_s = complete(s, KEYS["b"], B_PROMPT, 4)
-        assert rb.status_code == 200, rb.text
-        bound = 3 * idle + 1.0
-        for t in threads:
-            t.join(timeout=300)
-        assert all(r is not None and r.status_code == 200 and
-                   r.json()["choices"][0]["text"] == story for r in results)
-        assert busy_s <= bound, (busy_s, idle)
-        print(f"PD: B idle {idle:.3f} s, beside A {busy_s:.3f} s (bound {bound:.3f} s)")
+        busy_s, bound = b_beside_the_storm(s, hello, idle_s)
+        join_storm(threads, results, story)
+        print(f"PD: B idle {idle_s:.3f} s, beside A {busy_s:.3f} s (bound {bound:.3f} s)")
     finally:
         assert s.terminate() == 0, s.stderr()
 
