@@ -169,6 +169,9 @@ pub struct DecodeJob {
     pub pages: Vec<PageRef>,
     pub first_token: u32,
     pub first_logprobs: Option<(f32, Vec<(u32, f32)>)>,
+    /// The request's priority and its tenant's weight (K13).
+    pub priority: i32,
+    pub weight: u32,
 }
 
 /// A prompt the prefill role computes into its own pages.
@@ -182,6 +185,10 @@ pub struct PrefillJob {
     /// Leading prompt positions whose KV `pages` already hold (cached
     /// pages the transfer machine acquired): computed from here on.
     pub cached_tokens: usize,
+    /// The request's priority and its tenant's weight (K13): prompt chunks
+    /// go to the least-served tenant first, as in the unified engine.
+    pub priority: i32,
+    pub weight: u32,
 }
 
 /// The batch core over a forward step `F` (production: the real model,
@@ -316,17 +323,13 @@ impl<F: Forward> Core<F> {
         match cmd {
             Command::Submit(sub) => {
                 self.arrivals += 1;
-                let least = self.least_served();
-                let q = self
-                    .tenants
-                    .entry(sub.req.tenant)
-                    .or_insert_with(|| TenantQueue::new(least, 1));
-                q.weight = sub.req.weight.max(1);
+                let arrival = self.arrivals;
+                let q = self.tenant(sub.req.tenant, sub.req.weight);
                 // By priority, then arrival.
                 let at = q
                     .waiting
                     .partition_point(|(_, w)| w.req.priority <= sub.req.priority);
-                q.waiting.insert(at, (self.arrivals, *sub));
+                q.waiting.insert(at, (arrival, *sub));
             }
             Command::Shutdown { drain } => {
                 self.shutdown = Some(drain && self.shutdown != Some(false));
@@ -351,7 +354,7 @@ impl<F: Forward> Core<F> {
                 service: q.served,
             });
         }
-        for a in self.running.iter().filter(|a| a.mode == Mode::Full) {
+        for a in &self.running {
             if let Some(t) = self
                 .local
                 .tenants
@@ -779,6 +782,18 @@ impl<F: Forward> Core<F> {
         q.resumed.insert(at, a);
     }
 
+    /// The tenant's line, made if it has none (starting level with the
+    /// least-served active tenant), its weight updated.
+    fn tenant(&mut self, t: TenantId, weight: u32) -> &mut TenantQueue {
+        let least = self.least_served();
+        let q = self
+            .tenants
+            .entry(t)
+            .or_insert_with(|| TenantQueue::new(least, 1));
+        q.weight = weight.max(1);
+        q
+    }
+
     /// The service count of the least-served active tenant (a tenant that
     /// becomes active starts there: no credit is banked while away).
     fn least_served(&self) -> f64 {
@@ -826,7 +841,12 @@ impl<F: Forward> Core<F> {
         let mut chunks: Vec<usize> = (0..self.running.len())
             .filter(|&i| !self.running[i].decoding())
             .collect();
-        chunks.sort_by(|&x, &y| served(&self.running[x]).total_cmp(&served(&self.running[y])));
+        chunks.sort_by(|&x, &y| {
+            let (a, b) = (&self.running[x], &self.running[y]);
+            served(a)
+                .total_cmp(&served(b))
+                .then(a.priority.cmp(&b.priority))
+        });
         let mut catching_up = Vec::with_capacity(chunks.len());
         for i in chunks {
             let a = &self.running[i];
@@ -1043,12 +1063,13 @@ impl<F: Forward> Core<F> {
         let mut shared = vec![false; job.pages.len()];
         shared[..(cached / ps).min(job.pages.len())].fill(true);
         self.local.prompt_tokens_total += job.prompt.len() as u64;
+        self.tenant(job.owner.tenant, job.weight);
         self.running.push(Active {
             mode: Mode::PrefillOnly,
             id: RequestId(job.req),
             owner: job.owner,
             seq: 0,
-            priority: 0,
+            priority: job.priority,
             history: job.prompt.clone(),
             prompt: job.prompt,
             max_tokens: 1,
@@ -1078,12 +1099,13 @@ impl<F: Forward> Core<F> {
             why: e.why,
         })?;
         let now = Instant::now();
+        self.tenant(job.owner.tenant, job.weight);
         let mut a = Active {
             mode: Mode::DecodeOnly,
             id: RequestId(job.req),
             owner: job.owner,
             seq: 0,
-            priority: 0,
+            priority: job.priority,
             history: job.prompt.clone(),
             computed: job.prompt.len(),
             prompt: job.prompt,
@@ -1139,6 +1161,7 @@ impl<F: Forward> Core<F> {
         if !self.running.is_empty() {
             let _ = self.step();
         }
+        self.prune_tenants();
     }
 
     /// What remote requests produced since the last call, in order.

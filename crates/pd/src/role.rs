@@ -380,6 +380,8 @@ impl PrefillEngine for CoreEngine {
             logprobs: job.gen.logprobs.map(usize::from),
             pages: job.pages,
             cached_tokens: job.cached_tokens as usize,
+            priority: job.gen.priority,
+            weight: job.gen.weight,
         });
     }
 
@@ -435,6 +437,8 @@ impl DecodeEngine for CoreEngine {
                 pages: s.pages,
                 first_token: s.first_token,
                 first_logprobs: engine_logprobs(s.first_logprobs),
+                priority: s.gen.priority,
+                weight: s.gen.weight,
             })
             .map_err(|e| refusal_of(&e))
     }

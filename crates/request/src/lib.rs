@@ -191,6 +191,9 @@ pub const TOP_LOGPROBS_MAX: usize = 20;
 /// Largest `max_tokens` any request may ask for (also bounded by the window).
 pub const MAX_TOKENS_MAX: usize = 1 << 20;
 
+/// Upper bound on a tenant's fair-share weight ([`GenRequest::weight`]).
+pub const WEIGHT_MAX: u32 = 1000;
+
 /// Why a request was refused or failed. `kind()` names it for logs and
 /// metrics; the server maps each to an HTTP status.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -88,8 +88,7 @@ pub struct TenantSpec {
     pub max_priority: Option<i32>,
 }
 
-/// Upper bound on a tenant's weight.
-pub const WEIGHT_MAX: u32 = 1000;
+pub use request::WEIGHT_MAX;
 
 /// A tenant and its live usage.
 #[derive(Debug)]

@@ -36,6 +36,8 @@ pub fn gen_spec(req: &GenRequest) -> GenSpec {
         logprobs: req.logprobs.map(|n| n.min(u8::MAX as usize) as u8),
         stop: req.stop.clone(),
         cache_scope: req.cache_scope.map(|s| s.0),
+        priority: req.priority,
+        weight: req.weight.clamp(1, request::WEIGHT_MAX),
     }
 }
 
@@ -51,9 +53,8 @@ pub fn gen_request(tenant: u64, tokens: &[u32], max_tokens: u32, g: &GenSpec) ->
         ignore_eos: g.ignore_eos,
         logprobs: g.logprobs.map(usize::from),
         cache_scope: g.cache_scope.map(Scope),
-        // Fair share is the unified engine's (K13); PD nodes admit in order.
-        priority: 0,
-        weight: 1,
+        priority: g.priority,
+        weight: g.weight,
     }
 }
 

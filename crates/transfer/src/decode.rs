@@ -25,6 +25,7 @@ use crate::common::{
     check_peer, check_request, pages_for, refusal, request_owner, slots_at, transfer_digest,
     ConnId, Identity, PeerHello,
 };
+use crate::fair::{self, Waiting};
 use crate::wire::{
     GenSpec, Message, Refusal, WireLogprobs, WirePage, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
 };
@@ -37,7 +38,8 @@ pub struct DecodeConfig {
     pub vocab: u32,
     /// Requests known at once (waiting, receiving, decoding, draining).
     pub requests_max: usize,
-    /// Reservations waiting for free pages (FIFO); beyond it: 429.
+    /// Reservations waiting for free pages (chosen fairly between
+    /// tenants, [`crate::fair`]); beyond it: 429.
     pub waiting_max: usize,
     /// Acknowledge every this many pages (prefill's flow-control window
     /// must be a multiple of it or larger).
@@ -575,7 +577,10 @@ impl DecodeNode {
                 phase: DecodePhase::Waiting,
             },
         );
-        if !waiting {
+        if waiting {
+            // The newcomer may be the fairest choice (K13).
+            self.admit(pool, out);
+        } else {
             self.allocate(pool, req, out);
         }
     }
@@ -623,20 +628,41 @@ impl DecodeNode {
         });
     }
 
-    /// FIFO admission of waiting reservations as pages free up.
+    /// Gives free pages to waiting reservations, fairly between tenants
+    /// ([`crate::fair`]); stops at the first chosen one that does not fit.
     fn admit(&mut self, pool: &mut Pool, out: &mut Vec<DecodeAction>) {
         let ps = self.cfg.identity.layout.page_size;
-        while let Some(&req) = self.waiting.front() {
-            let Some(r) = self.reqs.get(&req) else {
-                self.waiting.pop_front();
-                continue;
-            };
+        let reqs = &self.reqs;
+        self.waiting.retain(|w| reqs.contains_key(w));
+        let mut held: BTreeMap<u64, u64> = BTreeMap::new();
+        for r in self.reqs.values() {
+            *held.entry(r.owner.tenant.0).or_default() += r.pages.len() as u64;
+        }
+        let mut waiting: Vec<Waiting> = self
+            .waiting
+            .iter()
+            .map(|w| {
+                let r = &self.reqs[w];
+                Waiting {
+                    tenant: r.owner.tenant.0,
+                    weight: r.gen.weight,
+                    priority: r.gen.priority,
+                }
+            })
+            .collect();
+        while let Some(i) = fair::next(&waiting, &held) {
+            let req = self.waiting[i];
+            let r = &self.reqs[&req];
             let need = pages_for(r.tokens.len() + r.max_tokens as usize, ps);
             if need > pool.pages_available() as usize {
                 break;
             }
-            self.waiting.pop_front();
+            self.waiting.remove(i);
+            waiting.remove(i);
             self.allocate(pool, req, out);
+            if let Some(r) = self.reqs.get(&req) {
+                *held.entry(r.owner.tenant.0).or_default() += r.pages.len() as u64;
+            }
         }
     }
 

@@ -10,6 +10,8 @@
 //!   connections to close, work for the engine). No sockets, threads or
 //!   clocks inside: a TCP transport drives them in production, a simulator
 //!   and a model checker drive the very same code in tests.
+//! * [`fair`] — which waiting request a node gives free pages to next:
+//!   fewest pages held per tenant weight first (K13).
 //!
 //! The lifecycle (`../shared/DESIGN.md`): the gateway reserves pages on
 //! decode (decode checks its own limit), then asks prefill to compute into
@@ -52,6 +54,7 @@ macro_rules! mutated {
 mod common;
 pub mod convert;
 pub mod decode;
+pub mod fair;
 pub mod gateway;
 pub mod node;
 pub mod prefill;

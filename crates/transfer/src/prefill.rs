@@ -30,6 +30,7 @@ use crate::common::{
     check_peer, check_request, pages_for, refusal, request_owner, slots_at, transfer_digest,
     ConnId, Identity, PeerHello,
 };
+use crate::fair::{self, Waiting};
 use crate::wire::{
     GenSpec, Message, Refusal, WireLogprobs, WirePage, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
 };
@@ -41,7 +42,8 @@ pub struct PrefillConfig {
     pub vocab: u32,
     /// Requests known at once.
     pub requests_max: usize,
-    /// Requests waiting for free pages (FIFO); beyond it: 429.
+    /// Requests waiting for free pages (chosen fairly between tenants,
+    /// [`crate::fair`]); beyond it: 429.
     pub queue_max: usize,
     /// Pages sent and not yet acknowledged, per request (the bounded
     /// transfer batch).
@@ -663,6 +665,8 @@ impl PrefillNode {
         );
         if queue {
             self.queue.push_back(req);
+            // The newcomer may be the fairest choice (K13).
+            self.admit(pool, out);
         } else {
             self.start_compute(pool, req, out);
         }
@@ -712,18 +716,40 @@ impl PrefillNode {
         })));
     }
 
+    /// Gives free pages to waiting requests, fairly between tenants
+    /// ([`crate::fair`]); stops at the first chosen one that does not fit.
     fn admit(&mut self, pool: &mut Pool, out: &mut Vec<PrefillAction>) {
         let ps = self.cfg.identity.layout.page_size;
-        while let Some(&req) = self.queue.front() {
-            let Some(r) = self.reqs.get(&req) else {
-                self.queue.pop_front();
-                continue;
-            };
+        let reqs = &self.reqs;
+        self.queue.retain(|q| reqs.contains_key(q));
+        let mut held: BTreeMap<u64, u64> = BTreeMap::new();
+        for r in self.reqs.values() {
+            *held.entry(r.owner.tenant.0).or_default() += r.own.len() as u64;
+        }
+        let mut waiting: Vec<Waiting> = self
+            .queue
+            .iter()
+            .map(|q| {
+                let r = &self.reqs[q];
+                Waiting {
+                    tenant: r.owner.tenant.0,
+                    weight: r.gen.weight,
+                    priority: r.gen.priority,
+                }
+            })
+            .collect();
+        while let Some(i) = fair::next(&waiting, &held) {
+            let req = self.queue[i];
+            let r = &self.reqs[&req];
             if !fits(pool, r.owner, &r.tokens, &r.keys, ps) {
                 break;
             }
-            self.queue.pop_front();
+            self.queue.remove(i);
+            waiting.remove(i);
             self.start_compute(pool, req, out);
+            if let Some(r) = self.reqs.get(&req) {
+                *held.entry(r.owner.tenant.0).or_default() += r.own.len() as u64;
+            }
         }
     }
 

@@ -20,7 +20,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// Version of this format. A peer speaking another version is refused at
 /// the handshake.
-pub const WIRE_VERSION: u8 = 2;
+pub const WIRE_VERSION: u8 = 3;
 /// Largest frame (a page of a large model plus headers). Bigger frames are
 /// refused before their body is read.
 pub const FRAME_BYTES_MAX: usize = 64 << 20;
@@ -76,6 +76,12 @@ pub struct GenSpec {
     /// `None`: the tenant's own. A prefill node shares cached pages only
     /// within it (K11).
     pub cache_scope: Option<u64>,
+    /// Order among the tenant's own requests (lower first, K13); the
+    /// gateway already capped it at the tenant's `max_priority`.
+    pub priority: i32,
+    /// The tenant's fair-share weight, 1 to [`request::WEIGHT_MAX`]: nodes
+    /// hand out pages and compute in proportion to it (K13).
+    pub weight: u32,
 }
 
 impl GenSpec {
@@ -113,6 +119,8 @@ impl GenSpec {
             logprobs: None,
             stop: Vec::new(),
             cache_scope: None,
+            priority: 0,
+            weight: 1,
         }
     }
 }
@@ -736,6 +744,8 @@ impl Writer<'_> {
                 self.u64(s);
             }
         }
+        self.u32(g.priority as u32);
+        self.u32(g.weight);
     }
     fn logprobs(&mut self, l: Option<&WireLogprobs>) {
         match l {
@@ -864,6 +874,8 @@ impl<'a> Reader<'a> {
             },
             stop: Vec::new(),
             cache_scope: None,
+            priority: 0,
+            weight: 1,
         };
         let n = self.u32("stop")? as usize;
         if n > STOPS_MAX {
@@ -878,6 +890,11 @@ impl<'a> Reader<'a> {
         }
         if self.bool("cache_scope")? {
             g.cache_scope = Some(self.u64("cache_scope")?);
+        }
+        g.priority = self.u32("priority")? as i32;
+        g.weight = self.u32("weight")?;
+        if !(1..=request::WEIGHT_MAX).contains(&g.weight) {
+            return Err(WireError::Invalid { what: "weight" });
         }
         Ok(g)
     }

@@ -18,9 +18,17 @@ fn gen() -> impl Strategy<Value = GenSpec> {
         proptest::option::of(any::<u8>()),
         proptest::collection::vec("[a-z\n✓]{0,8}", 0..4),
         proptest::option::of(any::<u64>()),
+        (any::<i32>(), 1..=request::WEIGHT_MAX),
     )
         .prop_map(
-            |((t, k, p, m, r, pr, f, seed), ignore_eos, logprobs, stop, cache_scope)| GenSpec {
+            |(
+                (t, k, p, m, r, pr, f, seed),
+                ignore_eos,
+                logprobs,
+                stop,
+                cache_scope,
+                (priority, weight),
+            )| GenSpec {
                 temperature_bits: t,
                 top_k: k,
                 top_p_bits: p,
@@ -33,6 +41,8 @@ fn gen() -> impl Strategy<Value = GenSpec> {
                 logprobs,
                 stop,
                 cache_scope,
+                priority,
+                weight,
             },
         )
 }
@@ -306,6 +316,38 @@ fn other_versions_and_kinds_are_refused() {
         Message::decode(&trailing),
         Err(WireError::Trailing { .. })
     ));
+}
+
+#[test]
+fn a_weight_outside_one_to_the_maximum_is_refused() {
+    for (weight, ok) in [
+        (0, false),
+        (1, true),
+        (request::WEIGHT_MAX, true),
+        (request::WEIGHT_MAX + 1, false),
+    ] {
+        let mut buf = Vec::new();
+        Message::Reserve {
+            req: 1,
+            tenant: 2,
+            prefill: "p".into(),
+            tokens: vec![1, 2],
+            max_tokens: 3,
+            gen: GenSpec {
+                weight,
+                priority: -5,
+                ..GenSpec::greedy()
+            },
+        }
+        .encode(&mut buf);
+        match Message::decode(&buf) {
+            Ok(Some((Message::Reserve { gen, .. }, _))) if ok => {
+                assert_eq!((gen.weight, gen.priority), (weight, -5));
+            }
+            Err(WireError::Invalid { what: "weight" }) if !ok => {}
+            other => panic!("weight {weight}: {other:?}"),
+        }
+    }
 }
 
 proptest! {

@@ -1122,3 +1122,70 @@ fn resuming_a_request_resumes_that_request_even_when_making_room_preempts_an_ear
     assert_eq!(h.core.stats().requests_preempted_total, 2);
     h.assert_quiet();
 }
+
+impl Harness {
+    /// PD prefill role: a prompt of `len` tokens for `tenant` (weight
+    /// `weight`), its pages allocated as the transfer machine would.
+    fn start_prefill(&mut self, tenant: u64, len: usize, weight: u32) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let owner = kv::Owner {
+            request: RequestId(id),
+            tenant: TenantId(tenant),
+            scope: Scope::tenant(TenantId(tenant)),
+        };
+        let mut pages = Vec::new();
+        self.core
+            .pool
+            .alloc(owner, len.div_ceil(PAGE_SIZE), &mut pages)
+            .unwrap();
+        self.core.start_prefill(super::PrefillJob {
+            req: id,
+            owner,
+            prompt: prompt(len),
+            params: Default::default(),
+            logprobs: None,
+            pages,
+            cached_tokens: 0,
+            priority: 0,
+            weight,
+        });
+        id
+    }
+}
+
+#[test]
+fn a_prefill_node_gives_prompt_chunks_to_the_least_served_tenant_first_k13() {
+    // Budget 8. Tenant 1 sends a 24-token and a 16-token prompt to the
+    // prefill node, tenant 2 a 16-token one after tenant 1's first step.
+    // Tenant 2 starts level with tenant 1 (t2: the earlier request, r1,
+    // goes on); from t3 tenant 2 is the less served and its chunks come
+    // first, before the rest of r1 — which a node scheduling in arrival
+    // order would run first. Computed prompts leave the batch (the
+    // transfer machine takes them on; their pages stay allocated).
+    let mut h = Harness::new(32, 8, 4);
+    h.start_prefill(1, 24, 1);
+    h.start_prefill(1, 16, 1);
+    h.tick();
+    h.start_prefill(2, 16, 1);
+    h.run(10);
+    h.check(expect![[r#"
+        t1 rows r1 0-7 | - | queue [] running [r1 r2] free 22/32
+        t2 rows r1 8-15 | - | queue [] running [r1 r2 r3] free 18/32
+        t3 rows r3 0-7 | - | queue [] running [r1 r2 r3] free 18/32
+        t4 rows r1 16-23* | - | queue [] running [r3 r2] free 18/32
+        t5 rows r3 8-15* | - | queue [] running [r2] free 18/32
+        t6 rows r2 0-7 | - | queue [] running [r2] free 18/32
+        t7 rows r2 8-15* | - | queue [] running [] free 18/32
+    "#]]);
+    let mut out = Vec::new();
+    h.core.take_outbox(&mut out);
+    let computed: Vec<u64> = out
+        .iter()
+        .filter_map(|o| match o {
+            super::Outcome::Computed { req, .. } => Some(*req),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(computed, [1, 3, 2]);
+}
