@@ -112,6 +112,7 @@
 
 #![warn(missing_docs)]
 
+pub mod attention;
 mod formats;
 mod kernels;
 mod level;

@@ -96,11 +96,11 @@ impl Config {
                 self.dim, self.ffn_dim
             ));
         }
-        if self.head_dim > crate::forward::HEAD_DIM_MAX {
+        if self.head_dim > kernels::attention::HEAD_DIM_MAX {
             return bad(format!(
                 "head dimension {} over {}",
                 self.head_dim,
-                crate::forward::HEAD_DIM_MAX
+                kernels::attention::HEAD_DIM_MAX
             ));
         }
         if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {

@@ -8,9 +8,8 @@
 //! logits are bitwise identical whatever else is in the batch and whichever
 //! pages hold its KV.
 
-use std::sync::Mutex;
-
 use gguf::{GgmlType, GgufFile};
+use kernels::attention::{AttnRow, AttnScratch, AttnShape, KvPage, KvRows};
 use kernels::{QuantizedActivations, ThreadPool, WeightMatrix, WeightType};
 use kv::{DType, KvError, KvShape, LayerView, Owner, PageRef, Pool};
 
@@ -100,8 +99,8 @@ pub struct Scratch {
     up: Vec<f32>,
     qa_dim: QuantizedActivations,
     qa_ffn: QuantizedActivations,
-    /// Per-thread attention score buffers (context_length each).
-    scores: Vec<Mutex<Vec<f32>>>,
+    /// The attention kernel's partial results and tiles.
+    attn: AttnScratch,
     /// Logits of the rows that asked for them, in row order, vocab each.
     pub logits: Vec<f32>,
 }
@@ -123,9 +122,7 @@ impl Scratch {
             up: vec![0.0; max_rows * c.ffn_dim],
             qa_dim: QuantizedActivations::new(max_rows, c.dim),
             qa_ffn: QuantizedActivations::new(max_rows, c.ffn_dim),
-            scores: (0..model.threads.n_threads())
-                .map(|_| Mutex::new(vec![0.0; c.context_length]))
-                .collect(),
+            attn: AttnScratch::default(),
             logits: Vec::with_capacity(c.vocab),
         }
     }
@@ -356,7 +353,7 @@ impl Model {
                 l,
                 &s.q[..n * dim],
                 &mut s.att[..n * dim],
-                &s.scores,
+                &mut s.attn,
             )?;
             s.qa_dim.quantize(&s.att[..n * dim], dim);
             self.mm(layer.o, &s.qa_dim, &s.att[..n * dim], &mut s.o[..n * dim]);
@@ -440,11 +437,12 @@ impl Model {
         }
     }
 
-    /// Causal attention of every (row, head) over its own sequence's pages,
-    /// in parallel across threads. Every page is read through
-    /// `Pool::read_layer` once per (row, layer) — for all heads — so a stale
-    /// handle, a foreign page or an unwritten slot is an error (K1–K3)
-    /// before any arithmetic.
+    /// Causal attention of every (row, head) over its own sequence's pages
+    /// (`kernels::attention`: one pass per KV group, online softmax over
+    /// tiles, long sequences split over the threads). Every page is read
+    /// through `Pool::read_layer` once per (sequence, layer) for the slots
+    /// the sequence's rows need, so a stale handle, a foreign page or an
+    /// unwritten slot is an error (K1–K3) before any arithmetic.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -454,252 +452,45 @@ impl Model {
         layer: usize,
         q: &[f32],
         out: &mut [f32],
-        scores: &[Mutex<Vec<f32>>],
+        scratch: &mut AttnScratch,
     ) -> Result<(), ModelError> {
         let c = &self.config;
-        let (hd, kvd, group) = (c.head_dim, c.kv_dim(), c.group());
         let ps = pool.shape().page_size;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut views: Vec<LayerView<'_>> = Vec::new();
-        let mut view_start: Vec<usize> = Vec::with_capacity(rows.len() + 1);
+        // Positions each sequence's rows read.
+        let mut need = vec![0usize; seqs.len()];
         for r in rows {
-            view_start.push(views.len());
-            let seq = &seqs[r.seq];
-            let len = r.pos + 1;
-            for j in 0..len.div_ceil(ps) {
-                let n = ps.min(len - j * ps);
-                views.push(pool.read_layer(seq.pages[j], seq.owner, layer, n)?);
-            }
+            need[r.seq] = need[r.seq].max(r.pos + 1);
         }
-        view_start.push(views.len());
-        let items = rows.len() * c.n_head;
-        let out_ptr = SyncPtr(out.as_mut_ptr());
-        let nt = self.threads.n_threads();
-        self.threads.broadcast(|tid| {
-            let range = kernels::split_range(items, nt, tid);
-            if range.is_empty() {
-                return;
-            }
-            let mut sc = scores[tid].lock().unwrap_or_else(|e| e.into_inner());
-            for item in range {
-                let (ri, h) = (item / c.n_head, item % c.n_head);
-                let len = rows[ri].pos + 1;
-                let qh = &q[ri * c.dim + h * hd..ri * c.dim + (h + 1) * hd];
-                let pages = &views[view_start[ri]..view_start[ri + 1]];
-                let acc = attend_one(pages, qh, h / group, hd, kvd, ps, scale, &mut sc[..len]);
-                // SAFETY: each (row, head) item owns the disjoint range
-                // [ri*dim + h*hd, +hd) of `out`, which outlives the broadcast.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(out_ptr.get().add(ri * c.dim + h * hd), hd)
+        let mut pages: Vec<KvPage<'_>> = Vec::new();
+        let mut ranges = vec![0..0; seqs.len()];
+        for (si, seq) in seqs.iter().enumerate() {
+            let start = pages.len();
+            for j in 0..need[si].div_ceil(ps) {
+                let n = ps.min(need[si] - j * ps);
+                let (k, v) = match pool.read_layer(seq.pages[j], seq.owner, layer, n)? {
+                    LayerView::F32 { k, v } => (KvRows::F32(k), KvRows::F32(v)),
+                    LayerView::F16 { k, v } => (KvRows::F16(k), KvRows::F16(v)),
                 };
-                dst.copy_from_slice(&acc[..hd]);
+                pages.push(KvPage { k, v, slots: n });
             }
-        });
+            ranges[si] = start..pages.len();
+        }
+        let arows: Vec<AttnRow> = rows
+            .iter()
+            .map(|r| AttnRow {
+                pos: r.pos,
+                pages: ranges[r.seq].clone(),
+            })
+            .collect();
+        let shape = AttnShape {
+            n_head: c.n_head,
+            n_kv_head: c.n_kv_head,
+            head_dim: c.head_dim,
+            page_size: ps,
+        };
+        kernels::attention::attention(&self.threads, shape, &pages, &arows, q, out, scratch);
         Ok(())
     }
-}
-
-/// Head dimension limit for the stack accumulator in `attend_one`.
-pub const HEAD_DIM_MAX: usize = 256;
-
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: used only to hand disjoint sub-slices to worker threads (see the
-// call site); the pointer itself is plain data.
-unsafe impl Send for SyncPtr {}
-// SAFETY: as for `Send`: threads write disjoint sub-slices only.
-unsafe impl Sync for SyncPtr {}
-impl SyncPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-/// Attention of one query head: dispatches once per process to a build of
-/// the same code with AVX2+FMA enabled when the CPU has them. The arithmetic
-/// (order and operations; no FMA contraction) is identical in both builds,
-/// and the choice never depends on the batch, so K12 holds either way.
-#[allow(clippy::too_many_arguments)]
-fn attend_one(
-    pages: &[LayerView<'_>],
-    qh: &[f32],
-    g: usize,
-    hd: usize,
-    kvd: usize,
-    ps: usize,
-    scale: f32,
-    sc: &mut [f32],
-) -> [f32; HEAD_DIM_MAX] {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static AVX2: OnceLock<bool> = OnceLock::new();
-        let avx2 = *AVX2.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-        });
-        if avx2 && hd.is_multiple_of(8) {
-            // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            return unsafe { attend_one_avx2(pages, qh, g, hd, kvd, ps, scale, sc) };
-        }
-    }
-    attend_one_generic(pages, qh, g, hd, kvd, ps, scale, sc, dot)
-}
-
-/// # Safety
-/// The CPU must support AVX2 and FMA, and the head dimension must be a
-/// multiple of 8.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_one_avx2(
-    pages: &[LayerView<'_>],
-    qh: &[f32],
-    g: usize,
-    hd: usize,
-    kvd: usize,
-    ps: usize,
-    scale: f32,
-    sc: &mut [f32],
-) -> [f32; HEAD_DIM_MAX] {
-    attend_one_generic(pages, qh, g, hd, kvd, ps, scale, sc, |a, b| {
-        // SAFETY: this function only runs where AVX2 is available, and hd
-        // is a multiple of 8 (checked by the caller).
-        unsafe { dot_avx2(a, b) }
-    })
-}
-
-/// `dot` with AVX2: the same lanes, products, sums and reduction order as
-/// the portable `dot`, so both give the same bits.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let n = a.len().min(b.len());
-    debug_assert_eq!(n % 8, 0);
-    let mut acc = _mm256_setzero_ps();
-    let mut c = 0;
-    while c + 8 <= n {
-        // SAFETY: c + 8 <= n <= both lengths.
-        let x = unsafe { _mm256_loadu_ps(a.as_ptr().add(c)) };
-        // SAFETY: as above.
-        let y = unsafe { _mm256_loadu_ps(b.as_ptr().add(c)) };
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
-        c += 8;
-    }
-    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let u = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
-    _mm_cvtss_f32(u)
-}
-
-/// Attention of one query head (of KV group `g`) over the checked views of
-/// its sequence's pages; `sc` holds one score per position.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_one_generic(
-    pages: &[LayerView<'_>],
-    qh: &[f32],
-    g: usize,
-    hd: usize,
-    kvd: usize,
-    ps: usize,
-    scale: f32,
-    sc: &mut [f32],
-    dot_f32: impl Fn(&[f32], &[f32]) -> f32,
-) -> [f32; HEAD_DIM_MAX] {
-    let mut max = f32::NEG_INFINITY;
-    for (j, view) in pages.iter().enumerate() {
-        let scores = &mut sc[j * ps..];
-        match view {
-            LayerView::F32 { k, .. } => {
-                for (t, kr) in k.chunks_exact(kvd).enumerate() {
-                    let s = dot_f32(qh, &kr[g * hd..(g + 1) * hd]) * scale;
-                    scores[t] = s;
-                    max = max.max(s);
-                }
-            }
-            LayerView::F16 { k, .. } => {
-                for (t, kr) in k.chunks_exact(kvd).enumerate() {
-                    let s = dot_f16(qh, &kr[g * hd..(g + 1) * hd]) * scale;
-                    scores[t] = s;
-                    max = max.max(s);
-                }
-            }
-        }
-    }
-    let mut sum = 0.0f32;
-    for s in sc.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    let inv = 1.0 / sum;
-    let mut acc = [0.0f32; HEAD_DIM_MAX];
-    let acc_h = &mut acc[..hd];
-    for (j, view) in pages.iter().enumerate() {
-        let weights = &sc[j * ps..];
-        match view {
-            LayerView::F32 { v, .. } => {
-                for (t, vr) in v.chunks_exact(kvd).enumerate() {
-                    let w = weights[t] * inv;
-                    for (a, x) in acc_h.iter_mut().zip(&vr[g * hd..(g + 1) * hd]) {
-                        *a += w * x;
-                    }
-                }
-            }
-            LayerView::F16 { v, .. } => {
-                for (t, vr) in v.chunks_exact(kvd).enumerate() {
-                    let w = weights[t] * inv;
-                    for (a, x) in acc_h.iter_mut().zip(&vr[g * hd..(g + 1) * hd]) {
-                        *a += w * x.to_f32();
-                    }
-                }
-            }
-        }
-    }
-    acc
-}
-
-/// Dot product with 8 independent lanes, in a fixed order (deterministic).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    // s_i = l_i + l_{i+4}; then (s0 + s2) + (s1 + s3): the order the AVX2
-    // build's horizontal reduction uses.
-    let s: [f32; 4] = std::array::from_fn(|i| lanes[i] + lanes[i + 4]);
-    let mut r = (s[0] + s[2]) + (s[1] + s[3]);
-    for (x, y) in ar.iter().zip(br) {
-        r += x * y;
-    }
-    r
-}
-
-#[inline(always)]
-fn dot_f16(a: &[f32], b: &[half::f16]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            lanes[i] += x[i] * y[i].to_f32();
-        }
-    }
-    let mut s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    for (x, y) in ar.iter().zip(br) {
-        s += x * y.to_f32();
-    }
-    s
 }
 
 /// RMSNorm of each `w.len()`-long row of `x` into `out`.

@@ -1,0 +1,788 @@
+//! Causal attention over paged K/V, flash-attention style, on the CPU.
+//!
+//! # What it computes
+//!
+//! For every query row (a token at position `pos` of a sequence) and every
+//! query head `h` of KV group `g = h / (n_head / n_kv_head)`:
+//! `out = Σ_t softmax_t(q·k_t / √d) · v_t` over the positions `t ≤ pos` of
+//! the row's sequence, whose K/V rows live in pages ([`KvPage`]: `f32` or
+//! `f16`, token-major, `n_kv_head × head_dim` values per token).
+//!
+//! # How
+//!
+//! * **One pass per KV group.** A work item is (block of rows of one
+//!   sequence, KV group, chunk of positions): each K/V tile of the group is
+//!   read (and, for `f16`, converted) once and used by every query head of
+//!   the group and every row of the block — decode's three heads per group,
+//!   and up to [`BLOCK_ROWS`] rows of a prompt.
+//! * **Online softmax over tiles** (a page, in pieces of at most [`TILE`]
+//!   slots): a running maximum, sum and accumulator per (row, head); no
+//!   score array as long as the context.
+//! * **Split over positions.** A row's positions are cut into chunks of
+//!   [`CHUNK_POSITIONS`] (whole pages); chunks are items of their own, so a
+//!   single long sequence spreads over every thread, and the chunks'
+//!   partial results are merged in chunk order afterwards.
+//!
+//! # Determinism contract (invariant K12)
+//!
+//! A row's output depends only on its query, its position and the K/V
+//! values — never on the batch, the blocks, the thread count, or the
+//! kernel level. Tiles and chunks are fixed by positions and the page
+//! size; within them the operations and their order are fixed:
+//!
+//! ```text
+//! s_t   = dot(q, k_t) · scale     dot: 8 lanes, lane l = fma over dims ≡ l (mod 8) in order,
+//!                                 then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the rest by fma
+//! tile: m' = max(m, max_t s_t); α = exp(m − m') (0 on the first tile)
+//!       p_t = exp(s_t − m');   lanes_l = Σ_{t ≡ l mod 8} p_t in order;  l = fma(l, α, tree(lanes))
+//!       acc = acc·α;  acc = fma(p_t, v_t, acc) for t in order;  m = m'
+//! merge chunks in order: m = max(ma, mb); a = exp(ma − m); b = exp(mb − m)
+//!       l = fma(lb, b, la·a); acc = fma(accb, b, acca·a)
+//! out = acc · (1 / l)
+//! ```
+//!
+//! `exp` is this module's own (a Cephes-style polynomial with fma), so the
+//! scalar reference and the AVX2 build give the same bits.
+//!
+//! # Example
+//!
+//! ```
+//! use kernels::attention::{attention, AttnRow, AttnScratch, AttnShape, KvPage, KvRows};
+//! use kernels::ThreadPool;
+//!
+//! // One head of 8 dims, one page of 4 slots; the row at position 1 reads
+//! // slots 0 and 1.
+//! let shape = AttnShape { n_head: 1, n_kv_head: 1, head_dim: 8, page_size: 4 };
+//! let k = vec![0.0f32; 16];
+//! let v: Vec<f32> = (0..16).map(|i| (i / 8) as f32).collect(); // v_0 = 0, v_1 = 1
+//! let pages = [KvPage { k: KvRows::F32(&k), v: KvRows::F32(&v), slots: 2 }];
+//! let rows = [AttnRow { pos: 1, pages: 0..1 }];
+//! let q = vec![1.0f32; 8];
+//! let mut out = vec![0.0f32; 8];
+//! let threads = ThreadPool::new(1);
+//! attention(&threads, shape, &pages, &rows, &q, &mut out, &mut AttnScratch::default());
+//! // Equal scores: the mean of v_0 and v_1.
+//! assert!(out.iter().all(|&o| (o - 0.5).abs() < 1e-6));
+//! ```
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use half::f16;
+
+use crate::{KernelLevel, ThreadPool};
+
+/// Rows of one sequence that share a pass over its K/V tiles.
+pub const BLOCK_ROWS: usize = 8;
+/// Largest tile of the online softmax (a page is cut into pieces of this).
+pub const TILE: usize = 64;
+/// Positions per chunk (rounded down to whole pages, at least one page).
+pub const CHUNK_POSITIONS: usize = 512;
+/// Largest head dimension.
+pub const HEAD_DIM_MAX: usize = 256;
+
+/// K or V rows of one page of one layer: `slots × kv_width` values,
+/// token-major.
+#[derive(Clone, Copy, Debug)]
+pub enum KvRows<'a> {
+    /// `f32` values.
+    F32(&'a [f32]),
+    /// `f16` values.
+    F16(&'a [f16]),
+}
+
+impl KvRows<'_> {
+    fn len(&self) -> usize {
+        match self {
+            KvRows::F32(x) => x.len(),
+            KvRows::F16(x) => x.len(),
+        }
+    }
+}
+
+/// The written slots of one page of one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct KvPage<'a> {
+    /// Keys, `slots × kv_width`.
+    pub k: KvRows<'a>,
+    /// Values, `slots × kv_width`.
+    pub v: KvRows<'a>,
+    /// Token slots readable.
+    pub slots: usize,
+}
+
+/// Head geometry and page size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Query heads.
+    pub n_head: usize,
+    /// KV heads (`n_head` is a multiple).
+    pub n_kv_head: usize,
+    /// Dimensions per head.
+    pub head_dim: usize,
+    /// Token slots per page.
+    pub page_size: usize,
+}
+
+impl AttnShape {
+    fn kv_width(&self) -> usize {
+        self.n_kv_head * self.head_dim
+    }
+    fn group(&self) -> usize {
+        self.n_head / self.n_kv_head
+    }
+    fn chunk_pages(&self) -> usize {
+        (CHUNK_POSITIONS / self.page_size).max(1)
+    }
+    fn chunks(&self, pos: usize) -> usize {
+        pos / self.page_size / self.chunk_pages() + 1
+    }
+    /// Floats of one partial result: max, sum, accumulator.
+    fn partial(&self) -> usize {
+        self.head_dim + 2
+    }
+}
+
+/// One query row: it attends to positions `0..=pos` of the sequence whose
+/// pages are `pages` (indices into the page list, in sequence order).
+/// Consecutive rows with the same `pages` share passes over the K/V.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttnRow {
+    /// Position of the row's token.
+    pub pos: usize,
+    /// The sequence's pages in the page list.
+    pub pages: Range<usize>,
+}
+
+/// Reusable buffers (grow only).
+#[derive(Default)]
+pub struct AttnScratch {
+    partials: Vec<f32>,
+    offsets: Vec<usize>,
+    items: Vec<Item>,
+    tiles: Vec<Mutex<TileBuf>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    rows: (u32, u32),
+    group: u32,
+    chunk: u32,
+}
+
+/// A task's K/V tile converted to `f32`.
+struct TileBuf {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: hands disjoint sub-slices to the pool's tasks (see the uses).
+unsafe impl Send for SyncPtr {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Attention of every row and head (see the module documentation) with
+/// the process's kernel level. `q` and `out` hold `rows.len() × n_head ×
+/// head_dim` values.
+///
+/// # Panics
+/// If the shapes disagree: a row whose position lies beyond its pages'
+/// slots, a page shorter than its slots, `q`/`out` of the wrong length, a
+/// head dimension over [`HEAD_DIM_MAX`]. The caller checked these.
+pub fn attention(
+    threads: &ThreadPool,
+    shape: AttnShape,
+    pages: &[KvPage<'_>],
+    rows: &[AttnRow],
+    q: &[f32],
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
+    attention_with_level(
+        KernelLevel::active(),
+        threads,
+        shape,
+        pages,
+        rows,
+        q,
+        out,
+        scratch,
+    )
+}
+
+/// [`attention`] at a given kernel level (levels give the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_with_level(
+    level: KernelLevel,
+    threads: &ThreadPool,
+    shape: AttnShape,
+    pages: &[KvPage<'_>],
+    rows: &[AttnRow],
+    q: &[f32],
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
+    let (hd, kvw) = (shape.head_dim, shape.kv_width());
+    let dim = shape.n_head * hd;
+    assert!(hd > 0 && hd <= HEAD_DIM_MAX, "head dim {hd}");
+    assert!(shape.n_kv_head > 0 && shape.n_head.is_multiple_of(shape.n_kv_head));
+    assert!(shape.page_size > 0);
+    assert_eq!(q.len(), rows.len() * dim);
+    assert_eq!(out.len(), rows.len() * dim);
+    for r in rows {
+        let need = r.pos / shape.page_size;
+        assert!(need < r.pages.len(), "position {} beyond the pages", r.pos);
+        let last = &pages[r.pages.start + need];
+        assert!(
+            last.slots > r.pos % shape.page_size,
+            "position {} unwritten",
+            r.pos
+        );
+    }
+    for p in pages {
+        assert!(p.k.len() >= p.slots * kvw && p.v.len() >= p.slots * kvw);
+    }
+    let level = match level {
+        KernelLevel::Scalar => KernelLevel::Scalar,
+        _ if hd.is_multiple_of(8) => KernelLevel::Avx2,
+        _ => KernelLevel::Scalar,
+    };
+    // Partial results: per row, per head, per chunk.
+    let part = shape.partial();
+    scratch.offsets.clear();
+    let mut total = 0;
+    for r in rows {
+        scratch.offsets.push(total);
+        total += shape.n_head * shape.chunks(r.pos) * part;
+    }
+    scratch.partials.clear();
+    scratch.partials.resize(total, 0.0);
+    // Items: blocks of consecutive rows of one sequence × groups × chunks.
+    scratch.items.clear();
+    let mut b0 = 0;
+    while b0 < rows.len() {
+        let mut b1 = b0 + 1;
+        while b1 < rows.len() && b1 - b0 < BLOCK_ROWS && rows[b1].pages == rows[b0].pages {
+            b1 += 1;
+        }
+        let chunks = rows[b0..b1]
+            .iter()
+            .map(|r| shape.chunks(r.pos))
+            .max()
+            .unwrap_or(0);
+        for c in 0..chunks {
+            for g in 0..shape.n_kv_head {
+                scratch.items.push(Item {
+                    rows: (b0 as u32, b1 as u32),
+                    group: g as u32,
+                    chunk: c as u32,
+                });
+            }
+        }
+        b0 = b1;
+    }
+    let nt = threads.n_threads();
+    while scratch.tiles.len() < nt {
+        scratch.tiles.push(Mutex::new(TileBuf {
+            k: Vec::new(),
+            v: Vec::new(),
+        }));
+    }
+    let next = AtomicUsize::new(0);
+    let parts = SyncPtr(scratch.partials.as_mut_ptr());
+    let (items, offsets, tiles) = (&scratch.items, &scratch.offsets, &scratch.tiles);
+    threads.broadcast(|task| {
+        let mut tile = tiles[task].lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(item) = items.get(i) else { break };
+            run_item(
+                level, shape, pages, rows, q, *item, &mut tile, parts, offsets,
+            );
+        }
+    });
+    // Merge each (row, head)'s chunks in order.
+    let outp = SyncPtr(out.as_mut_ptr());
+    let (partials, offsets) = (&scratch.partials, &scratch.offsets);
+    threads.parallel_for(rows.len() * shape.n_head, |range| {
+        for i in range {
+            let (r, h) = (i / shape.n_head, i % shape.n_head);
+            let n = shape.chunks(rows[r].pos);
+            let base = offsets[r] + h * n * part;
+            // SAFETY: each (row, head) owns out[r*dim + h*hd ..][..hd].
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(outp.get().add(r * dim + h * hd), hd) };
+            let src = &partials[base..base + n * part];
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the level was checked against the CPU.
+                KernelLevel::Avx2 | KernelLevel::Avx512 => unsafe { avx2::merge(src, hd, dst) },
+                _ => merge(src, hd, dst),
+            }
+        }
+    });
+}
+
+/// Merges a (row, head)'s chunk partials in order into its output.
+#[inline(always)]
+fn merge(parts: &[f32], hd: usize, out: &mut [f32]) {
+    let part = hd + 2;
+    let mut acc = [0.0f32; HEAD_DIM_MAX];
+    let acc = &mut acc[..hd];
+    acc.copy_from_slice(&parts[2..part]);
+    let (mut m, mut l) = (parts[0], parts[1]);
+    for p in parts.chunks_exact(part).skip(1) {
+        let mn = m.max(p[0]);
+        let a = exp_ref(m - mn);
+        let b = exp_ref(p[0] - mn);
+        l = p[1].mul_add(b, l * a);
+        for (x, &y) in acc.iter_mut().zip(&p[2..]) {
+            *x = y.mul_add(b, *x * a);
+        }
+        m = mn;
+    }
+    let inv = 1.0 / l;
+    for (o, &x) in out.iter_mut().zip(acc.iter()) {
+        *o = x * inv;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_item(
+    level: KernelLevel,
+    shape: AttnShape,
+    pages: &[KvPage<'_>],
+    rows: &[AttnRow],
+    q: &[f32],
+    item: Item,
+    tile: &mut TileBuf,
+    parts: SyncPtr,
+    offsets: &[usize],
+) {
+    let (hd, ps, kvw) = (shape.head_dim, shape.page_size, shape.kv_width());
+    let (group, dim, part) = (shape.group(), shape.n_head * hd, shape.partial());
+    let scale = 1.0 / (hd as f32).sqrt();
+    let block = item.rows.0 as usize..item.rows.1 as usize;
+    let (g, c) = (item.group as usize, item.chunk as usize);
+    let cp = shape.chunk_pages();
+    let max_pos = block
+        .clone()
+        .map(|r| rows[r].pos)
+        .max()
+        .expect("a block has rows");
+    let first_page = c * cp;
+    let end_page = ((c + 1) * cp).min(max_pos / ps + 1);
+    // This item's partials: (row, head) of group g, chunk c.
+    let state = |r: usize, h: usize| -> &mut [f32] {
+        let n = shape.chunks(rows[r].pos);
+        let off = offsets[r] + (h * n + c) * part;
+        // SAFETY: (row, head, chunk) is written by this item alone; the
+        // buffer outlives the broadcast.
+        unsafe { std::slice::from_raw_parts_mut(parts.get().add(off), part) }
+    };
+    for r in block.clone() {
+        if rows[r].pos >= first_page * ps {
+            for h in g * group..(g + 1) * group {
+                let st = state(r, h);
+                st[0] = f32::NEG_INFINITY;
+                st[1..].fill(0.0);
+            }
+        }
+    }
+    let pages0 = rows[block.start].pages.start;
+    tile.k.resize(TILE * hd, 0.0);
+    tile.v.resize(TILE * hd, 0.0);
+    for j in first_page..end_page {
+        let page = &pages[pages0 + j];
+        let mut piece = 0;
+        while piece < ps {
+            let abs0 = j * ps + piece;
+            if abs0 > max_pos || piece >= page.slots {
+                break;
+            }
+            let n_max = TILE.min(page.slots - piece).min(max_pos + 1 - abs0);
+            let (kp, ks) = rows_f32(page.k, piece, n_max, kvw, g * hd, hd, &mut tile.k);
+            let (vp, vs) = rows_f32(page.v, piece, n_max, kvw, g * hd, hd, &mut tile.v);
+            for r in block.clone() {
+                let pos = rows[r].pos;
+                if pos < abs0 {
+                    continue;
+                }
+                let n = n_max.min(pos + 1 - abs0);
+                for h in g * group..(g + 1) * group {
+                    let qv = &q[r * dim + h * hd..r * dim + (h + 1) * hd];
+                    let st = state(r, h);
+                    let t = Tile {
+                        k: kp,
+                        k_stride: ks,
+                        v: vp,
+                        v_stride: vs,
+                        n,
+                    };
+                    match level {
+                        #[cfg(target_arch = "x86_64")]
+                        KernelLevel::Avx2 | KernelLevel::Avx512 => {
+                            // SAFETY: the level was checked against the CPU
+                            // (KernelLevel::active or the caller), hd % 8 == 0.
+                            unsafe { avx2::tile_update(qv, t, scale, st) }
+                        }
+                        _ => tile_update_ref(qv, t, scale, st),
+                    }
+                }
+            }
+            piece += n_max;
+        }
+    }
+}
+
+/// `n` K or V rows of group `g` (from value `off` of each row) as `f32`:
+/// the page's own memory (stride `kvw`) or converted into `buf` (stride
+/// `hd`).
+fn rows_f32(
+    rows: KvRows<'_>,
+    first: usize,
+    n: usize,
+    kvw: usize,
+    off: usize,
+    hd: usize,
+    buf: &mut [f32],
+) -> (*const f32, usize) {
+    match rows {
+        KvRows::F32(x) => (x[first * kvw + off..].as_ptr(), kvw),
+        KvRows::F16(x) => {
+            for t in 0..n {
+                let src = &x[(first + t) * kvw + off..(first + t) * kvw + off + hd];
+                f16_to_f32(src, &mut buf[t * hd..(t + 1) * hd]);
+            }
+            (buf.as_ptr(), hd)
+        }
+    }
+}
+
+fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if src.len().is_multiple_of(8) && KernelLevel::Avx2.is_supported() {
+        // SAFETY: F16C is part of the AVX2 level (checked).
+        unsafe { avx2::f16_to_f32(src, dst) };
+        return;
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
+    }
+}
+
+/// `n` keys and values of one tile, `f32`, row `t` at `k + t·k_stride`.
+#[derive(Clone, Copy)]
+struct Tile {
+    k: *const f32,
+    k_stride: usize,
+    v: *const f32,
+    v_stride: usize,
+    n: usize,
+}
+
+/// The reference tile update (the contract's order, scalar).
+fn tile_update_ref(q: &[f32], t: Tile, scale: f32, st: &mut [f32]) {
+    let hd = q.len();
+    let mut s = [0.0f32; TILE];
+    for (i, si) in s[..t.n].iter_mut().enumerate() {
+        // SAFETY: the tile holds n rows of at least hd values.
+        let k = unsafe { std::slice::from_raw_parts(t.k.add(i * t.k_stride), hd) };
+        *si = dot_ref(q, k) * scale;
+    }
+    let mt = s[..t.n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let m = st[0];
+    let mn = m.max(mt);
+    let alpha = if m == f32::NEG_INFINITY {
+        0.0
+    } else {
+        exp_ref(m - mn)
+    };
+    let mut lanes = [0.0f32; 8];
+    for (i, si) in s[..t.n].iter_mut().enumerate() {
+        *si = exp_ref(*si - mn);
+        lanes[i % 8] += *si;
+    }
+    st[1] = st[1].mul_add(alpha, tree8(lanes));
+    let acc = &mut st[2..2 + hd];
+    for a in acc.iter_mut() {
+        *a *= alpha;
+    }
+    for (i, &p) in s[..t.n].iter().enumerate() {
+        // SAFETY: as above.
+        let v = unsafe { std::slice::from_raw_parts(t.v.add(i * t.v_stride), hd) };
+        for (a, &x) in acc.iter_mut().zip(v) {
+            *a = p.mul_add(x, *a);
+        }
+    }
+    st[0] = mn;
+}
+
+#[inline(always)]
+fn tree8(l: [f32; 8]) -> f32 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
+/// The contract's dot product.
+fn dot_ref(a: &[f32], b: &[f32]) -> f32 {
+    let n8 = a.len() / 8 * 8;
+    let mut lanes = [0.0f32; 8];
+    for j in (0..n8).step_by(8) {
+        for l in 0..8 {
+            lanes[l] = a[j + l].mul_add(b[j + l], lanes[l]);
+        }
+    }
+    let mut r = tree8(lanes);
+    for d in n8..a.len() {
+        r = a[d].mul_add(b[d], r);
+    }
+    r
+}
+
+const EXP_MIN: f32 = -87.3;
+const EXP_MAX: f32 = 88.3;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
+/// `e^x` by the contract: clamp, `n = round(x·log2 e)`, `r = x − n·ln 2`
+/// (two fma steps), a degree-6 polynomial by fma, times `2^n`. Within 2
+/// ulp of `exp` over the clamped range.
+#[inline(always)]
+#[allow(clippy::manual_clamp)] // NaN → EXP_MIN, as `_mm256_max_ps` gives
+pub fn exp_ref(x: f32) -> f32 {
+    let x = x.max(EXP_MIN).min(EXP_MAX);
+    let n = (x * LOG2E).round_ties_even();
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = EXP_P[0];
+    for &c in &EXP_P[1..] {
+        p = p.mul_add(r, c);
+    }
+    let y = p.mul_add(r * r, r) + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::{Tile, EXP_MAX, EXP_MIN, EXP_P, LN2_HI, LN2_LO, LOG2E, TILE};
+
+    /// [`super::merge`] built with FMA (`mul_add` is one instruction).
+    ///
+    /// # Safety
+    /// AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn merge(parts: &[f32], hd: usize, out: &mut [f32]) {
+        super::merge(parts, hd, out)
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C; `dst.len() >= src.len()`, a multiple of 8.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n <= both lengths.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        // SAFETY: register arithmetic only; the caller runs with AVX2 and
+        // FMA.
+        unsafe {
+            let x = _mm256_min_ps(
+                _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)),
+                _mm256_set1_ps(EXP_MAX),
+            );
+            let n = _mm256_round_ps(
+                _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            );
+            let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+            let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+            let mut p = _mm256_set1_ps(EXP_P[0]);
+            for &c in &EXP_P[1..] {
+                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            }
+            let y = _mm256_add_ps(
+                _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+                _mm256_set1_ps(1.0),
+            );
+            let e = _mm256_slli_epi32(
+                _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                23,
+            );
+            _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+        }
+    }
+
+    /// The contract's 8-lane reduction of one vector.
+    #[inline(always)]
+    unsafe fn tree(a: __m256) -> f32 {
+        // SAFETY: register arithmetic (AVX2 in the caller).
+        unsafe {
+            let s = _mm256_hadd_ps(a, a); // l0+l1, l2+l3 | l4+l5, l6+l7
+            let s = _mm256_hadd_ps(s, s); // (l0+l1)+(l2+l3) | (l4+l5)+(l6+l7)
+            _mm_cvtss_f32(_mm_add_ss(
+                _mm256_castps256_ps128(s),
+                _mm256_extractf128_ps(s, 1),
+            ))
+        }
+    }
+
+    /// Dot products of `q` with 8 keys, reduced by the contract's tree.
+    #[inline(always)]
+    unsafe fn dot8(q: *const f32, k: *const f32, ks: usize, hd: usize) -> __m256 {
+        // SAFETY: q holds hd values, k 8 rows of hd at stride ks (caller).
+        unsafe {
+            let mut a = [_mm256_setzero_ps(); 8];
+            let mut j = 0;
+            while j < hd {
+                let qj = _mm256_loadu_ps(q.add(j));
+                for (t, at) in a.iter_mut().enumerate() {
+                    *at = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k.add(t * ks + j)), *at);
+                }
+                j += 8;
+            }
+            // Pairs within each key, then the halves: lane t of the result
+            // is ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)) of key t.
+            let h01 = _mm256_hadd_ps(a[0], a[1]);
+            let h23 = _mm256_hadd_ps(a[2], a[3]);
+            let h45 = _mm256_hadd_ps(a[4], a[5]);
+            let h67 = _mm256_hadd_ps(a[6], a[7]);
+            let lo = _mm256_hadd_ps(h01, h23);
+            let hi = _mm256_hadd_ps(h45, h67);
+            _mm256_add_ps(
+                _mm256_permute2f128_ps(lo, hi, 0x20),
+                _mm256_permute2f128_ps(lo, hi, 0x31),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dot1(q: *const f32, k: *const f32, hd: usize) -> f32 {
+        // SAFETY: q and k hold hd values (caller).
+        unsafe {
+            let mut a = _mm256_setzero_ps();
+            let mut j = 0;
+            while j < hd {
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j)), _mm256_loadu_ps(k.add(j)), a);
+                j += 8;
+            }
+            tree(a)
+        }
+    }
+
+    /// The contract's tile update, 8 lanes at a time.
+    ///
+    /// # Safety
+    /// AVX2, FMA; `q.len() % 8 == 0`; the tile as [`super::Tile`] says.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_update(q: &[f32], t: Tile, scale: f32, st: &mut [f32]) {
+        let hd = q.len();
+        let n = t.n;
+        let mut s = [0.0f32; TILE];
+        // SAFETY: every pointer stays within the tile's n rows of hd
+        // values, `s` (TILE ≥ n) and `st` (hd + 2 values).
+        unsafe {
+            let vscale = _mm256_set1_ps(scale);
+            let mut i = 0;
+            while i + 8 <= n {
+                let d = dot8(q.as_ptr(), t.k.add(i * t.k_stride), t.k_stride, hd);
+                _mm256_storeu_ps(s.as_mut_ptr().add(i), _mm256_mul_ps(d, vscale));
+                i += 8;
+            }
+            while i < n {
+                s[i] = dot1(q.as_ptr(), t.k.add(i * t.k_stride), hd) * scale;
+                i += 1;
+            }
+            let mut mt = f32::NEG_INFINITY;
+            for &x in &s[..n] {
+                mt = mt.max(x);
+            }
+            let m = st[0];
+            let mn = m.max(mt);
+            let alpha = if m == f32::NEG_INFINITY {
+                0.0
+            } else {
+                super::exp_ref(m - mn)
+            };
+            let vmn = _mm256_set1_ps(mn);
+            let mut lanes = _mm256_setzero_ps();
+            let mut i = 0;
+            while i < n {
+                let x = _mm256_loadu_ps(s.as_ptr().add(i));
+                let mut p = exp8(_mm256_sub_ps(x, vmn));
+                if n - i < 8 {
+                    let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                    let keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((n - i) as i32), idx);
+                    p = _mm256_and_ps(p, _mm256_castsi256_ps(keep));
+                }
+                _mm256_storeu_ps(s.as_mut_ptr().add(i), p);
+                lanes = _mm256_add_ps(lanes, p);
+                i += 8;
+            }
+            st[1] = st[1].mul_add(alpha, tree(lanes));
+            let acc = st.as_mut_ptr().add(2);
+            let va = _mm256_set1_ps(alpha);
+            if hd == 64 {
+                let mut a = [_mm256_setzero_ps(); 8];
+                for (c, ac) in a.iter_mut().enumerate() {
+                    *ac = _mm256_mul_ps(_mm256_loadu_ps(acc.add(c * 8)), va);
+                }
+                for (i, &p) in s[..n].iter().enumerate() {
+                    let vp = _mm256_set1_ps(p);
+                    let v = t.v.add(i * t.v_stride);
+                    for (c, ac) in a.iter_mut().enumerate() {
+                        *ac = _mm256_fmadd_ps(vp, _mm256_loadu_ps(v.add(c * 8)), *ac);
+                    }
+                }
+                for (c, ac) in a.iter().enumerate() {
+                    _mm256_storeu_ps(acc.add(c * 8), *ac);
+                }
+            } else {
+                let mut c = 0;
+                while c < hd {
+                    let mut ac = _mm256_mul_ps(_mm256_loadu_ps(acc.add(c)), va);
+                    for (i, &p) in s[..n].iter().enumerate() {
+                        let v = t.v.add(i * t.v_stride + c);
+                        ac = _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v), ac);
+                    }
+                    _mm256_storeu_ps(acc.add(c), ac);
+                    c += 8;
+                }
+            }
+            st[0] = mn;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,317 @@
+use half::f16;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::*;
+
+/// A sequence's K/V: `len` tokens of `kvw` values each, K and V.
+struct Seq {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    len: usize,
+}
+
+fn seq(rng: &mut StdRng, len: usize, kvw: usize) -> Seq {
+    let mut g = |n: usize| {
+        (0..n)
+            .map(|_| rng.gen_range(-2.0f32..2.0))
+            .collect::<Vec<_>>()
+    };
+    Seq {
+        k: g(len * kvw),
+        v: g(len * kvw),
+        len,
+    }
+}
+
+/// Pages of the sequences in the given storage type (f16 data rounded).
+struct Paged {
+    k32: Vec<Vec<f32>>,
+    v32: Vec<Vec<f32>>,
+    k16: Vec<Vec<f16>>,
+    v16: Vec<Vec<f16>>,
+    slots: Vec<usize>,
+    /// Per sequence: its pages.
+    ranges: Vec<Range<usize>>,
+}
+
+fn paged(seqs: &[Seq], kvw: usize, ps: usize) -> Paged {
+    let mut p = Paged {
+        k32: vec![],
+        v32: vec![],
+        k16: vec![],
+        v16: vec![],
+        slots: vec![],
+        ranges: vec![],
+    };
+    for s in seqs {
+        let start = p.slots.len();
+        for j in 0..s.len.div_ceil(ps) {
+            let n = ps.min(s.len - j * ps);
+            let k = &s.k[j * ps * kvw..(j * ps + n) * kvw];
+            let v = &s.v[j * ps * kvw..(j * ps + n) * kvw];
+            p.k32.push(k.to_vec());
+            p.v32.push(v.to_vec());
+            p.k16.push(k.iter().map(|&x| f16::from_f32(x)).collect());
+            p.v16.push(v.iter().map(|&x| f16::from_f32(x)).collect());
+            p.slots.push(n);
+        }
+        p.ranges.push(start..p.slots.len());
+    }
+    p
+}
+
+impl Paged {
+    fn pages(&self, half: bool) -> Vec<KvPage<'_>> {
+        (0..self.slots.len())
+            .map(|i| match half {
+                false => KvPage {
+                    k: KvRows::F32(&self.k32[i]),
+                    v: KvRows::F32(&self.v32[i]),
+                    slots: self.slots[i],
+                },
+                true => KvPage {
+                    k: KvRows::F16(&self.k16[i]),
+                    v: KvRows::F16(&self.v16[i]),
+                    slots: self.slots[i],
+                },
+            })
+            .collect()
+    }
+}
+
+fn run(
+    level: KernelLevel,
+    threads: usize,
+    shape: AttnShape,
+    pages: &[KvPage<'_>],
+    rows: &[AttnRow],
+    q: &[f32],
+) -> Vec<f32> {
+    let mut out = vec![f32::NAN; q.len()];
+    let pool = ThreadPool::new(threads);
+    attention_with_level(
+        level,
+        &pool,
+        shape,
+        pages,
+        rows,
+        q,
+        &mut out,
+        &mut AttnScratch::default(),
+    );
+    out
+}
+
+fn levels() -> Vec<KernelLevel> {
+    KernelLevel::ALL
+        .into_iter()
+        .filter(|l| l.is_supported())
+        .collect()
+}
+
+/// Naive attention in f64 over the stored (possibly f16-rounded) values.
+fn naive(shape: AttnShape, pages: &Paged, half: bool, rows: &[AttnRow], q: &[f32]) -> Vec<f64> {
+    let (hd, kvw, ps) = (shape.head_dim, shape.kv_width(), shape.page_size);
+    let dim = shape.n_head * hd;
+    let val = |i: usize, j: usize, kv: usize| -> f64 {
+        match (half, kv) {
+            (false, 0) => f64::from(pages.k32[i][j]),
+            (false, _) => f64::from(pages.v32[i][j]),
+            (true, 0) => f64::from(pages.k16[i][j].to_f32()),
+            (true, _) => f64::from(pages.v16[i][j].to_f32()),
+        }
+    };
+    let mut out = vec![0.0; rows.len() * dim];
+    for (ri, r) in rows.iter().enumerate() {
+        for h in 0..shape.n_head {
+            let g = h / shape.group();
+            let qv = &q[ri * dim + h * hd..ri * dim + (h + 1) * hd];
+            let at = |t: usize, d: usize, kv: usize| {
+                val(r.pages.start + t / ps, (t % ps) * kvw + g * hd + d, kv)
+            };
+            let s: Vec<f64> = (0..=r.pos)
+                .map(|t| {
+                    (0..hd).map(|d| f64::from(qv[d]) * at(t, d, 0)).sum::<f64>()
+                        / (hd as f64).sqrt()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = w.iter().sum();
+            for d in 0..hd {
+                out[ri * dim + h * hd + d] =
+                    (0..=r.pos).map(|t| w[t] * at(t, d, 1)).sum::<f64>() / z;
+            }
+        }
+    }
+    out
+}
+
+struct Case {
+    seqs: Vec<Seq>,
+    /// (sequence, position)
+    rows: Vec<(usize, usize)>,
+    q: Vec<f32>,
+}
+
+fn case(rng: &mut StdRng, shape: AttnShape, lens: &[usize], rows: Vec<(usize, usize)>) -> Case {
+    let seqs = lens
+        .iter()
+        .map(|&l| seq(rng, l, shape.kv_width()))
+        .collect();
+    let n = rows.len() * shape.n_head * shape.head_dim;
+    let q = (0..n).map(|_| rng.gen_range(-1.5f32..1.5)).collect();
+    Case { seqs, rows, q }
+}
+
+fn attn_rows(c: &Case, p: &Paged) -> Vec<AttnRow> {
+    c.rows
+        .iter()
+        .map(|&(s, pos)| AttnRow {
+            pos,
+            pages: p.ranges[s].clone(),
+        })
+        .collect()
+}
+
+fn shape(n_head: usize, n_kv_head: usize, head_dim: usize, page_size: usize) -> AttnShape {
+    AttnShape {
+        n_head,
+        n_kv_head,
+        head_dim,
+        page_size,
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn exp_is_within_two_ulp_of_libm_over_its_range() {
+    let mut x = -87.0f32;
+    while x < 88.0 {
+        let (a, b) = (exp_ref(x), x.exp());
+        let ulp = (a.to_bits() as i64 - b.to_bits() as i64).abs();
+        assert!(ulp <= 2, "exp({x}) = {a} vs {b}: {ulp} ulp");
+        x += 0.0137;
+    }
+    assert_eq!(exp_ref(0.0), 1.0);
+    assert_eq!(exp_ref(f32::NEG_INFINITY), exp_ref(-87.3));
+}
+
+#[test]
+fn matches_a_float64_softmax_in_every_shape_and_storage() {
+    let mut rng = StdRng::seed_from_u64(7);
+    // SmolLM2's heads (9 over 3 KV groups of 64), odd head dims, pages
+    // smaller and larger than a tile, chunks.
+    for (sh, lens) in [
+        (shape(9, 3, 64, 16), vec![1, 40, 1100]),
+        (shape(9, 3, 64, 16), vec![5]),
+        (shape(4, 4, 8, 4), vec![3, 77]),
+        (shape(2, 1, 12, 100), vec![250]),
+        (shape(2, 2, 16, 512), vec![700]),
+    ] {
+        let rows: Vec<(usize, usize)> = lens
+            .iter()
+            .enumerate()
+            .flat_map(|(s, &l)| [(s, 0), (s, l / 2), (s, l - 1)])
+            .chain((0..lens[0].min(12)).map(|p| (0, p)))
+            .collect();
+        let c = case(&mut rng, sh, &lens, rows);
+        let p = paged(&c.seqs, sh.kv_width(), sh.page_size);
+        let rows = attn_rows(&c, &p);
+        for half in [false, true] {
+            let want = naive(sh, &p, half, &rows, &c.q);
+            for level in levels() {
+                let got = run(level, 2, sh, &p.pages(half), &rows, &c.q);
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(&a, &b)| (f64::from(a) - b).abs())
+                    .fold(0.0, f64::max);
+                assert!(err < 2e-5, "{sh:?} f16={half} {level:?}: max error {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn every_level_gives_the_same_bits_k12() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for sh in [shape(9, 3, 64, 16), shape(4, 2, 32, 7), shape(2, 1, 16, 64)] {
+        let c = case(
+            &mut rng,
+            sh,
+            &[1300, 9],
+            vec![(0, 1299), (0, 600), (0, 5), (1, 8), (1, 0)],
+        );
+        let p = paged(&c.seqs, sh.kv_width(), sh.page_size);
+        let rows = attn_rows(&c, &p);
+        for half in [false, true] {
+            let pages = p.pages(half);
+            let want = bits(&run(KernelLevel::Scalar, 1, sh, &pages, &rows, &c.q));
+            for level in levels() {
+                for threads in [1, 2, 3] {
+                    let got = bits(&run(level, threads, sh, &pages, &rows, &c.q));
+                    assert!(got == want, "{sh:?} f16={half} {level:?} threads {threads}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rows_output_does_not_depend_on_the_rows_beside_it_k12() {
+    // A prompt's rows computed in one batch (blocks of 8 rows), in other
+    // chunkings, and one by one, give the same bits.
+    let mut rng = StdRng::seed_from_u64(3);
+    let sh = shape(9, 3, 64, 16);
+    let len = 1100;
+    let c = case(&mut rng, sh, &[len], (0..len).map(|p| (0, p)).collect());
+    let p = paged(&c.seqs, sh.kv_width(), sh.page_size);
+    let rows = attn_rows(&c, &p);
+    let pages = p.pages(true);
+    let dim = sh.n_head * sh.head_dim;
+    let level = KernelLevel::active();
+    let whole = bits(&run(level, 2, sh, &pages, &rows, &c.q));
+    for step in [1, 3, 8, 13, 512] {
+        let mut got = Vec::new();
+        let mut start = 0;
+        while start < len {
+            let end = (start + step).min(len);
+            got.extend(bits(&run(
+                level,
+                2,
+                sh,
+                &pages,
+                &rows[start..end],
+                &c.q[start * dim..end * dim],
+            )));
+            start = end;
+        }
+        assert!(got == whole, "chunks of {step}");
+    }
+    // Interleaved with another sequence's rows (other blocks).
+    let c2 = case(
+        &mut rng,
+        sh,
+        &[len, 30],
+        vec![(0, 1000), (1, 29), (0, 1001)],
+    );
+    let p2 = paged(&c2.seqs, sh.kv_width(), sh.page_size);
+    let rows2 = attn_rows(&c2, &p2);
+    let pages2 = p2.pages(true);
+    let mixed = bits(&run(level, 2, sh, &pages2, &rows2, &c2.q));
+    for (i, r) in rows2.iter().enumerate() {
+        let alone = bits(&run(
+            level,
+            1,
+            sh,
+            &pages2,
+            std::slice::from_ref(r),
+            &c2.q[i * dim..(i + 1) * dim],
+        ));
+        assert!(alone[..] == mixed[i * dim..(i + 1) * dim], "row {i}");
+    }
+}
