@@ -185,6 +185,53 @@ def test_transport_errors_answer_in_openai_shape(server, head, status, code):
     assert r.status_code == 200
 
 
+@pytest.mark.parametrize("head,status,code", [
+    (b"Content-Length: abc\r\n", 400, "malformed_request"),
+    (b"Content-Length: 99999999999999999999999999\r\n", 400, "malformed_request"),
+    (b"Content-Length: 5\r\nContent-Length: 6\r\n", 400, "malformed_request"),
+    (b"".join(b"X-H%d: v\r\n" % i for i in range(150)), 431, "headers_too_large"),
+    (b"X-Big: " + b"a" * (80 << 10) + b"\r\n", 431, "headers_too_large"),
+    (b"Bad Header Line\r\n", 400, "malformed_request"),
+])
+def test_a_malformed_head_after_a_good_request_on_one_connection_answers_json(
+        server, head, status, code):
+    # The first head is checked before hyper sees the connection; later
+    # ones are hyper's to refuse, and its bare status line is rewritten.
+    with socket.create_connection((server.host, server.port), timeout=10) as c:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while b"\r\n\r\n" not in first or not first.endswith(b"}"):
+            chunk = c.recv(65536)
+            assert chunk, first
+            first += chunk
+        assert first.startswith(b"HTTP/1.1 200 "), first
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+        out = b""
+        while True:
+            try:
+                chunk = c.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    head_out, _, body = out.partition(b"\r\n\r\n")
+    assert head_out.startswith(b"HTTP/1.1 %d " % status), out
+    assert b"content-type: application/json" in head_out.lower(), out
+    j = json.loads(body)
+    assert j["error"]["code"] == code and j["error"]["message"], j
+    r = requests.get(server.url("/health"), timeout=10)
+    assert r.status_code == 200
+
+
+def test_a_huge_header_on_a_reused_session_connection_answers_json(server):
+    with requests.Session() as s:
+        assert s.get(server.url("/health"), timeout=10).status_code == 200
+        r = s.get(server.url("/health"), headers={"X-Big": "a" * (80 << 10)}, timeout=10)
+        assert_error(r, 431, "headers_too_large")
+        assert s.get(server.url("/health"), timeout=10).json() == {"status": "ok"}
+
+
 def test_a_huge_but_valid_content_length_is_413_before_the_body(server):
     st, j = raw_request(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                 b"Content-Type: application/json\r\n"

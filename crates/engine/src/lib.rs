@@ -75,6 +75,7 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Requests waiting for admission (beyond it: `QueueFull`, HTTP 429).
     pub max_queue: usize,
+    /// How the pool stores K/V (`--kv-dtype`).
     pub kv_dtype: DType,
     pub poison: Poison,
     /// Reuse cached KV of prompts' prefixes, within each request's scope
@@ -116,7 +117,7 @@ impl EngineConfig {
     }
 }
 
-/// Default KV budget: 1 GiB, about 23k tokens of the default model in f32.
+/// Default KV budget: 1 GiB, about 46k tokens of the default model in f16.
 pub const KV_MEMORY_BYTES_DEFAULT: u64 = 1 << 30;
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -128,7 +129,8 @@ impl Default for EngineConfig {
             step_tokens: 256,
             max_running: 32,
             max_queue: 256,
-            kv_dtype: DType::F32,
+            // As llama.cpp's default: half the memory and bandwidth of f32.
+            kv_dtype: DType::F16,
             poison: Poison::Nan,
             prefix_cache: PrefixCache::Tenant,
         }
@@ -144,6 +146,9 @@ pub struct CapacityInfo {
     pub pool_tokens: u64,
     pub pool_pages: u64,
     pub page_size_tokens: usize,
+    /// How K/V values are stored, and what one token of K/V costs.
+    pub kv_dtype: DType,
+    pub kv_bytes_per_token: u64,
     /// The largest `prompt + max_tokens` accepted: min(model window, pool,
     /// `max_context`).
     pub max_request_tokens: usize,
@@ -156,11 +161,14 @@ impl CapacityInfo {
     /// The one-line capacity table printed at start.
     pub fn table(&self) -> String {
         format!(
-            "capacity: model window {} tokens | KV pool {} tokens ({} pages × {} tokens) | max request {} tokens | prefix cache {}",
+            "capacity: model window {} tokens | KV pool {} tokens ({} pages × {} tokens) | KV {} ({} bytes a token, {} tokens per GiB) | max request {} tokens | prefix cache {}",
             self.model_window_tokens,
             self.pool_tokens,
             self.pool_pages,
             self.page_size_tokens,
+            self.kv_dtype.name(),
+            self.kv_bytes_per_token,
+            (1u64 << 30) / self.kv_bytes_per_token.max(1),
             self.max_request_tokens,
             match self.prefix_cache {
                 PrefixCache::Tenant => "per tenant, in the pool (idle cached pages are evicted when a request needs them, so they count as free)",
@@ -473,6 +481,9 @@ pub fn measure(
         pool_tokens,
         pool_pages: pages,
         page_size_tokens: cfg.page_size_tokens,
+        kv_dtype: cfg.kv_dtype,
+        kv_bytes_per_token: (shape.layers * shape.token_width() * 2 * shape.dtype.size_bytes())
+            as u64,
         max_request_tokens: max_request,
         prefix_cache: cfg.prefix_cache,
     };

@@ -125,6 +125,28 @@ pub struct NodeEngineArgs {
     /// `cache_salt`/`prompt_cache_key` — or `off`.
     #[arg(long, value_enum, default_value_t = PrefixCacheArg::Tenant)]
     pub prefix_cache: PrefixCacheArg,
+    /// How the KV pool stores keys and values: `f16` (the default, as
+    /// llama.cpp's) or `f32` (twice the memory and bandwidth). PD nodes
+    /// must agree (the pairing handshake compares it).
+    #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
+    pub kv_dtype: KvDtypeArg,
+}
+
+/// `--kv-dtype f32|f16`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtypeArg {
+    F32,
+    F16,
+}
+
+impl KvDtypeArg {
+    pub fn dtype(self) -> kv::DType {
+        match self {
+            KvDtypeArg::F32 => kv::DType::F32,
+            KvDtypeArg::F16 => kv::DType::F16,
+        }
+    }
 }
 
 /// `--prefix-cache off|tenant`.
@@ -224,6 +246,7 @@ pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
             PrefixCacheArg::Off => engine::PrefixCache::Off,
             PrefixCacheArg::Tenant => engine::PrefixCache::Tenant,
         },
+        kv_dtype: e.kv_dtype.dtype(),
         ..EngineConfig::default()
     }
 }

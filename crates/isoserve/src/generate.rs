@@ -82,7 +82,12 @@ pub fn prompt_ids(
 
 /// An engine for one request at a time of up to `tokens_max` tokens
 /// (prompt + generated), its pool sized for exactly that.
-pub fn one_request_engine(model: Model, tokenizer: Tokenizer, tokens_max: usize) -> Result<Engine> {
+pub fn one_request_engine(
+    model: Model,
+    tokenizer: Tokenizer,
+    tokens_max: usize,
+    kv_dtype: kv::DType,
+) -> Result<Engine> {
     let window = model.config.context_length;
     let pages = tokens_max.max(1).div_ceil(PAGE_SIZE_TOKENS);
     let cfg = EngineConfig {
@@ -92,6 +97,10 @@ pub fn one_request_engine(model: Model, tokenizer: Tokenizer, tokens_max: usize)
         step_tokens: PREFILL_CHUNK_ROWS,
         max_running: 1,
         max_queue: 1,
+        kv_dtype,
+        // One request at a time: nothing to share, and a benchmark that
+        // repeats its prompt must compute it every time.
+        prefix_cache: engine::PrefixCache::Off,
         ..EngineConfig::default()
     };
     Ok(Engine::start(model, tokenizer, cfg)?)
@@ -150,7 +159,12 @@ pub fn run_generate(model_path: &Path, args: GenerateArgs) -> Result<()> {
         template,
     } = load(model_path)?;
     let ids = prompt_ids(&tokenizer, template.as_ref(), &args.prompt, args.chat)?;
-    let engine = one_request_engine(model, tokenizer, ids.len() + args.max_tokens)?;
+    let engine = one_request_engine(
+        model,
+        tokenizer,
+        ids.len() + args.max_tokens,
+        EngineConfig::default().kv_dtype,
+    )?;
     let stdout = std::io::stdout();
     let t = generate(&engine, &ids, &args, |s| {
         let mut out = stdout.lock();
@@ -183,6 +197,7 @@ pub fn run_bench(
     prompt_tokens: usize,
     gen_tokens: usize,
     reps: usize,
+    kv_dtype: kv::DType,
 ) -> Result<()> {
     if prompt_tokens == 0 || gen_tokens < 2 {
         bail!("--prompt-tokens must be ≥ 1 and --gen-tokens ≥ 2");
@@ -197,7 +212,7 @@ pub fn run_bench(
     let ids: Vec<u32> = (0..prompt_tokens as u32)
         .map(|i| 100 + (i * 7919) % (vocab - 100))
         .collect();
-    let engine = one_request_engine(model, tokenizer, prompt_tokens + gen_tokens + 1)?;
+    let engine = one_request_engine(model, tokenizer, prompt_tokens + gen_tokens + 1, kv_dtype)?;
     let args = |max_tokens| GenerateArgs {
         prompt: String::new(),
         chat: false,
@@ -227,10 +242,11 @@ pub fn run_bench(
     let (d, dl, dh) = summary(&mut tg);
     let (c, cl, ch) = summary(&mut tg_ctx);
     println!(
-        "prefill pp{prompt_tokens}: {p:.1} tok/s (min {pl:.1}, max {ph:.1}); decode tg{gen_tokens}: {d:.1} tok/s (min {dl:.1}, max {dh:.1}); decode tg{gen_tokens} after pp{prompt_tokens}: {c:.1} tok/s (min {cl:.1}, max {ch:.1}); {} reps, {} threads, kernels {:?}",
+        "prefill pp{prompt_tokens}: {p:.1} tok/s (min {pl:.1}, max {ph:.1}); decode tg{gen_tokens}: {d:.1} tok/s (min {dl:.1}, max {dh:.1}); decode tg{gen_tokens} after pp{prompt_tokens}: {c:.1} tok/s (min {cl:.1}, max {ch:.1}); {} reps, {} threads, kernels {:?}, KV {}",
         reps.max(1),
         threads,
         kernels::KernelLevel::active(),
+        kv_dtype.name(),
     );
     Ok(())
 }

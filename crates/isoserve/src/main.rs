@@ -96,6 +96,9 @@ enum Cmd {
         reps: usize,
         #[arg(long)]
         model: Option<PathBuf>,
+        /// How the KV pool stores keys and values.
+        #[arg(long, value_enum, default_value_t = args::KvDtypeArg::F16)]
+        kv_dtype: args::KvDtypeArg,
     },
     /// Print the token ids of a text as JSON (special tokens recognised).
     Tokenize {
@@ -209,9 +212,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             gen_tokens,
             reps,
             model,
+            kv_dtype,
         } => {
             let path = fetch::resolve_model(model.as_deref(), false)?;
-            generate::run_bench(&path, prompt_tokens, gen_tokens, reps)?;
+            generate::run_bench(&path, prompt_tokens, gen_tokens, reps, kv_dtype.dtype())?;
         }
         Cmd::Tokenize { text, chat, model } => {
             let path = fetch::resolve_model(model.as_deref(), false)?;

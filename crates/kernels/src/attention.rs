@@ -75,12 +75,17 @@ use crate::{KernelLevel, ThreadPool};
 
 /// Rows of one sequence that share a pass over its K/V tiles.
 pub const BLOCK_ROWS: usize = 8;
-/// Largest tile of the online softmax (a page is cut into pieces of this).
+/// Positions per tile of the online softmax: tiles are
+/// `[TILE·i, TILE·(i+1))`, whatever the page size.
 pub const TILE: usize = 64;
-/// Positions per chunk (rounded down to whole pages, at least one page).
+/// Positions per chunk, `[CHUNK_POSITIONS·c, CHUNK_POSITIONS·(c+1))`; a
+/// multiple of [`TILE`].
 pub const CHUNK_POSITIONS: usize = 512;
+const _: () = assert!(CHUNK_POSITIONS.is_multiple_of(TILE));
 /// Largest head dimension.
 pub const HEAD_DIM_MAX: usize = 256;
+/// Below this many work items per thread, items are split by KV group.
+const ITEMS_PER_THREAD_MIN: usize = 4;
 
 /// K or V rows of one page of one layer: `slots × kv_width` values,
 /// token-major.
@@ -132,11 +137,8 @@ impl AttnShape {
     fn group(&self) -> usize {
         self.n_head / self.n_kv_head
     }
-    fn chunk_pages(&self) -> usize {
-        (CHUNK_POSITIONS / self.page_size).max(1)
-    }
     fn chunks(&self, pos: usize) -> usize {
-        pos / self.page_size / self.chunk_pages() + 1
+        pos / CHUNK_POSITIONS + 1
     }
     /// Floats of one partial result: max, sum, accumulator.
     fn partial(&self) -> usize {
@@ -167,15 +169,23 @@ pub struct AttnScratch {
 #[derive(Clone, Copy, Debug)]
 struct Item {
     rows: (u32, u32),
-    group: u32,
+    /// KV groups `groups.0..groups.1`.
+    groups: (u32, u32),
     chunk: u32,
 }
 
-/// A task's K/V tile converted to `f32`.
+/// A task's K/V tile: rows as `f32` (converted into `k`/`v` when stored
+/// as `f16`).
 struct TileBuf {
     k: Vec<f32>,
     v: Vec<f32>,
+    k_rows: [*const f32; TILE],
+    v_rows: [*const f32; TILE],
 }
+
+// SAFETY: the row pointers are scratch, rewritten before every use within
+// one task; no pointer is read after its tile.
+unsafe impl Send for TileBuf {}
 
 #[derive(Clone, Copy)]
 struct SyncPtr(*mut f32);
@@ -250,6 +260,7 @@ pub fn attention_with_level(
     for p in pages {
         assert!(p.k.len() >= p.slots * kvw && p.v.len() >= p.slots * kvw);
     }
+    assert!(level.is_supported(), "kernel level {level:?} on this CPU");
     let level = match level {
         KernelLevel::Scalar => KernelLevel::Scalar,
         _ if hd.is_multiple_of(8) => KernelLevel::Avx2,
@@ -265,7 +276,10 @@ pub fn attention_with_level(
     }
     scratch.partials.clear();
     scratch.partials.resize(total, 0.0);
-    // Items: blocks of consecutive rows of one sequence × groups × chunks.
+    // Items: blocks of consecutive rows of one sequence × chunks, each
+    // over every KV group (a page's K and V are read front to back by one
+    // thread) — or one group each when that leaves fewer than four items
+    // per thread (short contexts; the split never changes a result).
     scratch.items.clear();
     let mut b0 = 0;
     while b0 < rows.len() {
@@ -279,21 +293,32 @@ pub fn attention_with_level(
             .max()
             .unwrap_or(0);
         for c in 0..chunks {
-            for g in 0..shape.n_kv_head {
+            scratch.items.push(Item {
+                rows: (b0 as u32, b1 as u32),
+                groups: (0, shape.n_kv_head as u32),
+                chunk: c as u32,
+            });
+        }
+        b0 = b1;
+    }
+    if scratch.items.len() < ITEMS_PER_THREAD_MIN * threads.n_threads() && shape.n_kv_head > 1 {
+        let whole = std::mem::take(&mut scratch.items);
+        for it in whole {
+            for g in 0..shape.n_kv_head as u32 {
                 scratch.items.push(Item {
-                    rows: (b0 as u32, b1 as u32),
-                    group: g as u32,
-                    chunk: c as u32,
+                    groups: (g, g + 1),
+                    ..it
                 });
             }
         }
-        b0 = b1;
     }
     let nt = threads.n_threads();
     while scratch.tiles.len() < nt {
         scratch.tiles.push(Mutex::new(TileBuf {
             k: Vec::new(),
             v: Vec::new(),
+            k_rows: [std::ptr::null(); TILE],
+            v_rows: [std::ptr::null(); TILE],
         }));
     }
     let next = AtomicUsize::new(0);
@@ -371,16 +396,16 @@ fn run_item(
     let (group, dim, part) = (shape.group(), shape.n_head * hd, shape.partial());
     let scale = 1.0 / (hd as f32).sqrt();
     let block = item.rows.0 as usize..item.rows.1 as usize;
-    let (g, c) = (item.group as usize, item.chunk as usize);
-    let cp = shape.chunk_pages();
+    let groups = item.groups.0 as usize..item.groups.1 as usize;
+    let c = item.chunk as usize;
     let max_pos = block
         .clone()
         .map(|r| rows[r].pos)
         .max()
         .expect("a block has rows");
-    let first_page = c * cp;
-    let end_page = ((c + 1) * cp).min(max_pos / ps + 1);
-    // This item's partials: (row, head) of group g, chunk c.
+    let first = c * CHUNK_POSITIONS;
+    let end = ((c + 1) * CHUNK_POSITIONS).min(max_pos + 1);
+    // This item's partials: (row, head) of its groups, chunk c.
     let state = |r: usize, h: usize| -> &mut [f32] {
         let n = shape.chunks(rows[r].pos);
         let off = offsets[r] + (h * n + c) * part;
@@ -388,45 +413,39 @@ fn run_item(
         // buffer outlives the broadcast.
         unsafe { std::slice::from_raw_parts_mut(parts.get().add(off), part) }
     };
+    let heads = groups.start * group..groups.end * group;
     for r in block.clone() {
-        if rows[r].pos >= first_page * ps {
-            for h in g * group..(g + 1) * group {
+        if rows[r].pos >= first {
+            for h in heads.clone() {
                 let st = state(r, h);
                 st[0] = f32::NEG_INFINITY;
                 st[1..].fill(0.0);
             }
         }
     }
-    let pages0 = rows[block.start].pages.start;
+    let seq = &pages[rows[block.start].pages.clone()];
     tile.k.resize(TILE * hd, 0.0);
     tile.v.resize(TILE * hd, 0.0);
-    for j in first_page..end_page {
-        let page = &pages[pages0 + j];
-        let mut piece = 0;
-        while piece < ps {
-            let abs0 = j * ps + piece;
-            if abs0 > max_pos || piece >= page.slots {
-                break;
-            }
-            let n_max = TILE.min(page.slots - piece).min(max_pos + 1 - abs0);
-            let (kp, ks) = rows_f32(page.k, piece, n_max, kvw, g * hd, hd, &mut tile.k);
-            let (vp, vs) = rows_f32(page.v, piece, n_max, kvw, g * hd, hd, &mut tile.v);
+    let mut t0 = first;
+    while t0 < end {
+        let t1 = (t0 + TILE).min(end);
+        for g in groups.clone() {
+            let n = t1 - t0;
+            gather(level, seq, ps, kvw, t0..t1, g * hd, hd, tile);
+            let (kr, vr) = (&tile.k_rows, &tile.v_rows);
             for r in block.clone() {
                 let pos = rows[r].pos;
-                if pos < abs0 {
+                if pos < t0 {
                     continue;
                 }
-                let n = n_max.min(pos + 1 - abs0);
+                let t = Tile {
+                    k: kr,
+                    v: vr,
+                    n: n.min(pos + 1 - t0),
+                };
                 for h in g * group..(g + 1) * group {
                     let qv = &q[r * dim + h * hd..r * dim + (h + 1) * hd];
                     let st = state(r, h);
-                    let t = Tile {
-                        k: kp,
-                        k_stride: ks,
-                        v: vp,
-                        v_stride: vs,
-                        n,
-                    };
                     match level {
                         #[cfg(target_arch = "x86_64")]
                         KernelLevel::Avx2 | KernelLevel::Avx512 => {
@@ -438,54 +457,81 @@ fn run_item(
                     }
                 }
             }
-            piece += n_max;
         }
+        t0 = t1;
     }
 }
 
-/// `n` K or V rows of group `g` (from value `off` of each row) as `f32`:
-/// the page's own memory (stride `kvw`) or converted into `buf` (stride
-/// `hd`).
-fn rows_f32(
-    rows: KvRows<'_>,
-    first: usize,
-    n: usize,
+/// Points `tile.k_rows`/`v_rows` at the K and V of group values
+/// `off..off + hd` of `positions` of a sequence's pages: the pages' own
+/// `f32` rows, or `f16` rows converted into the tile's buffers.
+#[allow(clippy::too_many_arguments)]
+fn gather(
+    level: KernelLevel,
+    seq: &[KvPage<'_>],
+    ps: usize,
     kvw: usize,
+    positions: Range<usize>,
     off: usize,
     hd: usize,
-    buf: &mut [f32],
-) -> (*const f32, usize) {
-    match rows {
-        KvRows::F32(x) => (x[first * kvw + off..].as_ptr(), kvw),
-        KvRows::F16(x) => {
-            for t in 0..n {
-                let src = &x[(first + t) * kvw + off..(first + t) * kvw + off + hd];
-                f16_to_f32(src, &mut buf[t * hd..(t + 1) * hd]);
+    tile: &mut TileBuf,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if level >= KernelLevel::Avx2 && hd.is_multiple_of(8) {
+        // SAFETY: the level was checked against the CPU; hd % 8 == 0.
+        unsafe { avx2::gather(seq, ps, kvw, positions, off, hd, tile) };
+        return;
+    }
+    let _ = level;
+    gather_with(seq, ps, kvw, positions, off, hd, tile, |src, dst| {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    })
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn gather_with(
+    seq: &[KvPage<'_>],
+    ps: usize,
+    kvw: usize,
+    positions: Range<usize>,
+    off: usize,
+    hd: usize,
+    tile: &mut TileBuf,
+    convert: impl Fn(&[f16], &mut [f32]),
+) {
+    let t0 = positions.start;
+    for p in positions {
+        let (page, i) = (&seq[p / ps], p - t0);
+        let at = (p % ps) * kvw + off;
+        match (page.k, page.v) {
+            (KvRows::F32(k), KvRows::F32(v)) => {
+                tile.k_rows[i] = k[at..at + hd].as_ptr();
+                tile.v_rows[i] = v[at..at + hd].as_ptr();
             }
-            (buf.as_ptr(), hd)
+            (k, v) => {
+                let (kd, vd) = (i * hd..(i + 1) * hd, i * hd..(i + 1) * hd);
+                for (src, buf) in [(k, &mut tile.k[kd]), (v, &mut tile.v[vd])] {
+                    match src {
+                        KvRows::F32(x) => buf.copy_from_slice(&x[at..at + hd]),
+                        KvRows::F16(x) => convert(&x[at..at + hd], buf),
+                    }
+                }
+                tile.k_rows[i] = tile.k[i * hd..].as_ptr();
+                tile.v_rows[i] = tile.v[i * hd..].as_ptr();
+            }
         }
     }
 }
 
-fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if src.len().is_multiple_of(8) && KernelLevel::Avx2.is_supported() {
-        // SAFETY: F16C is part of the AVX2 level (checked).
-        unsafe { avx2::f16_to_f32(src, dst) };
-        return;
-    }
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = s.to_f32();
-    }
-}
-
-/// `n` keys and values of one tile, `f32`, row `t` at `k + t·k_stride`.
+/// `n` keys and values of one tile: row `t` (`hd` values, `f32`) at
+/// `k[t]` and `v[t]`.
 #[derive(Clone, Copy)]
-struct Tile {
-    k: *const f32,
-    k_stride: usize,
-    v: *const f32,
-    v_stride: usize,
+struct Tile<'a> {
+    k: &'a [*const f32; TILE],
+    v: &'a [*const f32; TILE],
     n: usize,
 }
 
@@ -495,7 +541,7 @@ fn tile_update_ref(q: &[f32], t: Tile, scale: f32, st: &mut [f32]) {
     let mut s = [0.0f32; TILE];
     for (i, si) in s[..t.n].iter_mut().enumerate() {
         // SAFETY: the tile holds n rows of at least hd values.
-        let k = unsafe { std::slice::from_raw_parts(t.k.add(i * t.k_stride), hd) };
+        let k = unsafe { std::slice::from_raw_parts(t.k[i], hd) };
         *si = dot_ref(q, k) * scale;
     }
     let mt = s[..t.n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
@@ -518,7 +564,7 @@ fn tile_update_ref(q: &[f32], t: Tile, scale: f32, st: &mut [f32]) {
     }
     for (i, &p) in s[..t.n].iter().enumerate() {
         // SAFETY: as above.
-        let v = unsafe { std::slice::from_raw_parts(t.v.add(i * t.v_stride), hd) };
+        let v = unsafe { std::slice::from_raw_parts(t.v[i], hd) };
         for (a, &x) in acc.iter_mut().zip(v) {
             *a = p.mul_add(x, *a);
         }
@@ -583,8 +629,6 @@ pub fn exp_ref(x: f32) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use half::f16;
-
     use super::{Tile, EXP_MAX, EXP_MIN, EXP_P, LN2_HI, LN2_LO, LOG2E, TILE};
 
     /// [`super::merge`] built with FMA (`mul_add` is one instruction).
@@ -596,20 +640,33 @@ mod avx2 {
         super::merge(parts, hd, out)
     }
 
+    /// [`super::gather`] with F16C conversions inline.
+    ///
     /// # Safety
-    /// AVX2, FMA and F16C; `dst.len() >= src.len()`, a multiple of 8.
+    /// AVX2 and F16C; `hd % 8 == 0`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-        let n = src.len();
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: i + 8 <= n <= both lengths.
-            unsafe {
-                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn gather(
+        seq: &[super::KvPage<'_>],
+        ps: usize,
+        kvw: usize,
+        positions: std::ops::Range<usize>,
+        off: usize,
+        hd: usize,
+        tile: &mut super::TileBuf,
+    ) {
+        super::gather_with(seq, ps, kvw, positions, off, hd, tile, |src, dst| {
+            let n = src.len().min(dst.len());
+            let mut i = 0;
+            while i + 8 <= n {
+                // SAFETY: i + 8 <= n <= both lengths; F16C is enabled.
+                unsafe {
+                    let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+                }
+                i += 8;
             }
-            i += 8;
-        }
+        })
     }
 
     #[inline(always)]
@@ -659,15 +716,15 @@ mod avx2 {
 
     /// Dot products of `q` with 8 keys, reduced by the contract's tree.
     #[inline(always)]
-    unsafe fn dot8(q: *const f32, k: *const f32, ks: usize, hd: usize) -> __m256 {
-        // SAFETY: q holds hd values, k 8 rows of hd at stride ks (caller).
+    unsafe fn dot8(q: *const f32, k: &[*const f32], hd: usize) -> __m256 {
+        // SAFETY: q holds hd values, k 8 rows of hd (caller).
         unsafe {
             let mut a = [_mm256_setzero_ps(); 8];
             let mut j = 0;
             while j < hd {
                 let qj = _mm256_loadu_ps(q.add(j));
                 for (t, at) in a.iter_mut().enumerate() {
-                    *at = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k.add(t * ks + j)), *at);
+                    *at = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k[t].add(j)), *at);
                 }
                 j += 8;
             }
@@ -715,17 +772,28 @@ mod avx2 {
             let vscale = _mm256_set1_ps(scale);
             let mut i = 0;
             while i + 8 <= n {
-                let d = dot8(q.as_ptr(), t.k.add(i * t.k_stride), t.k_stride, hd);
+                let d = dot8(q.as_ptr(), &t.k[i..i + 8], hd);
                 _mm256_storeu_ps(s.as_mut_ptr().add(i), _mm256_mul_ps(d, vscale));
                 i += 8;
             }
             while i < n {
-                s[i] = dot1(q.as_ptr(), t.k.add(i * t.k_stride), hd) * scale;
+                s[i] = dot1(q.as_ptr(), t.k[i], hd) * scale;
                 i += 1;
             }
-            let mut mt = f32::NEG_INFINITY;
-            for &x in &s[..n] {
-                mt = mt.max(x);
+            // The tile's maximum (exact in any order).
+            let mut vm = _mm256_set1_ps(f32::NEG_INFINITY);
+            let mut i = 0;
+            while i + 8 <= n {
+                vm = _mm256_max_ps(vm, _mm256_loadu_ps(s.as_ptr().add(i)));
+                i += 8;
+            }
+            let vm = _mm256_max_ps(vm, _mm256_permute2f128_ps(vm, vm, 1));
+            let vm = _mm256_max_ps(vm, _mm256_shuffle_ps(vm, vm, 0b01_00_11_10));
+            let vm = _mm256_max_ps(vm, _mm256_shuffle_ps(vm, vm, 0b10_11_00_01));
+            let mut mt = _mm256_cvtss_f32(vm);
+            while i < n {
+                mt = mt.max(s[i]);
+                i += 1;
             }
             let m = st[0];
             let mn = m.max(mt);
@@ -759,7 +827,7 @@ mod avx2 {
                 }
                 for (i, &p) in s[..n].iter().enumerate() {
                     let vp = _mm256_set1_ps(p);
-                    let v = t.v.add(i * t.v_stride);
+                    let v = t.v[i];
                     for (c, ac) in a.iter_mut().enumerate() {
                         *ac = _mm256_fmadd_ps(vp, _mm256_loadu_ps(v.add(c * 8)), *ac);
                     }
@@ -772,7 +840,7 @@ mod avx2 {
                 while c < hd {
                     let mut ac = _mm256_mul_ps(_mm256_loadu_ps(acc.add(c)), va);
                     for (i, &p) in s[..n].iter().enumerate() {
-                        let v = t.v.add(i * t.v_stride + c);
+                        let v = t.v[i].add(c);
                         ac = _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v), ac);
                     }
                     _mm256_storeu_ps(acc.add(c), ac);

@@ -245,3 +245,209 @@ pub(crate) async fn answer_and_close(mut tcp: tokio::net::TcpStream, e: &crate::
     };
     let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
 }
+
+/// A connection whose later malformed request heads are answered in
+/// OpenAI's JSON shape too. [`first_head`] checks a connection's first head
+/// before hyper sees it; a later head on a keep-alive connection (a bad
+/// `Content-Length`, too many or too large headers, a bad request line)
+/// is refused by hyper itself, which writes a bare status line (400, 414
+/// or 431, no body, no `Content-Type`) and closes. This wrapper recognises
+/// that response as hyper writes it — a whole head at the start of a
+/// write, with one of those statuses and no `Content-Type` (every response
+/// of ours has one) — and writes the JSON error in its place.
+///
+/// Vectored writes are off so that hyper hands each response head over in
+/// one buffer. A pipelined client whose malformed head hyper parses while
+/// the previous response is still unflushed gets hyper's bare status.
+pub(crate) struct JsonErrors<S> {
+    inner: S,
+    /// The replacement still to write, and how much of it was written.
+    pending: Vec<u8>,
+    written: usize,
+    header_limit: usize,
+    on_refuse: Option<Box<dyn FnOnce(crate::error::Reason) + Send>>,
+}
+
+impl<S> JsonErrors<S> {
+    pub(crate) fn new(
+        inner: S,
+        header_limit: usize,
+        on_refuse: impl FnOnce(crate::error::Reason) + Send + 'static,
+    ) -> JsonErrors<S> {
+        JsonErrors {
+            inner,
+            pending: Vec::new(),
+            written: 0,
+            header_limit,
+            on_refuse: Some(Box::new(on_refuse)),
+        }
+    }
+}
+
+/// The error hyper's bare response at the start of `buf` stands for, if
+/// `buf` is exactly such a response.
+fn bare_error(buf: &[u8], header_limit: usize) -> Option<crate::ApiError> {
+    use crate::ApiError;
+    let rest = buf.strip_prefix(b"HTTP/1.1 ")?;
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    if end != buf.len() {
+        return None;
+    }
+    let head = std::str::from_utf8(&buf[..end]).ok()?.to_ascii_lowercase();
+    if head.contains("\r\ncontent-type:") || !head.contains("\r\ncontent-length: 0\r\n") {
+        return None;
+    }
+    Some(match rest.get(..4)? {
+        b"400 " => ApiError::malformed_request(
+            "a request line or header on this connection could not be parsed \
+             (a bad method, URI, version, header or Content-Length)",
+        ),
+        b"414 " => ApiError::malformed_request("the request URI is too long"),
+        b"431 " => ApiError::head_too_large(header_limit),
+        _ => return None,
+    })
+}
+
+/// `e` as a whole HTTP/1.1 response that closes the connection.
+fn response_bytes(e: &crate::ApiError) -> Vec<u8> {
+    let body = serde_json::to_vec(&e.body()).unwrap_or_default();
+    let mut out = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        e.status.as_u16(),
+        e.status.canonical_reason().unwrap_or(""),
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> JsonErrors<S> {
+    /// Writes what is left of a replacement.
+    fn poll_pending(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        while self.written < self.pending.len() {
+            let n = match std::pin::Pin::new(&mut self.inner)
+                .poll_write(cx, &self.pending[self.written..])
+            {
+                Poll::Ready(Ok(n)) => n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            };
+            if n == 0 {
+                return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
+            }
+            self.written += n;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for JsonErrors<S> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for JsonErrors<S> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        use std::task::Poll;
+        let me = self.get_mut();
+        match me.poll_pending(cx) {
+            Poll::Ready(Ok(())) => {}
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => return Poll::Pending,
+        }
+        if me.pending.is_empty() {
+            if let Some(e) = bare_error(buf, me.header_limit) {
+                if let Some(f) = me.on_refuse.take() {
+                    f(e.reason);
+                }
+                me.pending = response_bytes(&e);
+                // Taken whole; the replacement goes out here or at the
+                // flush hyper does next.
+                if let Poll::Ready(Err(e)) = me.poll_pending(cx) {
+                    return Poll::Ready(Err(e));
+                }
+                return Poll::Ready(Ok(buf.len()));
+            }
+        } else {
+            // Hyper closes after its error response: nothing more is
+            // expected, and nothing more goes out.
+            return Poll::Ready(Ok(buf.len()));
+        }
+        std::pin::Pin::new(&mut me.inner).poll_write(cx, buf)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        false
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let me = self.get_mut();
+        match me.poll_pending(cx) {
+            Poll::Ready(Ok(())) => std::pin::Pin::new(&mut me.inner).poll_flush(cx),
+            other => other,
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let me = self.get_mut();
+        match me.poll_pending(cx) {
+            Poll::Ready(Ok(())) => std::pin::Pin::new(&mut me.inner).poll_shutdown(cx),
+            other => other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod json_errors_tests {
+    use super::*;
+
+    #[test]
+    fn hypers_bare_statuses_become_json_and_ours_pass() {
+        let bare = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\ndate: Sat, 05 Dec 2026 13:00:00 GMT\r\n\r\n";
+        let e = bare_error(bare, 8192).expect("hyper's 431");
+        assert_eq!(e.status.as_u16(), 431);
+        let e = bare_error(
+            b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 0\r\n\r\n",
+            8192,
+        )
+        .expect("hyper's 400");
+        assert_eq!(e.status.as_u16(), 400);
+        let text = String::from_utf8(response_bytes(&e)).unwrap();
+        assert!(text.starts_with("HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"));
+        assert!(text.contains("\"code\":\"malformed_request\""), "{text}");
+        // Ours: a Content-Type, a body, another status, a head split
+        // from the rest of the write.
+        for ours in [
+            &b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 0\r\n\r\n"[..],
+            b"HTTP/1.1 400 Bad Request\r\ncontent-length: 2\r\n\r\n{}",
+            b"HTTP/1.1 405 Method Not Allowed\r\ncontent-length: 0\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+            b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n",
+            b"data: HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n",
+        ] {
+            assert!(bare_error(ours, 8192).is_none(), "{}", String::from_utf8_lossy(ours));
+        }
+    }
+}

@@ -395,7 +395,8 @@ impl Server {
                     false => over_server.clone(),
                 };
                 let svc = hyper_util::service::TowerToHyperService::new(app);
-                let conn = lane.serve_connection(TokioIo::new(tcp), svc);
+                let io = door::JsonErrors::new(tcp, st.cfg.header_limit, |_| {});
+                let conn = lane.serve_connection(TokioIo::new(io), svc);
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(door::OVERFLOW_TIMEOUT * 2, conn).await;
                     drop(lane_permit);
@@ -426,7 +427,12 @@ impl Server {
                 // (hyper would answer a bare status line).
                 match door::first_head(&tcp, limits.0, limits.1, limits.2).await {
                     door::Head::Fine => {
-                        let conn = http.serve_connection(TokioIo::new(tcp), svc);
+                        // Later heads: hyper's bare refusals rewritten.
+                        let st3 = st2.clone();
+                        let io = door::JsonErrors::new(tcp, limits.0, move |reason| {
+                            st3.metrics.rejection(reason)
+                        });
+                        let conn = http.serve_connection(TokioIo::new(io), svc);
                         if let Err(e) = watcher.watch(conn).await {
                             tracing::debug!(%peer, "connection ended: {e}");
                         }
