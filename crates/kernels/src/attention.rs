@@ -80,7 +80,7 @@ pub const BLOCK_ROWS: usize = 8;
 pub const TILE: usize = 64;
 /// Positions per chunk, `[CHUNK_POSITIONS·c, CHUNK_POSITIONS·(c+1))`; a
 /// multiple of [`TILE`].
-pub const CHUNK_POSITIONS: usize = 512;
+pub const CHUNK_POSITIONS: usize = 256;
 const _: () = assert!(CHUNK_POSITIONS.is_multiple_of(TILE));
 /// Largest head dimension.
 pub const HEAD_DIM_MAX: usize = 256;
@@ -179,6 +179,8 @@ struct Item {
 struct TileBuf {
     k: Vec<f32>,
     v: Vec<f32>,
+    k_base: [*const f32; TILE],
+    v_base: [*const f32; TILE],
     k_rows: [*const f32; TILE],
     v_rows: [*const f32; TILE],
 }
@@ -317,6 +319,8 @@ pub fn attention_with_level(
         scratch.tiles.push(Mutex::new(TileBuf {
             k: Vec::new(),
             v: Vec::new(),
+            k_base: [std::ptr::null(); TILE],
+            v_base: [std::ptr::null(); TILE],
             k_rows: [std::ptr::null(); TILE],
             v_rows: [std::ptr::null(); TILE],
         }));
@@ -424,14 +428,23 @@ fn run_item(
         }
     }
     let seq = &pages[rows[block.start].pages.clone()];
-    tile.k.resize(TILE * hd, 0.0);
-    tile.v.resize(TILE * hd, 0.0);
+    tile.k.resize(TILE * kvw, 0.0);
+    tile.v.resize(TILE * kvw, 0.0);
     let mut t0 = first;
     while t0 < end {
         let t1 = (t0 + TILE).min(end);
+        // Whole K/V rows of the tile, read front to back once (converted
+        // to f32 if stored as f16); each group then points into them.
+        let n = t1 - t0;
+        gather(level, seq, ps, kvw, t0..t1, 0, kvw, tile);
         for g in groups.clone() {
-            let n = t1 - t0;
-            gather(level, seq, ps, kvw, t0..t1, g * hd, hd, tile);
+            for i in 0..n {
+                // SAFETY: row i holds kvw ≥ (g + 1)·hd values.
+                unsafe {
+                    tile.k_rows[i] = tile.k_base[i].add(g * hd);
+                    tile.v_rows[i] = tile.v_base[i].add(g * hd);
+                }
+            }
             let (kr, vr) = (&tile.k_rows, &tile.v_rows);
             for r in block.clone() {
                 let pos = rows[r].pos;
@@ -462,9 +475,9 @@ fn run_item(
     }
 }
 
-/// Points `tile.k_rows`/`v_rows` at the K and V of group values
-/// `off..off + hd` of `positions` of a sequence's pages: the pages' own
-/// `f32` rows, or `f16` rows converted into the tile's buffers.
+/// Points `tile.k_base`/`v_base` at values `off..off + hd` of the K and
+/// V rows of `positions` of a sequence's pages: the pages' own `f32` rows,
+/// or `f16` rows converted into the tile's buffers.
 #[allow(clippy::too_many_arguments)]
 fn gather(
     level: KernelLevel,
@@ -508,8 +521,8 @@ fn gather_with(
         let at = (p % ps) * kvw + off;
         match (page.k, page.v) {
             (KvRows::F32(k), KvRows::F32(v)) => {
-                tile.k_rows[i] = k[at..at + hd].as_ptr();
-                tile.v_rows[i] = v[at..at + hd].as_ptr();
+                tile.k_base[i] = k[at..at + hd].as_ptr();
+                tile.v_base[i] = v[at..at + hd].as_ptr();
             }
             (k, v) => {
                 let (kd, vd) = (i * hd..(i + 1) * hd, i * hd..(i + 1) * hd);
@@ -519,8 +532,8 @@ fn gather_with(
                         KvRows::F16(x) => convert(&x[at..at + hd], buf),
                     }
                 }
-                tile.k_rows[i] = tile.k[i * hd..].as_ptr();
-                tile.v_rows[i] = tile.v[i * hd..].as_ptr();
+                tile.k_base[i] = tile.k[i * hd..].as_ptr();
+                tile.v_base[i] = tile.v[i * hd..].as_ptr();
             }
         }
     }

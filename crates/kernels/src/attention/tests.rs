@@ -315,3 +315,37 @@ fn a_rows_output_does_not_depend_on_the_rows_beside_it_k12() {
         assert!(alone[..] == mixed[i * dim..(i + 1) * dim], "row {i}");
     }
 }
+
+/// `cargo test --release -p kernels tile_update_speed -- --ignored --nocapture`:
+/// one head over one 64-key tile in L1, many times (the kernel's compute
+/// rate without memory).
+#[test]
+#[ignore]
+fn tile_update_speed() {
+    let hd = 64;
+    let mut rng = StdRng::seed_from_u64(1);
+    let k: Vec<f32> = (0..TILE * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let v: Vec<f32> = (0..TILE * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let q: Vec<f32> = (0..hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let kr: [*const f32; TILE] = std::array::from_fn(|i| k[i * hd..].as_ptr());
+    let vr: [*const f32; TILE] = std::array::from_fn(|i| v[i * hd..].as_ptr());
+    let t = Tile { k: &kr, v: &vr, n: TILE };
+    let mut st = vec![0.0f32; hd + 2];
+    st[0] = f32::NEG_INFINITY;
+    let reps = 200_000;
+    for level in levels() {
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                KernelLevel::Avx2 | KernelLevel::Avx512 => unsafe {
+                    avx2::tile_update(&q, t, 0.125, &mut st)
+                },
+                _ => tile_update_ref(&q, t, 0.125, &mut st),
+            }
+        }
+        let ns = start.elapsed().as_secs_f64() * 1e9 / reps as f64;
+        let fmas = (TILE * hd * 2 / 8) as f64;
+        println!("{level:?}: {ns:.0} ns per 64-key tile, {:.2} FMA-instructions/ns", fmas / ns);
+    }
+}
