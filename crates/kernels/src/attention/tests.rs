@@ -349,3 +349,25 @@ fn tile_update_speed() {
         println!("{level:?}: {ns:.0} ns per 64-key tile, {:.2} FMA-instructions/ns", fmas / ns);
     }
 }
+
+#[test]
+fn the_page_size_does_not_change_a_bit_k12() {
+    // Tiles and chunks are fixed by position, so the same K/V in pages of
+    // 16, 7 or 300 slots gives the same output.
+    let mut rng = StdRng::seed_from_u64(5);
+    let base = shape(9, 3, 64, 16);
+    let c = case(&mut rng, base, &[700], vec![(0, 699), (0, 300), (0, 63), (0, 64)]);
+    let mut want: [Option<Vec<u32>>; 2] = [None, None];
+    for ps in [16, 7, 300, 1] {
+        let sh = AttnShape { page_size: ps, ..base };
+        let p = paged(&c.seqs, sh.kv_width(), ps);
+        let rows = attn_rows(&c, &p);
+        for half in [false, true] {
+            let got = bits(&run(KernelLevel::active(), 2, sh, &p.pages(half), &rows, &c.q));
+            match &want[half as usize] {
+                None => want[half as usize] = Some(got),
+                Some(w) => assert!(*w == got, "page size {ps}, f16 {half}"),
+            }
+        }
+    }
+}
