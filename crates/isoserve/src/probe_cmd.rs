@@ -92,6 +92,7 @@ pub fn run(a: ProbeArgs) -> ExitCode {
         max_tokens: a.max_tokens,
         long_prompt_tokens: a.long_prompt_tokens,
         time_budget: Duration::from_secs(a.time_budget_s),
+        request_timeout: Duration::from_secs(a.request_timeout_s),
         seed: a.seed,
     };
     let bar = Bar(Mutex::new(None));

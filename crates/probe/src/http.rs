@@ -76,7 +76,18 @@ impl HttpEndpoint {
             .post(&url)
             .header("Authorization", &format!("Bearer {key}"))
             .send_json(&body)
-            .map_err(|e| self.unreachable(e))?;
+            .map_err(|e| match e {
+                ureq::Error::Timeout(_) => ProbeError::TimedOut {
+                    url: self.base.clone(),
+                    what: format!(
+                        "POST /v1/completions of a {}-word prompt, max_tokens {}",
+                        req.prompt.split_whitespace().count(),
+                        req.max_tokens
+                    ),
+                    after_s: start.elapsed().as_secs_f64(),
+                },
+                e => self.unreachable(e),
+            })?;
         let status = resp.status().as_u16();
         let v = read_json(&mut resp).unwrap_or(Value::Null);
         Ok((status, v, start.elapsed().as_secs_f64()))
@@ -168,6 +179,35 @@ fn refuses_logprobs(v: &Value) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 18: a server that takes the request and never answers is a
+    /// timed-out request, named with its limit — not "cannot reach".
+    #[test]
+    fn a_request_past_its_limit_says_it_timed_out_and_after_how_long() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let holder = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = std::io::Read::read(&mut c, &mut buf);
+            std::thread::sleep(Duration::from_millis(1500));
+        });
+        let ep = HttpEndpoint::new(&url, Duration::from_millis(500)).unwrap();
+        let req = Request {
+            prompt: "one two three".into(),
+            max_tokens: 4,
+        };
+        let err = ep.complete("k", &req).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, ProbeError::TimedOut { .. }), "{text}");
+        assert!(text.contains("got no answer within 0.5 s"), "{text}");
+        assert!(
+            text.contains("3-word prompt") && !text.contains("cannot reach"),
+            "{text}"
+        );
+        holder.join().unwrap();
+    }
 
     #[test]
     fn a_refusal_naming_logprobs_is_told_from_other_errors() {

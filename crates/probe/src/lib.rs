@@ -110,6 +110,16 @@ pub enum ProbeError {
     Config(String),
     #[error("the probe did not finish within its time budget of {0} s")]
     OutOfTime(u64),
+    #[error(
+        "a request to {url} got no answer within {after_s:.1} s (--request-timeout-s): {what}; \
+         the server is slower than that limit allows (raise --request-timeout-s, or lower \
+         --concurrency)"
+    )]
+    TimedOut {
+        url: String,
+        what: String,
+        after_s: f64,
+    },
 }
 
 /// The only door to the server under test.

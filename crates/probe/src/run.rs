@@ -32,6 +32,10 @@ pub struct Config {
     pub long_prompt_tokens: Option<u64>,
     /// The whole run's limit.
     pub time_budget: Duration,
+    /// One request's limit (the endpoint's): long prompts go fewer at a
+    /// time when the measured prefill rate says `concurrency` of them
+    /// would not finish within it.
+    pub request_timeout: Duration,
     pub seed: u64,
 }
 
@@ -47,6 +51,7 @@ impl Default for Config {
             max_tokens: 16,
             long_prompt_tokens: None,
             time_budget: Duration::from_secs(600),
+            request_timeout: Duration::from_secs(300),
             seed: 1,
         }
     }
@@ -94,6 +99,8 @@ struct Runner<'a> {
     cfg: &'a Config,
     progress: &'a dyn Progress,
     start: Instant,
+    /// Prefill tokens a second measured on the idle server (once known).
+    rate: Option<f64>,
     sent: AtomicU64,
     /// Every prompt's length and the server's count of it (accounting).
     counted: Mutex<Vec<Counted>>,
@@ -131,7 +138,33 @@ impl Runner<'_> {
     fn key(&self, tenant: usize) -> &str {
         &self.cfg.tenant_keys[tenant]
     }
+
+    /// Prompts of `tokens` to send at once: `--concurrency`, fewer when
+    /// the measured prefill rate says that many, computed one after
+    /// another at a third of that rate (long prompts prefill slower than
+    /// the mid-size ones measured), would not all finish within half of
+    /// one request's limit.
+    fn in_flight(&self, tokens: u64) -> usize {
+        let Some(rate) = self.rate.filter(|r| *r > 0.0) else {
+            return self.cfg.concurrency;
+        };
+        let one_s = tokens as f64 * LONG_PROMPT_SLOWDOWN / rate;
+        let fit = (self.cfg.request_timeout.as_secs_f64() / 2.0 / one_s).floor() as usize;
+        self.cfg.concurrency.min(fit.max(1))
+    }
+
+    /// Seconds left of the run's budget.
+    fn time_left_s(&self) -> f64 {
+        self.cfg
+            .time_budget
+            .saturating_sub(self.start.elapsed())
+            .as_secs_f64()
+    }
 }
+
+/// How much slower than the measured (mid-size, idle) prefill rate the
+/// probe assumes a near-window prompt under load computes.
+const LONG_PROMPT_SLOWDOWN: f64 = 3.0;
 
 /// Tokens of `unit_prompt(_, units)` = `base + step × units` (measured).
 #[derive(Clone, Copy, Debug)]
@@ -154,11 +187,12 @@ pub fn run(
     progress: &dyn Progress,
 ) -> Result<Report, ProbeError> {
     cfg.validate()?;
-    let r = Runner {
+    let mut r = Runner {
         ep,
         cfg,
         progress,
         start: Instant::now(),
+        rate: None,
         sent: AtomicU64::new(0),
         counted: Mutex::new(Vec::new()),
     };
@@ -254,6 +288,8 @@ pub fn run(
     }
     let rate = checks::prefill_rate(&mid);
     report.prefill_tokens_per_s = rate;
+    r.rate = rate;
+    let r = r;
 
     // Marker prompts: idle first, then under load.
     let long_tokens = cfg
@@ -315,7 +351,7 @@ pub fn run(
     order.shuffle(&mut rng);
     progress.phase("markers under load", order.len() as u64);
     let jobs: Vec<(usize, &str)> = prompts.iter().map(|(_, t, p)| (*t, p.as_str())).collect();
-    let loaded = send_all(&r, &jobs, &order)?;
+    let loaded = send_all(&r, &jobs, &order, r.in_flight(long_tokens))?;
     let refused_under_load = loaded.iter().filter(|(_, c)| !c.ok()).count();
     let mut loaded_texts = Vec::new();
     for (i, c) in loaded.iter().filter(|(_, c)| c.ok()) {
@@ -338,13 +374,22 @@ pub fn run(
             let flood_tokens = w
                 .saturating_sub(u64::from(cfg.max_tokens) + w / 32)
                 .max(long_tokens);
-            let flood_count = flood_prompts(w, flood_tokens, cfg.concurrency);
-            progress.phase("flood", (1 + cfg.concurrency + flood_count) as u64);
+            let flood_in_flight = r.in_flight(flood_tokens);
+            let mut flood_count = flood_prompts(w, flood_tokens, flood_in_flight);
+            // At most a third of what is left of the budget (but always
+            // the window and a quarter the check needs).
+            if let Some(rate) = r.rate.filter(|r| *r > 0.0) {
+                let one_s = flood_tokens as f64 * LONG_PROMPT_SLOWDOWN / rate;
+                let affordable = (r.time_left_s() / 3.0 / one_s).floor() as usize;
+                flood_count = flood_count.min(affordable.max(flood_prompts(w, flood_tokens, 1)));
+            }
+            progress.phase("flood", (1 + flood_in_flight + flood_count) as u64);
             let (mut flooded, flood_words) = flood(
                 &r,
                 &secrets[flood_secret],
                 flood_count,
                 flood_tokens,
+                flood_in_flight,
                 &mut next_nonce,
             )?;
             progress.phase("over-length", 4 + 2 * RECALL_BACK_TOKENS.len() as u64);
@@ -561,12 +606,13 @@ fn send_all(
     r: &Runner<'_>,
     jobs: &[(usize, &str)],
     order: &[usize],
+    in_flight: usize,
 ) -> Result<Vec<(usize, Completion)>, ProbeError> {
     let next = AtomicUsize::new(0);
     let answers: Mutex<Vec<(usize, Completion)>> = Mutex::new(Vec::new());
     let failure: Mutex<Option<ProbeError>> = Mutex::new(None);
     std::thread::scope(|s| {
-        for _ in 0..r.cfg.concurrency.min(order.len()) {
+        for _ in 0..in_flight.max(1).min(order.len()) {
             s.spawn(|| loop {
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&i) = order.get(k) else { break };
@@ -623,6 +669,7 @@ fn flood(
     secret: &Secret,
     count: usize,
     tokens: u64,
+    in_flight: usize,
     nonce: &mut impl FnMut() -> u64,
 ) -> Result<(Vec<Completion>, usize), ProbeError> {
     let sizing = flood_prompt(nonce(), FLOOD_SIZING_WORDS, secret);
@@ -649,7 +696,7 @@ fn flood(
     // last (a stack) keeps handing them the same pages, and the wave
     // before has filled the rest.
     let mut answers = vec![sized];
-    for (n, w) in [(r.cfg.concurrency, words / 4), (count, words)] {
+    for (n, w) in [(in_flight, words / 4), (count, words)] {
         let prompts: Vec<String> = (0..n)
             .map(|_| flood_prompt(nonce(), w.max(1), secret))
             .collect();
@@ -658,7 +705,11 @@ fn flood(
             .map(|p| (secret.tenant, p.as_str()))
             .collect();
         let order: Vec<usize> = (0..n).collect();
-        answers.extend(send_all(r, &jobs, &order)?.into_iter().map(|(_, c)| c));
+        answers.extend(
+            send_all(r, &jobs, &order, in_flight)?
+                .into_iter()
+                .map(|(_, c)| c),
+        );
     }
     Ok((answers, words))
 }

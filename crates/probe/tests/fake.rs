@@ -24,6 +24,9 @@ struct Fake {
     /// tokens, silently (llama.cpp's `truncated`, reported only in its own
     /// fields).
     cuts: bool,
+    /// Requests being answered now, and the most at once.
+    busy: std::sync::atomic::AtomicUsize,
+    busy_max: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -55,6 +58,19 @@ impl Endpoint for Fake {
         })
     }
     fn complete(&self, key: &str, req: &Request) -> Result<Completion, ProbeError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.busy.fetch_add(1, SeqCst) + 1;
+        self.busy_max.fetch_max(now, SeqCst);
+        // Long enough for concurrent senders to overlap.
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let answer = self.answer(key, req);
+        self.busy.fetch_sub(1, SeqCst);
+        answer
+    }
+}
+
+impl Fake {
+    fn answer(&self, key: &str, req: &Request) -> Result<Completion, ProbeError> {
         if !key.starts_with("key-") {
             return Ok(Completion {
                 status: 401,
@@ -143,7 +159,36 @@ fn with_cache(incident: bool, cache: Cache) -> Fake {
         cache,
         seen: Mutex::new(HashSet::new()),
         cuts: false,
+        busy: Default::default(),
+        busy_max: Default::default(),
     }
+}
+
+/// Issue 18: against a server whose prefill is slow for the request
+/// limit, the probe sends long prompts fewer at a time (sized from the
+/// rate it measured) instead of queueing them past the limit.
+#[test]
+fn long_prompts_go_fewer_at_a_time_when_the_measured_rate_says_so() {
+    let f = fake(false);
+    let c = Config {
+        // The fake prefills 2000 tokens/s: a near-window prompt (~1.9k
+        // tokens) is assumed to take 3 × 0.95 s under load, a marker
+        // prompt (300) 0.45 s; half of 2 s holds one of the first, two
+        // of the second.
+        request_timeout: Duration::from_secs(2),
+        ..cfg()
+    };
+    let report = run(&f, "fake://", &c, &Quiet).expect("runs");
+    assert_eq!(report.exit_code(), 0, "{}", report.human());
+    let most = f.busy_max.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        (1..=2).contains(&most),
+        "{most} requests at once (--concurrency 4)"
+    );
+    // With the default limit the same run uses its whole concurrency.
+    let f = fake(false);
+    run(&f, "fake://", &cfg(), &Quiet).expect("runs");
+    assert_eq!(f.busy_max.load(std::sync::atomic::Ordering::SeqCst), 4);
 }
 
 #[test]

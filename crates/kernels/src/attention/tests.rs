@@ -329,7 +329,11 @@ fn tile_update_speed() {
     let q: Vec<f32> = (0..hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
     let kr: [*const f32; TILE] = std::array::from_fn(|i| k[i * hd..].as_ptr());
     let vr: [*const f32; TILE] = std::array::from_fn(|i| v[i * hd..].as_ptr());
-    let t = Tile { k: &kr, v: &vr, n: TILE };
+    let t = Tile {
+        k: &kr,
+        v: &vr,
+        n: TILE,
+    };
     let mut st = vec![0.0f32; hd + 2];
     st[0] = f32::NEG_INFINITY;
     let reps = 200_000;
@@ -346,7 +350,10 @@ fn tile_update_speed() {
         }
         let ns = start.elapsed().as_secs_f64() * 1e9 / reps as f64;
         let fmas = (TILE * hd * 2 / 8) as f64;
-        println!("{level:?}: {ns:.0} ns per 64-key tile, {:.2} FMA-instructions/ns", fmas / ns);
+        println!(
+            "{level:?}: {ns:.0} ns per 64-key tile, {:.2} FMA-instructions/ns",
+            fmas / ns
+        );
     }
 }
 
@@ -356,14 +363,29 @@ fn the_page_size_does_not_change_a_bit_k12() {
     // 16, 7 or 300 slots gives the same output.
     let mut rng = StdRng::seed_from_u64(5);
     let base = shape(9, 3, 64, 16);
-    let c = case(&mut rng, base, &[700], vec![(0, 699), (0, 300), (0, 63), (0, 64)]);
+    let c = case(
+        &mut rng,
+        base,
+        &[700],
+        vec![(0, 699), (0, 300), (0, 63), (0, 64)],
+    );
     let mut want: [Option<Vec<u32>>; 2] = [None, None];
     for ps in [16, 7, 300, 1] {
-        let sh = AttnShape { page_size: ps, ..base };
+        let sh = AttnShape {
+            page_size: ps,
+            ..base
+        };
         let p = paged(&c.seqs, sh.kv_width(), ps);
         let rows = attn_rows(&c, &p);
         for half in [false, true] {
-            let got = bits(&run(KernelLevel::active(), 2, sh, &p.pages(half), &rows, &c.q));
+            let got = bits(&run(
+                KernelLevel::active(),
+                2,
+                sh,
+                &p.pages(half),
+                &rows,
+                &c.q,
+            ));
             match &want[half as usize] {
                 None => want[half as usize] = Some(got),
                 Some(w) => assert!(*w == got, "page size {ps}, f16 {half}"),
