@@ -456,18 +456,38 @@ fn run_item(
                     v: vr,
                     n: n.min(pos + 1 - t0),
                 };
-                for h in g * group..(g + 1) * group {
-                    let qv = &q[r * dim + h * hd..r * dim + (h + 1) * hd];
-                    let st = state(r, h);
+                let qh = |h: usize| &q[r * dim + h * hd..r * dim + (h + 1) * hd];
+                let mut h = g * group;
+                while h < (g + 1) * group {
                     match level {
                         #[cfg(target_arch = "x86_64")]
-                        KernelLevel::Avx2 | KernelLevel::Avx512 => {
+                        KernelLevel::Avx2 | KernelLevel::Avx512
+                            if hd.is_multiple_of(32) && h + 1 < (g + 1) * group =>
+                        {
                             // SAFETY: the level was checked against the CPU
-                            // (KernelLevel::active or the caller), hd % 8 == 0.
-                            unsafe { avx2::tile_update(qv, t, scale, st) }
+                            // (KernelLevel::active or the caller), hd % 32
+                            // == 0; two different heads' states.
+                            unsafe {
+                                avx2::tile_update2(
+                                    qh(h),
+                                    qh(h + 1),
+                                    t,
+                                    scale,
+                                    state(r, h),
+                                    state(r, h + 1),
+                                )
+                            };
+                            h += 2;
+                            continue;
                         }
-                        _ => tile_update_ref(qv, t, scale, st),
+                        #[cfg(target_arch = "x86_64")]
+                        KernelLevel::Avx2 | KernelLevel::Avx512 => {
+                            // SAFETY: as above, hd % 8 == 0.
+                            unsafe { avx2::tile_update(qh(h), t, scale, state(r, h)) }
+                        }
+                        _ => tile_update_ref(qh(h), t, scale, state(r, h)),
                     }
+                    h += 1;
                 }
             }
         }
@@ -777,22 +797,142 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn tile_update(q: &[f32], t: Tile, scale: f32, st: &mut [f32]) {
         let hd = q.len();
-        let n = t.n;
         let mut s = [0.0f32; TILE];
-        // SAFETY: every pointer stays within the tile's n rows of hd
-        // values, `s` (TILE ≥ n) and `st` (hd + 2 values).
+        // SAFETY: as the callee's contracts say (the caller's).
         unsafe {
-            let vscale = _mm256_set1_ps(scale);
             let mut i = 0;
-            while i + 8 <= n {
+            while i + 8 <= t.n {
                 let d = dot8(q.as_ptr(), &t.k[i..i + 8], hd);
-                _mm256_storeu_ps(s.as_mut_ptr().add(i), _mm256_mul_ps(d, vscale));
+                _mm256_storeu_ps(
+                    s.as_mut_ptr().add(i),
+                    _mm256_mul_ps(d, _mm256_set1_ps(scale)),
+                );
                 i += 8;
             }
-            while i < n {
+            while i < t.n {
                 s[i] = dot1(q.as_ptr(), t.k[i], hd) * scale;
                 i += 1;
             }
+            let alpha = softmax(&mut s, t.n, st);
+            let acc = st.as_mut_ptr().add(2);
+            if hd == 64 {
+                let mut a = [_mm256_setzero_ps(); 8];
+                for (c, ac) in a.iter_mut().enumerate() {
+                    *ac = _mm256_mul_ps(_mm256_loadu_ps(acc.add(c * 8)), _mm256_set1_ps(alpha));
+                }
+                for (i, &p) in s[..t.n].iter().enumerate() {
+                    let vp = _mm256_set1_ps(p);
+                    let v = t.v[i];
+                    for (c, ac) in a.iter_mut().enumerate() {
+                        *ac = _mm256_fmadd_ps(vp, _mm256_loadu_ps(v.add(c * 8)), *ac);
+                    }
+                }
+                for (c, ac) in a.iter().enumerate() {
+                    _mm256_storeu_ps(acc.add(c * 8), *ac);
+                }
+            } else {
+                let mut c = 0;
+                while c < hd {
+                    let mut ac = _mm256_mul_ps(_mm256_loadu_ps(acc.add(c)), _mm256_set1_ps(alpha));
+                    for (i, &p) in s[..t.n].iter().enumerate() {
+                        let v = t.v[i].add(c);
+                        ac = _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v), ac);
+                    }
+                    _mm256_storeu_ps(acc.add(c), ac);
+                    c += 8;
+                }
+            }
+        }
+    }
+
+    /// Two query vectors over the same tile (two heads of a KV group, one
+    /// row): each K and V load serves both. Per head, the same operations
+    /// in the same order as [`tile_update`], so the same bits.
+    ///
+    /// # Safety
+    /// AVX2, FMA; `q0.len() == q1.len()`, a multiple of 32; the tile as
+    /// [`super::Tile`] says.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_update2(
+        q0: &[f32],
+        q1: &[f32],
+        t: Tile,
+        scale: f32,
+        st0: &mut [f32],
+        st1: &mut [f32],
+    ) {
+        let hd = q0.len();
+        let (mut s0, mut s1) = ([0.0f32; TILE], [0.0f32; TILE]);
+        // SAFETY: every pointer stays within the tile's n rows of hd
+        // values, the score arrays (TILE ≥ n) and the states (hd + 2).
+        unsafe {
+            let vscale = _mm256_set1_ps(scale);
+            let mut i = 0;
+            while i + 4 <= t.n {
+                let mut a0 = [_mm256_setzero_ps(); 4];
+                let mut a1 = [_mm256_setzero_ps(); 4];
+                let mut j = 0;
+                while j < hd {
+                    let x0 = _mm256_loadu_ps(q0.as_ptr().add(j));
+                    let x1 = _mm256_loadu_ps(q1.as_ptr().add(j));
+                    for k in 0..4 {
+                        let kv = _mm256_loadu_ps(t.k[i + k].add(j));
+                        a0[k] = _mm256_fmadd_ps(x0, kv, a0[k]);
+                        a1[k] = _mm256_fmadd_ps(x1, kv, a1[k]);
+                    }
+                    j += 8;
+                }
+                for (a, s) in [(&a0, &mut s0), (&a1, &mut s1)] {
+                    let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                    let four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                    _mm_storeu_ps(
+                        s.as_mut_ptr().add(i),
+                        _mm_mul_ps(four, _mm256_castps256_ps128(vscale)),
+                    );
+                }
+                i += 4;
+            }
+            while i < t.n {
+                s0[i] = dot1(q0.as_ptr(), t.k[i], hd) * scale;
+                s1[i] = dot1(q1.as_ptr(), t.k[i], hd) * scale;
+                i += 1;
+            }
+            let al0 = _mm256_set1_ps(softmax(&mut s0, t.n, st0));
+            let al1 = _mm256_set1_ps(softmax(&mut s1, t.n, st1));
+            let (acc0, acc1) = (st0.as_mut_ptr().add(2), st1.as_mut_ptr().add(2));
+            let mut c = 0;
+            while c < hd {
+                let mut b0 = [_mm256_setzero_ps(); 4];
+                let mut b1 = [_mm256_setzero_ps(); 4];
+                for d in 0..4 {
+                    b0[d] = _mm256_mul_ps(_mm256_loadu_ps(acc0.add(c + d * 8)), al0);
+                    b1[d] = _mm256_mul_ps(_mm256_loadu_ps(acc1.add(c + d * 8)), al1);
+                }
+                for i in 0..t.n {
+                    let (p0, p1) = (_mm256_set1_ps(s0[i]), _mm256_set1_ps(s1[i]));
+                    let v = t.v[i].add(c);
+                    for d in 0..4 {
+                        let vv = _mm256_loadu_ps(v.add(d * 8));
+                        b0[d] = _mm256_fmadd_ps(p0, vv, b0[d]);
+                        b1[d] = _mm256_fmadd_ps(p1, vv, b1[d]);
+                    }
+                }
+                for d in 0..4 {
+                    _mm256_storeu_ps(acc0.add(c + d * 8), b0[d]);
+                    _mm256_storeu_ps(acc1.add(c + d * 8), b1[d]);
+                }
+                c += 32;
+            }
+        }
+    }
+
+    /// The tile's online-softmax step on `s[..n]` (scaled scores, turned
+    /// into weights): updates the state's max and sum, returns α.
+    #[inline(always)]
+    unsafe fn softmax(s: &mut [f32; TILE], n: usize, st: &mut [f32]) -> f32 {
+        // SAFETY: loads and stores within `s` (TILE ≥ n rounded up to 8,
+        // as TILE is a multiple of 8); register arithmetic otherwise.
+        unsafe {
             // The tile's maximum (exact in any order).
             let mut vm = _mm256_set1_ps(f32::NEG_INFINITY);
             let mut i = 0;
@@ -831,36 +971,8 @@ mod avx2 {
                 i += 8;
             }
             st[1] = st[1].mul_add(alpha, tree(lanes));
-            let acc = st.as_mut_ptr().add(2);
-            let va = _mm256_set1_ps(alpha);
-            if hd == 64 {
-                let mut a = [_mm256_setzero_ps(); 8];
-                for (c, ac) in a.iter_mut().enumerate() {
-                    *ac = _mm256_mul_ps(_mm256_loadu_ps(acc.add(c * 8)), va);
-                }
-                for (i, &p) in s[..n].iter().enumerate() {
-                    let vp = _mm256_set1_ps(p);
-                    let v = t.v[i];
-                    for (c, ac) in a.iter_mut().enumerate() {
-                        *ac = _mm256_fmadd_ps(vp, _mm256_loadu_ps(v.add(c * 8)), *ac);
-                    }
-                }
-                for (c, ac) in a.iter().enumerate() {
-                    _mm256_storeu_ps(acc.add(c * 8), *ac);
-                }
-            } else {
-                let mut c = 0;
-                while c < hd {
-                    let mut ac = _mm256_mul_ps(_mm256_loadu_ps(acc.add(c)), va);
-                    for (i, &p) in s[..n].iter().enumerate() {
-                        let v = t.v[i].add(c);
-                        ac = _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v), ac);
-                    }
-                    _mm256_storeu_ps(acc.add(c), ac);
-                    c += 8;
-                }
-            }
             st[0] = mn;
+            alpha
         }
     }
 }

@@ -351,7 +351,8 @@ pub fn run(
     order.shuffle(&mut rng);
     progress.phase("markers under load", order.len() as u64);
     let jobs: Vec<(usize, &str)> = prompts.iter().map(|(_, t, p)| (*t, p.as_str())).collect();
-    let loaded = send_all(&r, &jobs, &order, r.in_flight(long_tokens))?;
+    let markers_in_flight = r.in_flight(long_tokens);
+    let loaded = send_all(&r, &jobs, &order, markers_in_flight)?;
     let refused_under_load = loaded.iter().filter(|(_, c)| !c.ok()).count();
     let mut loaded_texts = Vec::new();
     for (i, c) in loaded.iter().filter(|(_, c)| c.ok()) {
@@ -468,7 +469,7 @@ pub fn run(
         prompts.len(),
         flood_sent,
         long_tokens,
-        cfg.concurrency,
+        markers_in_flight,
         echoed,
         with_tokens,
         refused_under_load

@@ -342,6 +342,7 @@ fn tile_update_speed() {
         for _ in 0..reps {
             match level {
                 #[cfg(target_arch = "x86_64")]
+                // SAFETY: `levels()` holds only levels this CPU runs; hd 64.
                 KernelLevel::Avx2 | KernelLevel::Avx512 => unsafe {
                     avx2::tile_update(&q, t, 0.125, &mut st)
                 },
