@@ -253,3 +253,12 @@ pub fn check_request(
     }
     Ok(())
 }
+
+/// A queued request as fair admission sees it (K13).
+pub(crate) fn waiting_of(owner: &Owner, gen: &GenSpec) -> crate::fair::Waiting {
+    crate::fair::Waiting {
+        tenant: owner.tenant.0,
+        weight: gen.weight,
+        priority: gen.priority,
+    }
+}

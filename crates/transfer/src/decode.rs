@@ -21,11 +21,12 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kv::{canary_value, FreeOutcome, KvError, Owner, PageRef, Pool};
 
+use crate::common::waiting_of;
 use crate::common::{
     check_peer, check_request, pages_for, refusal, request_owner, slots_at, transfer_digest,
     ConnId, Identity, PeerHello,
 };
-use crate::fair::{self, Waiting};
+use crate::fair;
 use crate::wire::{
     GenSpec, Message, Refusal, WireLogprobs, WirePage, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
 };
@@ -632,38 +633,26 @@ impl DecodeNode {
     /// ([`crate::fair`]); stops at the first chosen one that does not fit.
     fn admit(&mut self, pool: &mut Pool, out: &mut Vec<DecodeAction>) {
         let ps = self.cfg.identity.layout.page_size;
-        let reqs = &self.reqs;
-        self.waiting.retain(|w| reqs.contains_key(w));
+        let mut queue = std::mem::take(&mut self.waiting);
+        queue.retain(|w| self.reqs.contains_key(w));
         let mut held: BTreeMap<u64, u64> = BTreeMap::new();
         for r in self.reqs.values() {
             *held.entry(r.owner.tenant.0).or_default() += r.pages.len() as u64;
         }
-        let mut waiting: Vec<Waiting> = self
-            .waiting
+        let waiting = queue
             .iter()
-            .map(|w| {
-                let r = &self.reqs[w];
-                Waiting {
-                    tenant: r.owner.tenant.0,
-                    weight: r.gen.weight,
-                    priority: r.gen.priority,
-                }
-            })
+            .map(|w| waiting_of(&self.reqs[w].owner, &self.reqs[w].gen))
             .collect();
-        while let Some(i) = fair::next(&waiting, &held) {
-            let req = self.waiting[i];
+        fair::admit(&mut queue, waiting, held, |req| {
             let r = &self.reqs[&req];
             let need = pages_for(r.tokens.len() + r.max_tokens as usize, ps);
             if need > pool.pages_available() as usize {
-                break;
+                return None;
             }
-            self.waiting.remove(i);
-            waiting.remove(i);
             self.allocate(pool, req, out);
-            if let Some(r) = self.reqs.get(&req) {
-                *held.entry(r.owner.tenant.0).or_default() += r.pages.len() as u64;
-            }
-        }
+            Some(self.reqs.get(&req).map_or(0, |r| r.pages.len() as u64))
+        });
+        self.waiting = queue;
     }
 
     // ------------------------------------------------------------ pages

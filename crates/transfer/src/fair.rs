@@ -67,6 +67,28 @@ pub fn next(waiting: &[Waiting], held: &BTreeMap<u64, u64>) -> Option<usize> {
     })
 }
 
+/// Admits from `queue` (request ids in arrival order; `waiting[i]`
+/// describes `queue[i]`; `held`: pages per tenant now) in [`next`]'s
+/// order: `start(req)` starts the chosen request and returns the pages its
+/// tenant gained, or `None` when it does not fit — then admission stops
+/// (nobody passes it).
+pub fn admit(
+    queue: &mut std::collections::VecDeque<u64>,
+    mut waiting: Vec<Waiting>,
+    mut held: BTreeMap<u64, u64>,
+    mut start: impl FnMut(u64) -> Option<u64>,
+) {
+    debug_assert_eq!(queue.len(), waiting.len());
+    while let Some(i) = next(&waiting, &held) {
+        let Some(pages) = start(queue[i]) else {
+            break;
+        };
+        queue.remove(i);
+        let w = waiting.remove(i);
+        *held.entry(w.tenant).or_default() += pages;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

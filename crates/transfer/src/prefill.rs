@@ -28,9 +28,9 @@ use kv::{canary_value, page_checksum, FreeOutcome, Owner, PageRef, Pool, PrefixK
 
 use crate::common::{
     check_peer, check_request, pages_for, refusal, request_owner, slots_at, transfer_digest,
-    ConnId, Identity, PeerHello,
+    waiting_of, ConnId, Identity, PeerHello,
 };
-use crate::fair::{self, Waiting};
+use crate::fair;
 use crate::wire::{
     GenSpec, Message, Refusal, WireLogprobs, WirePage, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
 };
@@ -720,37 +720,25 @@ impl PrefillNode {
     /// ([`crate::fair`]); stops at the first chosen one that does not fit.
     fn admit(&mut self, pool: &mut Pool, out: &mut Vec<PrefillAction>) {
         let ps = self.cfg.identity.layout.page_size;
-        let reqs = &self.reqs;
-        self.queue.retain(|q| reqs.contains_key(q));
+        let mut queue = std::mem::take(&mut self.queue);
+        queue.retain(|q| self.reqs.contains_key(q));
         let mut held: BTreeMap<u64, u64> = BTreeMap::new();
         for r in self.reqs.values() {
             *held.entry(r.owner.tenant.0).or_default() += r.own.len() as u64;
         }
-        let mut waiting: Vec<Waiting> = self
-            .queue
+        let waiting = queue
             .iter()
-            .map(|q| {
-                let r = &self.reqs[q];
-                Waiting {
-                    tenant: r.owner.tenant.0,
-                    weight: r.gen.weight,
-                    priority: r.gen.priority,
-                }
-            })
+            .map(|q| waiting_of(&self.reqs[q].owner, &self.reqs[q].gen))
             .collect();
-        while let Some(i) = fair::next(&waiting, &held) {
-            let req = self.queue[i];
+        fair::admit(&mut queue, waiting, held, |req| {
             let r = &self.reqs[&req];
             if !fits(pool, r.owner, &r.tokens, &r.keys, ps) {
-                break;
+                return None;
             }
-            self.queue.remove(i);
-            waiting.remove(i);
             self.start_compute(pool, req, out);
-            if let Some(r) = self.reqs.get(&req) {
-                *held.entry(r.owner.tenant.0).or_default() += r.own.len() as u64;
-            }
-        }
+            Some(self.reqs.get(&req).map_or(0, |r| r.own.len() as u64))
+        });
+        self.queue = queue;
     }
 
     /// The engine computed a request's prompt KV and its first token.
