@@ -15,9 +15,9 @@
 //!   read (and, for `f16`, converted) once and used by every query head of
 //!   the group and every row of the block — decode's three heads per group,
 //!   and up to [`BLOCK_ROWS`] rows of a prompt.
-//! * **Online softmax over tiles** (a page, in pieces of at most [`TILE`]
-//!   slots): a running maximum, sum and accumulator per (row, head); no
-//!   score array as long as the context.
+//! * **Online softmax over tiles** of [`TILE`] positions (fixed by
+//!   position, whatever the page size): a running maximum, sum and
+//!   accumulator per (row, head); no score array as long as the context.
 //! * **Split over positions.** A row's positions are cut into chunks of
 //!   [`CHUNK_POSITIONS`] (whole pages); chunks are items of their own, so a
 //!   single long sequence spreads over every thread, and the chunks'
@@ -436,13 +436,15 @@ fn run_item(
         // Whole K/V rows of the tile, read front to back once (converted
         // to f32 if stored as f16); each group then points into them.
         let n = t1 - t0;
-        gather(level, seq, ps, kvw, t0..t1, 0, kvw, tile);
+        // (Only this item's groups: an item of one group converts a third.)
+        let (g0, width) = (groups.start, groups.len() * hd);
+        gather(level, seq, ps, kvw, t0..t1, g0 * hd, width, tile);
         for g in groups.clone() {
             for i in 0..n {
-                // SAFETY: row i holds kvw ≥ (g + 1)·hd values.
+                // SAFETY: row i holds `width` ≥ (g − g0 + 1)·hd values.
                 unsafe {
-                    tile.k_rows[i] = tile.k_base[i].add(g * hd);
-                    tile.v_rows[i] = tile.v_base[i].add(g * hd);
+                    tile.k_rows[i] = tile.k_base[i].add((g - g0) * hd);
+                    tile.v_rows[i] = tile.v_base[i].add((g - g0) * hd);
                 }
             }
             let (kr, vr) = (&tile.k_rows, &tile.v_rows);
@@ -545,15 +547,25 @@ fn gather_with(
                 tile.v_base[i] = v[at..at + hd].as_ptr();
             }
             (k, v) => {
-                let (kd, vd) = (i * hd..(i + 1) * hd, i * hd..(i + 1) * hd);
-                for (src, buf) in [(k, &mut tile.k[kd]), (v, &mut tile.v[vd])] {
+                assert!((i + 1) * hd <= tile.k.len().min(tile.v.len()));
+                // One raw pointer per buffer for the whole tile: rows
+                // written later never invalidate a row pointer taken
+                // earlier.
+                let (kb, vb) = (tile.k.as_mut_ptr(), tile.v.as_mut_ptr());
+                for (src, base) in [(k, kb), (v, vb)] {
+                    // SAFETY: row i lies inside the buffer (asserted), and
+                    // no other reference to it lives here.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(base.add(i * hd), hd) };
                     match src {
                         KvRows::F32(x) => buf.copy_from_slice(&x[at..at + hd]),
                         KvRows::F16(x) => convert(&x[at..at + hd], buf),
                     }
                 }
-                tile.k_base[i] = tile.k[i * hd..].as_ptr();
-                tile.v_base[i] = tile.v[i * hd..].as_ptr();
+                // SAFETY: as above.
+                unsafe {
+                    tile.k_base[i] = kb.add(i * hd);
+                    tile.v_base[i] = vb.add(i * hd);
+                }
             }
         }
     }

@@ -71,25 +71,32 @@ impl HttpEndpoint {
             body["logprobs"] = json!(0);
         }
         let start = Instant::now();
+        let timed_out = || ProbeError::TimedOut {
+            url: self.base.clone(),
+            what: format!(
+                "POST /v1/completions of a {}-word prompt, max_tokens {}",
+                req.prompt.split_whitespace().count(),
+                req.max_tokens
+            ),
+            after_s: start.elapsed().as_secs_f64(),
+        };
         let mut resp = self
             .agent
             .post(&url)
             .header("Authorization", &format!("Bearer {key}"))
             .send_json(&body)
             .map_err(|e| match e {
-                ureq::Error::Timeout(_) => ProbeError::TimedOut {
-                    url: self.base.clone(),
-                    what: format!(
-                        "POST /v1/completions of a {}-word prompt, max_tokens {}",
-                        req.prompt.split_whitespace().count(),
-                        req.max_tokens
-                    ),
-                    after_s: start.elapsed().as_secs_f64(),
-                },
+                ureq::Error::Timeout(_) => timed_out(),
                 e => self.unreachable(e),
             })?;
         let status = resp.status().as_u16();
-        let v = read_json(&mut resp).unwrap_or(Value::Null);
+        // The limit covers the body too: a body cut off by it is a
+        // timeout, not an answer without JSON.
+        let v = match resp.body_mut().read_to_string() {
+            Ok(text) => serde_json::from_str(&text).unwrap_or(Value::Null),
+            Err(ureq::Error::Timeout(_)) => return Err(timed_out()),
+            Err(_) => Value::Null,
+        };
         Ok((status, v, start.elapsed().as_secs_f64()))
     }
 

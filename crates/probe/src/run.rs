@@ -384,7 +384,7 @@ pub fn run(
                 let affordable = (r.time_left_s() / 3.0 / one_s).floor() as usize;
                 flood_count = flood_count.min(affordable.max(flood_prompts(w, flood_tokens, 1)));
             }
-            progress.phase("flood", (1 + flood_in_flight + flood_count) as u64);
+            progress.phase("flood", (1 + cfg.concurrency + flood_count) as u64);
             let (mut flooded, flood_words) = flood(
                 &r,
                 &secrets[flood_secret],
@@ -697,7 +697,9 @@ fn flood(
     // last (a stack) keeps handing them the same pages, and the wave
     // before has filled the rest.
     let mut answers = vec![sized];
-    for (n, w) in [(in_flight, words / 4), (count, words)] {
+    // The first wave keeps `--concurrency` prompts (the KV they ask for
+    // together is the point); only how many run at once is sized.
+    for (n, w) in [(r.cfg.concurrency, words / 4), (count, words)] {
         let prompts: Vec<String> = (0..n)
             .map(|_| flood_prompt(nonce(), w.max(1), secret))
             .collect();

@@ -723,7 +723,9 @@ impl PrefillNode {
         let mut queue = std::mem::take(&mut self.queue);
         queue.retain(|q| self.reqs.contains_key(q));
         let mut held: BTreeMap<u64, u64> = BTreeMap::new();
-        for r in self.reqs.values() {
+        // Pages a request still holds (a freed one, waiting for decode's
+        // last word, gave its private pages back).
+        for r in self.reqs.values().filter(|r| !r.freed) {
             *held.entry(r.owner.tenant.0).or_default() += r.own.len() as u64;
         }
         let waiting = queue
