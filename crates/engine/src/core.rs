@@ -841,11 +841,16 @@ impl<F: Forward> Core<F> {
         let mut chunks: Vec<usize> = (0..self.running.len())
             .filter(|&i| !self.running[i].decoding())
             .collect();
+        // Within a tenant: by priority, then the fewest positions left to
+        // compute — a short prompt's first token does not wait for a long
+        // prompt's whole prefill (the long one still gets what the short
+        // ones leave of the budget, every step).
         chunks.sort_by(|&x, &y| {
             let (a, b) = (&self.running[x], &self.running[y]);
             served(a)
                 .total_cmp(&served(b))
                 .then(a.priority.cmp(&b.priority))
+                .then((a.history.len() - a.computed).cmp(&(b.history.len() - b.computed)))
         });
         let mut catching_up = Vec::with_capacity(chunks.len());
         for i in chunks {

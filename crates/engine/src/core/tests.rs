@@ -429,7 +429,7 @@ fn fifo_admission_waits_for_whole_requests_and_nobody_passes_the_head() {
         t2 rows r1 20* | r1+"a" | queue [r2 r3] running [r1] free 2/8
         t3 rows r1 21* | r1+"n" | queue [r2 r3] running [r1] free 2/8
         t4 rows r1 22* | r1+"y" r1 done length (4 tokens, 6 pages) | queue [r2 r3] running [] free 8/8
-        t5 rows r2 0-11* r3 0-1* | r2+"o" r3+"y" | queue [] running [r2 r3] free 3/8
+        t5 rows r3 0-1* r2 0-11* | r2+"o" r3+"y" | queue [] running [r2 r3] free 3/8
         t6 rows r2 12* r3 2* | r2+"u" r3+"b" r3 done length (2 tokens, 1 pages) | queue [] running [r2] free 4/8
         t7 rows r2 13* | r2+"l" | queue [] running [r2] free 4/8
         t8 rows r2 14* | r2+"i" r2 done length (4 tokens, 4 pages) | queue [] running [] free 8/8
@@ -507,7 +507,7 @@ fn eos_and_stop_strings_finish_a_request_with_stop() {
     h.submit(req);
     h.run(20);
     h.check(expect![[r#"
-        t1 rows r1 0-2* r2 0* | r1+"c" r2+"a" | queue [] running [r1 r2] free 9/16
+        t1 rows r2 0* r1 0-2* | r1+"c" r2+"a" | queue [] running [r1 r2] free 9/16
         t2 rows r1 3* r2 1* | r1+"i" r2+"y" | queue [] running [r1 r2] free 9/16
         t3 rows r1 4* r2 2* | r1+"v" r2+"" | queue [] running [r1 r2] free 9/16
         t4 rows r1 5* r2 3* | r1 done stop (4 tokens, 4 pages) r2+"" r2 done stop (4 tokens, 3 pages) | queue [] running [] free 16/16
@@ -1034,12 +1034,12 @@ fn one_tenants_long_prompt_never_holds_back_anothers_decode_k13() {
 
 #[test]
 fn prompt_chunks_go_to_the_least_served_tenant_first_k13() {
-    // Budget 8. Tenant 1 is busy (r1, r2); then tenant 1 and tenant 2
-    // each send a 12-token prompt at once. Tenant 2 starts level with the
-    // least-served active tenant (no credit for having been away: the
-    // VTC's lift), so at t2 the earlier arrival, r3, takes the rest of the
-    // budget; from t3 tenant 1 has been served more and tenant 2's chunks
-    // (r4) come first.
+    // Budget 8. Tenant 1 is busy (r1, r2: the shorter prompt's chunk
+    // first); then tenant 1 and tenant 2 each send a 12-token prompt at
+    // once. Tenant 2 starts level with the least-served active tenant (no
+    // credit for having been away: the VTC's lift), and tenant 1 has been
+    // served since, so tenant 2's chunks (r4) come first from t2 on;
+    // tenant 1's new prompt (r3) gets what is left (t4).
     let mut h = Harness::new(32, 8, 4);
     h.submit(of(1, 6, 2));
     let a = h.submit(of(1, 5, 20));
@@ -1048,27 +1048,26 @@ fn prompt_chunks_go_to_the_least_served_tenant_first_k13() {
     h.submit(of(2, 12, 1));
     h.run(40);
     h.check(expect![[r#"
-        t1 rows r1 0-5* r2 0-1 | r1+"j" | queue [] running [r1 r2] free 23/32
-        t2 rows r1 6* r2 2-4* r4 0-3 | r1+"f" r1 done length (2 tokens, 2 pages) r2+"m" | queue [] running [r3 r2 r4] free 17/32
-        t3 rows r2 5* r3 0-6 | r2+"p" | queue [] running [r3 r2 r4] free 17/32
-        t4 rows r2 6* r4 4-10 | r2+"c" | queue [] running [r3 r2 r4] free 17/32
-        t5 rows r2 7* r4 11* r3 7-11* | r2+"e" r3+"o" r3 done length (1 tokens, 4 pages) r4+"o" r4 done length (1 tokens, 4 pages) | queue [] running [r2] free 25/32
-        t6 rows r2 8* | r2+"g" | queue [] running [r2] free 25/32
-        t7 rows r2 9* | r2+"g" | queue [] running [r2] free 25/32
-        t8 rows r2 10* | r2+"f" | queue [] running [r2] free 25/32
-        t9 rows r2 11* | r2+"z" | queue [] running [r2] free 25/32
-        t10 rows r2 12* | r2+"n" | queue [] running [r2] free 25/32
-        t11 rows r2 13* | r2+"b" | queue [] running [r2] free 25/32
-        t12 rows r2 14* | r2+"z" | queue [] running [r2] free 25/32
-        t13 rows r2 15* | r2+"x" | queue [] running [r2] free 25/32
-        t14 rows r2 16* | r2+"t" | queue [] running [r2] free 25/32
-        t15 rows r2 17* | r2+"d" | queue [] running [r2] free 25/32
-        t16 rows r2 18* | r2+"k" | queue [] running [r2] free 25/32
-        t17 rows r2 19* | r2+"k" | queue [] running [r2] free 25/32
-        t18 rows r2 20* | r2+"l" | queue [] running [r2] free 25/32
-        t19 rows r2 21* | r2+"k" | queue [] running [r2] free 25/32
-        t20 rows r2 22* | r2+"w" | queue [] running [r2] free 25/32
-        t21 rows r2 23* | r2+"i" r2 done length (20 tokens, 7 pages) | queue [] running [] free 32/32
+        t1 rows r2 0-4* r1 0-2 | r2+"m" | queue [] running [r1 r2] free 23/32
+        t2 rows r2 5* r1 3-5* r4 0-3 | r1+"j" r2+"p" | queue [] running [r1 r2 r4 r3] free 15/32
+        t3 rows r1 6* r2 6* r4 4-9 | r1+"f" r1 done length (2 tokens, 2 pages) r2+"c" | queue [] running [r3 r2 r4] free 17/32
+        t4 rows r2 7* r3 0-6 | r2+"e" | queue [] running [r3 r2 r4] free 17/32
+        t5 rows r2 8* r4 10-11* r3 7-11* | r2+"g" r3+"o" r3 done length (1 tokens, 4 pages) r4+"o" r4 done length (1 tokens, 4 pages) | queue [] running [r2] free 25/32
+        t6 rows r2 9* | r2+"g" | queue [] running [r2] free 25/32
+        t7 rows r2 10* | r2+"f" | queue [] running [r2] free 25/32
+        t8 rows r2 11* | r2+"z" | queue [] running [r2] free 25/32
+        t9 rows r2 12* | r2+"n" | queue [] running [r2] free 25/32
+        t10 rows r2 13* | r2+"b" | queue [] running [r2] free 25/32
+        t11 rows r2 14* | r2+"z" | queue [] running [r2] free 25/32
+        t12 rows r2 15* | r2+"x" | queue [] running [r2] free 25/32
+        t13 rows r2 16* | r2+"t" | queue [] running [r2] free 25/32
+        t14 rows r2 17* | r2+"d" | queue [] running [r2] free 25/32
+        t15 rows r2 18* | r2+"k" | queue [] running [r2] free 25/32
+        t16 rows r2 19* | r2+"k" | queue [] running [r2] free 25/32
+        t17 rows r2 20* | r2+"l" | queue [] running [r2] free 25/32
+        t18 rows r2 21* | r2+"k" | queue [] running [r2] free 25/32
+        t19 rows r2 22* | r2+"w" | queue [] running [r2] free 25/32
+        t20 rows r2 23* | r2+"i" r2 done length (20 tokens, 7 pages) | queue [] running [] free 32/32
     "#]]);
     let _ = a;
     h.assert_quiet();
@@ -1103,7 +1102,7 @@ fn resuming_a_request_resumes_that_request_even_when_making_room_preempts_an_ear
     h.check(expect![[r#"
         t1 rows r1 0-4* | r1+"m" | queue [] running [r1] free 28/32 cached 1 (0 idle)
         t2 rows r1 5* r2 0-4* | r1+"p" r2+"e" | queue [] running [r1 r2] free 24/32 cached 2 (0 idle)
-        t3 rows r3 0-4* r2 4-5* | r2+"n" r3+"b" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
+        t3 rows r2 4-5* r3 0-4* | r2+"n" r3+"b" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
         t4 rows r3 5* r2 6* | r2+"o" r3+"e" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
         t5 rows r3 6* r2 7* | r2+"l" r3+"v" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
         t6 rows r3 7* r2 8* | r2+"x" r3+"y" | queue [] running [r3 r2] free 24/32 preempted [r1] cached 3 (1 idle)
@@ -1157,26 +1156,29 @@ impl Harness {
 #[test]
 fn a_prefill_node_gives_prompt_chunks_to_the_least_served_tenant_first_k13() {
     // Budget 8. Tenant 1 sends a 24-token and a 16-token prompt to the
-    // prefill node, tenant 2 a 16-token one after tenant 1's first step.
-    // Tenant 2 starts level with tenant 1 (t2: the earlier request, r1,
+    // prefill node, tenant 2 a 32-token one after tenant 1's first step.
+    // Tenant 2 starts level with tenant 1 (t2: tenant 1's shorter prompt
     // goes on); from t3 tenant 2 is the less served and its chunks come
-    // first, before the rest of r1 — which a node scheduling in arrival
-    // order would run first. Computed prompts leave the batch (the
-    // transfer machine takes them on; their pages stay allocated).
+    // first, before the rest of tenant 1's prompts — which a node going by
+    // arrival, or by the fewest positions left alone, would run first.
+    // Computed prompts leave the batch (the transfer machine takes them
+    // on; their pages stay allocated).
     let mut h = Harness::new(32, 8, 4);
     h.start_prefill(1, 24, 1);
     h.start_prefill(1, 16, 1);
     h.tick();
-    h.start_prefill(2, 16, 1);
+    h.start_prefill(2, 32, 1);
     h.run(10);
     h.check(expect![[r#"
-        t1 rows r1 0-7 | - | queue [] running [r1 r2] free 22/32
-        t2 rows r1 8-15 | - | queue [] running [r1 r2 r3] free 18/32
-        t3 rows r3 0-7 | - | queue [] running [r1 r2 r3] free 18/32
-        t4 rows r1 16-23* | - | queue [] running [r3 r2] free 18/32
-        t5 rows r3 8-15* | - | queue [] running [r2] free 18/32
-        t6 rows r2 0-7 | - | queue [] running [r2] free 18/32
-        t7 rows r2 8-15* | - | queue [] running [] free 18/32
+        t1 rows r2 0-7 | - | queue [] running [r1 r2] free 22/32
+        t2 rows r2 8-15* | - | queue [] running [r1 r3] free 14/32
+        t3 rows r3 0-7 | - | queue [] running [r1 r3] free 14/32
+        t4 rows r1 0-7 | - | queue [] running [r1 r3] free 14/32
+        t5 rows r3 8-15 | - | queue [] running [r1 r3] free 14/32
+        t6 rows r1 8-15 | - | queue [] running [r1 r3] free 14/32
+        t7 rows r3 16-23 | - | queue [] running [r1 r3] free 14/32
+        t8 rows r1 16-23* | - | queue [] running [r3] free 14/32
+        t9 rows r3 24-31* | - | queue [] running [] free 14/32
     "#]]);
     let mut out = Vec::new();
     h.core.take_outbox(&mut out);
@@ -1187,5 +1189,5 @@ fn a_prefill_node_gives_prompt_chunks_to_the_least_served_tenant_first_k13() {
             _ => None,
         })
         .collect();
-    assert_eq!(computed, [1, 3, 2]);
+    assert_eq!(computed, [2, 1, 3]);
 }
