@@ -25,8 +25,10 @@ WORDS = ("river stone garden lantern copper meadow harbor violet thunder "
 
 
 def long_prompt(nonce, tokens):
-    # About 1.3 tokens a word on this tokenizer; numbers keep words apart.
-    n = int(tokens / 1.3)
+    # A word with its number is about 2.96 tokens on SmolLM2's tokenizer
+    # (measured: 2,307 such words made 6,838 tokens); numbers keep words
+    # apart, so no two prompts share a run of tokens.
+    n = int(tokens / 2.96)
     body = " ".join(f"{WORDS[(nonce * 7 + i) % len(WORDS)]}{i % 97}" for i in range(n))
     return f"Note {nonce}: {body}. Summarise the note:"
 
