@@ -319,6 +319,7 @@ impl Model {
                 &mut s.x[i * dim..(i + 1) * dim],
             );
         }
+        let plan = AttnPlan::new(seqs.len(), rows, ps);
         for (l, layer) in self.layers.iter().enumerate() {
             // Attention block.
             rmsnorm_rows(
@@ -349,7 +350,7 @@ impl Model {
             self.attention(
                 pool,
                 seqs,
-                rows,
+                &plan,
                 l,
                 &s.q[..n * dim],
                 &mut s.att[..n * dim],
@@ -448,7 +449,7 @@ impl Model {
         &self,
         pool: &Pool,
         seqs: &[SeqCtx<'_>],
-        rows: &[Row],
+        plan: &AttnPlan,
         layer: usize,
         q: &[f32],
         out: &mut [f32],
@@ -456,40 +457,59 @@ impl Model {
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let ps = pool.shape().page_size;
-        // Positions each sequence's rows read.
-        let mut need = vec![0usize; seqs.len()];
-        for r in rows {
-            need[r.seq] = need[r.seq].max(r.pos + 1);
-        }
-        let mut pages: Vec<KvPage<'_>> = Vec::new();
-        let mut ranges = vec![0..0; seqs.len()];
-        for (si, seq) in seqs.iter().enumerate() {
-            let start = pages.len();
-            for j in 0..need[si].div_ceil(ps) {
-                let n = ps.min(need[si] - j * ps);
+        let mut pages: Vec<KvPage<'_>> = Vec::with_capacity(plan.pages);
+        for (seq, &need) in seqs.iter().zip(&plan.need) {
+            for j in 0..need.div_ceil(ps) {
+                let n = ps.min(need - j * ps);
                 let (k, v) = match pool.read_layer(seq.pages[j], seq.owner, layer, n)? {
                     LayerView::F32 { k, v } => (KvRows::F32(k), KvRows::F32(v)),
                     LayerView::F16 { k, v } => (KvRows::F16(k), KvRows::F16(v)),
                 };
                 pages.push(KvPage { k, v, slots: n });
             }
-            ranges[si] = start..pages.len();
         }
-        let arows: Vec<AttnRow> = rows
-            .iter()
-            .map(|r| AttnRow {
-                pos: r.pos,
-                pages: ranges[r.seq].clone(),
-            })
-            .collect();
+        debug_assert_eq!(pages.len(), plan.pages);
+        let arows = &plan.rows;
         let shape = AttnShape {
             n_head: c.n_head,
             n_kv_head: c.n_kv_head,
             head_dim: c.head_dim,
             page_size: ps,
         };
-        kernels::attention::attention(&self.threads, shape, &pages, &arows, q, out, scratch);
+        kernels::attention::attention(&self.threads, shape, &pages, arows, q, out, scratch);
         Ok(())
+    }
+}
+
+/// What every layer's attention reads, the same for all layers of a step:
+/// positions per sequence (`need`), each row's pages in the page list, and
+/// the list's length.
+struct AttnPlan {
+    need: Vec<usize>,
+    rows: Vec<AttnRow>,
+    pages: usize,
+}
+
+impl AttnPlan {
+    fn new(n_seqs: usize, rows: &[Row], ps: usize) -> AttnPlan {
+        let mut need = vec![0usize; n_seqs];
+        for r in rows {
+            need[r.seq] = need[r.seq].max(r.pos + 1);
+        }
+        let mut ranges = Vec::with_capacity(n_seqs);
+        let mut pages = 0;
+        for &n in &need {
+            ranges.push(pages..pages + n.div_ceil(ps));
+            pages += n.div_ceil(ps);
+        }
+        let rows = rows
+            .iter()
+            .map(|r| AttnRow {
+                pos: r.pos,
+                pages: ranges[r.seq].clone(),
+            })
+            .collect();
+        AttnPlan { need, rows, pages }
     }
 }
 
