@@ -299,6 +299,43 @@ def test_fingerprint_mismatch_refuses_pairing(tmp_root, other_gguf):
         p.terminate()
 
 
+def test_q8_0_kv_over_pd_equals_unified_and_a_dtype_mismatch_refuses_pairing(tmp_root):
+    """`--kv-dtype q8_0` pages cross the wire as they are; a node storing
+    another type is refused at pairing (the layout is part of the handshake),
+    never fed pages it would misread."""
+    q8 = NODE_ARGS + ["--kv-dtype", "q8_0"]
+    d = Node("decode", tmp_root, "decode-q8", args=q8)
+    p16 = Node("prefill", tmp_root, "prefill-f16")
+    gw = Gateway(p16.addr, d.addr, tmp_root, "gateway-mixed-dtype")
+    p8 = gw8 = unified = None
+    try:
+        wait_until(lambda: "pairing refused" in gw.stderr(), what="the refusal to be logged")
+        assert "KV layout" in gw.stderr(), gw.stderr()
+        assert not healthy(gw)
+        assert chat(gw, PROMPTS[0]).status_code == 503
+        assert d.metrics()["isoserve_node_decode_reservations_total"] == 0
+        p8 = Node("prefill", tmp_root, "prefill-q8", args=q8)
+        gw8 = Gateway(p8.addr, d.addr, tmp_root, "gateway-q8")
+        wait_until(lambda: healthy(gw8), what="the q8_0 set to pair")
+        unified = Server(["--kv-dtype", "q8_0"], tmp_root, "unified-q8")
+        assert "KV q8_0 (12240 bytes a token" in unified.stderr(), unified.stderr()
+        for prompt in PROMPTS[:3]:
+            a, b = chat(unified, prompt), chat(gw8, prompt)
+            assert a.status_code == b.status_code == 200, (a.text, b.text)
+            assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"], prompt
+        m = pool_free(d)
+        assert m["isoserve_node_decode_transfers_completed_total"] >= 3
+        assert m["isoserve_node_decode_checksum_failures_total"] == 0
+        pool_free(p8)
+    finally:
+        for x in (gw, gw8, unified):
+            if x is not None:
+                x.terminate()
+        for n in (d, p16, p8):
+            if n is not None:
+                n.terminate()
+
+
 def children_of(pid):
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]

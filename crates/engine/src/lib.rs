@@ -482,8 +482,7 @@ pub fn measure(
         pool_pages: pages,
         page_size_tokens: cfg.page_size_tokens,
         kv_dtype: cfg.kv_dtype,
-        kv_bytes_per_token: (shape.layers * shape.token_width() * 2 * shape.dtype.size_bytes())
-            as u64,
+        kv_bytes_per_token: shape.bytes_per_token() as u64,
         max_request_tokens: max_request,
         prefix_cache: cfg.prefix_cache,
     };

@@ -355,6 +355,12 @@ impl GatewayBackend {
         st.gw.nodes().to_vec()
     }
 
+    /// Up prefill/decode nodes whose KV layouts differ (never paired).
+    pub fn layout_mismatches(&self) -> Vec<String> {
+        let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.gw.layout_mismatches()
+    }
+
     pub fn gateway_stats(&self) -> transfer::gateway::GatewayStats {
         let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
         st.gw.stats()

@@ -204,11 +204,21 @@ async fn serve_gateway(
     let addr = listener.local_addr()?;
     // Wait (bounded) for a pair before announcing, so that "listening"
     // means "serving"; without one the gateway still serves (503s).
+    // Stop waiting early once every node has answered (up or refused):
+    // nothing more will change by itself.
     let t0 = Instant::now();
-    while !engine::Backend::ready(&*backend) && t0.elapsed() < Duration::from_secs(30) {
+    let settled =
+        |b: &gateway::GatewayBackend| b.nodes().iter().all(|n| n.up() || n.refused.is_some());
+    while !engine::Backend::ready(&*backend)
+        && !settled(&backend)
+        && t0.elapsed() < Duration::from_secs(30)
+    {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     if !engine::Backend::ready(&*backend) {
+        for why in backend.layout_mismatches() {
+            tracing::error!("{why}");
+        }
         for n in backend.nodes() {
             if let Some(why) = &n.refused {
                 tracing::error!(node = %n.addr, "{why}");

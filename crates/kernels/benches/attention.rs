@@ -26,6 +26,20 @@ const KVW: usize = 192;
 enum Store {
     F32(Vec<Vec<f32>>),
     F16(Vec<Vec<f16>>),
+    Q8(Vec<Vec<u8>>),
+}
+
+/// GGML `q8_0` blocks of `x` (as the pool writes them).
+fn q8(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for b in x.chunks(32) {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend(f16::from_f32(d).to_le_bytes());
+        out.extend(b.iter().map(|v| ((v * id).round() as i8) as u8));
+    }
+    out
 }
 
 fn pages(store: &Store, depth: usize, layer: usize) -> Vec<KvPage<'_>> {
@@ -43,6 +57,11 @@ fn pages(store: &Store, depth: usize, layer: usize) -> Vec<KvPage<'_>> {
                 Store::F16(p) => KvPage {
                     k: KvRows::F16(&p[2 * i][..n * KVW]),
                     v: KvRows::F16(&p[2 * i + 1][..n * KVW]),
+                    slots: n,
+                },
+                Store::Q8(p) => KvPage {
+                    k: KvRows::Q8_0(&p[2 * i][..n * KVW / 32 * 34]),
+                    v: KvRows::Q8_0(&p[2 * i + 1][..n * KVW / 32 * 34]),
                     slots: n,
                 },
             }
@@ -67,17 +86,19 @@ fn main() {
         None => vec![1, 256],
     };
     for depth in depths {
-        for half in [false, true] {
+        for kind in ["f32", "f16", "q8_0"] {
             let per_layer = depth.div_ceil(PAGE);
             let n = LAYERS * per_layer * 2;
             let val = |i: usize| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;
-            let store = match half {
-                false => Store::F32(
-                    (0..n)
-                        .map(|p| (0..PAGE * KVW).map(|i| val(p * 7 + i)).collect())
-                        .collect(),
-                ),
-                true => Store::F16(
+            let row = |p: usize| {
+                (0..PAGE * KVW)
+                    .map(|i| val(p * 7 + i))
+                    .collect::<Vec<f32>>()
+            };
+            let store = match kind {
+                "f32" => Store::F32((0..n).map(row).collect()),
+                "q8_0" => Store::Q8((0..n).map(|p| q8(&row(p))).collect()),
+                _ => Store::F16(
                     (0..n)
                         .map(|p| {
                             (0..PAGE * KVW)
@@ -87,7 +108,12 @@ fn main() {
                         .collect(),
                 ),
             };
-            let bytes_per_layer = depth * KVW * 2 * if half { 2 } else { 4 };
+            let row_bytes = match kind {
+                "f32" => KVW * 4,
+                "q8_0" => KVW / 32 * 34,
+                _ => KVW * 2,
+            };
+            let bytes_per_layer = depth * row_bytes * 2;
             for &rows_n in &rows_set {
                 let rows: Vec<AttnRow> = (0..rows_n)
                     .map(|r| AttnRow {
@@ -116,7 +142,7 @@ fn main() {
                 let gb = (bytes_per_layer * LAYERS) as f64 / 1e9;
                 println!(
                     "depth {depth:5} {} {:>9}: {:8.3} ms for 30 layers ({:.0} MB of K/V read once: {:.1} GB/s)",
-                    if half { "f16" } else { "f32" },
+                    kind,
                     if rows_n == 1 { "decode" } else { "256 rows" },
                     t * 1e3,
                     gb * 1e3,

@@ -95,13 +95,23 @@ pub enum KvRows<'a> {
     F32(&'a [f32]),
     /// `f16` values.
     F16(&'a [f16]),
+    /// GGML `q8_0` blocks: an `f16` scale then 32 `i8` ([`Q8_BLOCK_BYTES`]
+    /// bytes for 32 values); a block never straddles two heads.
+    Q8_0(&'a [u8]),
 }
 
+/// Values in one `q8_0` block.
+pub const Q8_BLOCK: usize = 32;
+/// Bytes of one `q8_0` block.
+pub const Q8_BLOCK_BYTES: usize = 34;
+
 impl KvRows<'_> {
+    /// Values held.
     fn len(&self) -> usize {
         match self {
             KvRows::F32(x) => x.len(),
             KvRows::F16(x) => x.len(),
+            KvRows::Q8_0(x) => x.len() / Q8_BLOCK_BYTES * Q8_BLOCK,
         }
     }
 }
@@ -261,6 +271,12 @@ pub fn attention_with_level(
     }
     for p in pages {
         assert!(p.k.len() >= p.slots * kvw && p.v.len() >= p.slots * kvw);
+        if matches!(p.k, KvRows::Q8_0(_)) || matches!(p.v, KvRows::Q8_0(_)) {
+            assert!(
+                hd.is_multiple_of(Q8_BLOCK),
+                "q8_0 pages need head_dim % 32 == 0"
+            );
+        }
     }
     assert!(level.is_supported(), "kernel level {level:?} on this CPU");
     let level = match level {
@@ -518,11 +534,31 @@ fn gather(
         return;
     }
     let _ = level;
-    gather_with(seq, ps, kvw, positions, off, hd, tile, |src, dst| {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = s.to_f32();
-        }
-    })
+    gather_with(
+        seq,
+        ps,
+        kvw,
+        positions,
+        off,
+        hd,
+        tile,
+        |src, dst| {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = s.to_f32();
+            }
+        },
+        |src, dst| {
+            for (b, o) in src
+                .chunks_exact(Q8_BLOCK_BYTES)
+                .zip(dst.chunks_exact_mut(Q8_BLOCK))
+            {
+                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                for (x, &q) in o.iter_mut().zip(&b[2..]) {
+                    *x = d * (q as i8) as f32;
+                }
+            }
+        },
+    )
 }
 
 #[inline(always)]
@@ -536,11 +572,20 @@ fn gather_with(
     hd: usize,
     tile: &mut TileBuf,
     convert: impl Fn(&[f16], &mut [f32]),
+    dequant: impl Fn(&[u8], &mut [f32]),
 ) {
     let t0 = positions.start;
+    // q8_0: bytes of a row, and of the `hd` values at `off` (both whole
+    // blocks: `off` and `hd` are multiples of the head dimension, which the
+    // caller checked is a multiple of 32 for q8_0 pages).
+    let (row8, hd8) = (
+        kvw / Q8_BLOCK * Q8_BLOCK_BYTES,
+        hd / Q8_BLOCK * Q8_BLOCK_BYTES,
+    );
     for p in positions {
         let (page, i) = (&seq[p / ps], p - t0);
         let at = (p % ps) * kvw + off;
+        let at8 = (p % ps) * row8 + off / Q8_BLOCK * Q8_BLOCK_BYTES;
         match (page.k, page.v) {
             (KvRows::F32(k), KvRows::F32(v)) => {
                 tile.k_base[i] = k[at..at + hd].as_ptr();
@@ -559,6 +604,7 @@ fn gather_with(
                     match src {
                         KvRows::F32(x) => buf.copy_from_slice(&x[at..at + hd]),
                         KvRows::F16(x) => convert(&x[at..at + hd], buf),
+                        KvRows::Q8_0(x) => dequant(&x[at8..at8 + hd8], buf),
                     }
                 }
                 // SAFETY: as above.
@@ -700,18 +746,44 @@ mod avx2 {
         hd: usize,
         tile: &mut super::TileBuf,
     ) {
-        super::gather_with(seq, ps, kvw, positions, off, hd, tile, |src, dst| {
-            let n = src.len().min(dst.len());
-            let mut i = 0;
-            while i + 8 <= n {
-                // SAFETY: i + 8 <= n <= both lengths; F16C is enabled.
-                unsafe {
-                    let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
-                    _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        super::gather_with(
+            seq,
+            ps,
+            kvw,
+            positions,
+            off,
+            hd,
+            tile,
+            |src, dst| {
+                let n = src.len().min(dst.len());
+                let mut i = 0;
+                while i + 8 <= n {
+                    // SAFETY: i + 8 <= n <= both lengths; F16C is enabled.
+                    unsafe {
+                        let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+                    }
+                    i += 8;
                 }
-                i += 8;
-            }
-        })
+            },
+            |src, dst| {
+                for (b, o) in src
+                    .chunks_exact(super::Q8_BLOCK_BYTES)
+                    .zip(dst.chunks_exact_mut(super::Q8_BLOCK))
+                {
+                    // SAFETY: b holds 34 bytes, o 32 floats; AVX2 and F16C
+                    // are enabled. scale × q rounds once, as the reference.
+                    unsafe {
+                        let d = _mm256_cvtph_ps(_mm_set1_epi16(i16::from_le_bytes([b[0], b[1]])));
+                        for j in 0..4 {
+                            let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * j).cast());
+                            let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                            _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), _mm256_mul_ps(d, x));
+                        }
+                    }
+                }
+            },
+        )
     }
 
     #[inline(always)]

@@ -42,11 +42,25 @@ fn sum_view(view: LayerView<'_>) -> f32 {
     match view {
         LayerView::F32 { k, v } => lanes(k, |x| x) + lanes(v, |x| x),
         LayerView::F16 { k, v } => lanes(k, |x| x.to_f32()) + lanes(v, |x| x.to_f32()),
+        LayerView::Q8_0 { k, v } => {
+            // Scale × q per value, as attention's gather does.
+            let q8 = |b: &[u8]| -> f32 {
+                let mut acc = [0.0f32; 16];
+                for blk in b.chunks_exact(kv::Q8_BLOCK_BYTES) {
+                    let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                    for (j, &q) in blk[2..].iter().enumerate() {
+                        acc[j % 16] += d * f32::from(q as i8);
+                    }
+                }
+                acc.iter().sum()
+            };
+            q8(k) + q8(v)
+        }
     }
 }
 
 fn bench(c: &mut Criterion) {
-    for dtype in [DType::F32, DType::F16] {
+    for dtype in [DType::F32, DType::F16, DType::Q8_0] {
         let (pool, pages) = full_pool(dtype);
         let shape = *pool.shape();
         let h = pages[0];

@@ -124,6 +124,7 @@ mod tests;
 pub use integrity::{canary_value, page_checksum};
 #[cfg(any(test, feature = "fault-injection"))]
 pub use pool::Faults;
+pub use pool::{dequantize_q8_0, quantize_q8_0};
 pub use pool::{
     FreeOutcome, LayerView, LeaseOutcome, Poison, Pool, PoolOptions, LEASES_PER_PAGE_MAX,
     POISON_NAN_BYTE, POOL_BYTES_MAX, POOL_PAGES_MAX, REFS_PER_PAGE_MAX,
@@ -133,7 +134,7 @@ pub use prefix::PrefixKeys;
 pub use request::{PoolStats, RequestId, Scope, TenantId};
 pub use shape::{
     capacity_tokens, pages_for_budget, tokens_for_budget, DType, KvShape, PAGE_ALIGN_BYTES,
-    PAGE_SIZE_MAX_TOKENS, TRAILER_BYTES,
+    PAGE_SIZE_MAX_TOKENS, Q8_BLOCK, Q8_BLOCK_BYTES, TRAILER_BYTES,
 };
 
 /// The owner of a page: one request of one tenant, in one cache scope.

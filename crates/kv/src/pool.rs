@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use half::f16;
 
 use crate::integrity::{canary_value, page_checksum};
-use crate::shape::{DType, KvShape, PAGE_ALIGN_BYTES, TRAILER_BYTES};
+use crate::shape::{DType, KvShape, PAGE_ALIGN_BYTES, Q8_BLOCK, Q8_BLOCK_BYTES, TRAILER_BYTES};
 use crate::{KvError, Owner, PageRef, PoolStats, Scope};
 
 /// Largest pool this crate will allocate. A limit on everything: a typo in
@@ -21,9 +21,10 @@ pub const LEASES_PER_PAGE_MAX: u32 = 1024;
 /// Largest number of requests holding one cached page (K11).
 pub const REFS_PER_PAGE_MAX: u32 = 1 << 20;
 
-/// Byte written over a freed page. 0xFF.. is a NaN in both f16 and f32, so
-/// a read that slipped past every check would still poison the logits
-/// rather than produce fluent text from someone else's KV.
+/// Byte written over a freed page. 0xFF.. is a NaN in both f16 and f32 (and
+/// a `q8_0` block's scale 0xFFFF is an f16 NaN), so a read that slipped past
+/// every check would still poison the logits rather than produce fluent text
+/// from someone else's KV.
 pub const POISON_NAN_BYTE: u8 = 0xFF;
 
 /// What a free does to the page's memory.
@@ -72,8 +73,19 @@ pub enum LeaseOutcome {
 /// A read-only view of the written K and V slots of one (page, layer).
 #[derive(Clone, Copy, Debug)]
 pub enum LayerView<'a> {
-    F32 { k: &'a [f32], v: &'a [f32] },
-    F16 { k: &'a [f16], v: &'a [f16] },
+    F32 {
+        k: &'a [f32],
+        v: &'a [f32],
+    },
+    F16 {
+        k: &'a [f16],
+        v: &'a [f16],
+    },
+    /// `q8_0` blocks (see [`DType::Q8_0`]), `row_bytes` a slot.
+    Q8_0 {
+        k: &'a [u8],
+        v: &'a [u8],
+    },
 }
 
 impl LayerView<'_> {
@@ -82,6 +94,7 @@ impl LayerView<'_> {
         match self {
             LayerView::F32 { k, .. } => k.len() / token_width,
             LayerView::F16 { k, .. } => k.len() / token_width,
+            LayerView::Q8_0 { k, .. } => k.len() / DType::Q8_0.row_bytes(token_width),
         }
     }
 }
@@ -1086,12 +1099,12 @@ impl Pool {
         }
         let shape = self.shape;
         let layer_off = layer * shape.layer_bytes();
-        let esz = shape.dtype.size_bytes();
-        let k_off = layer_off + slot * width * esz;
-        let v_off = layer_off + shape.half_bytes() + slot * width * esz;
+        let rb = shape.row_bytes();
+        let k_off = layer_off + slot * rb;
+        let v_off = layer_off + shape.half_bytes() + slot * rb;
         let page = self.page_mut(h.index);
-        store_row(shape.dtype, &mut page[k_off..k_off + width * esz], k);
-        store_row(shape.dtype, &mut page[v_off..v_off + width * esz], v);
+        store_row(shape.dtype, &mut page[k_off..k_off + rb], k);
+        store_row(shape.dtype, &mut page[v_off..v_off + rb], v);
         if slot >= wm {
             self.watermarks[wm_index] = (slot + 1) as u16;
         }
@@ -1127,8 +1140,9 @@ impl Pool {
         // SAFETY: index < pages (check_live) and layer < layers (check_layer),
         // so [off, off + layer_bytes) lies inside the allocation. Every
         // (page, layer) half starts 64-byte aligned (KvShape::validate) and
-        // holds page_size × width ≥ count elements; f32 and f16 have no
-        // invalid bit patterns; `&self` forbids concurrent writes.
+        // holds page_size × width ≥ count elements (page_size × row_bytes ≥
+        // n × row_bytes bytes); f32, f16 and bytes have no invalid bit
+        // patterns; `&self` forbids concurrent writes.
         unsafe {
             let k = self.memory.ptr.as_ptr().add(off);
             let v = k.add(shape.half_bytes());
@@ -1140,6 +1154,10 @@ impl Pool {
                 DType::F16 => LayerView::F16 {
                     k: std::slice::from_raw_parts(k.cast::<f16>(), count),
                     v: std::slice::from_raw_parts(v.cast::<f16>(), count),
+                },
+                DType::Q8_0 => LayerView::Q8_0 {
+                    k: std::slice::from_raw_parts(k, n * shape.row_bytes()),
+                    v: std::slice::from_raw_parts(v, n * shape.row_bytes()),
                 },
             })
         }
@@ -1182,7 +1200,7 @@ impl Pool {
             });
         }
         let page = self.page(h.index);
-        let row_bytes = shape.token_width() * shape.dtype.size_bytes();
+        let row_bytes = shape.row_bytes();
         let mut slots = shape.page_size;
         for layer in 0..shape.layers {
             let wm = self.watermarks[h.index as usize * shape.layers + layer] as usize;
@@ -1452,5 +1470,43 @@ fn store_row(dtype: DType, dst: &mut [u8], src: &[f32]) {
                 d.copy_from_slice(&f16::from_f32(*s).to_le_bytes());
             }
         }
+        DType::Q8_0 => {
+            for (d, s) in dst
+                .chunks_exact_mut(Q8_BLOCK_BYTES)
+                .zip(src.chunks_exact(Q8_BLOCK))
+            {
+                quantize_q8_0(s, d);
+            }
+        }
+    }
+}
+
+/// One `q8_0` block as GGML's reference quantiser writes it: scale =
+/// max |x| / 127 (stored as f16), q = round(x / scale) away from zero. A
+/// non-finite input makes the scale NaN, so the block reads as NaN rather
+/// than as plausible numbers.
+pub fn quantize_q8_0(src: &[f32], dst: &mut [u8]) {
+    assert_eq!((src.len(), dst.len()), (Q8_BLOCK, Q8_BLOCK_BYTES));
+    let amax = src.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let amax = if src.iter().all(|x| x.is_finite()) {
+        amax
+    } else {
+        f32::NAN
+    };
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    dst[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for (q, x) in dst[2..].iter_mut().zip(src) {
+        // NaN × anything saturates to 0 in `as i8`: the NaN scale carries it.
+        *q = ((x * id).round() as i8) as u8;
+    }
+}
+
+/// Dequantises one `q8_0` block (`Q8_BLOCK_BYTES` in, `Q8_BLOCK` out).
+pub fn dequantize_q8_0(src: &[u8], dst: &mut [f32]) {
+    assert_eq!((src.len(), dst.len()), (Q8_BLOCK_BYTES, Q8_BLOCK));
+    let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
+    for (x, &q) in dst.iter_mut().zip(&src[2..]) {
+        *x = d * (q as i8) as f32;
     }
 }

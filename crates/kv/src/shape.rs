@@ -7,13 +7,24 @@ use crate::KvError;
 pub enum DType {
     F16,
     F32,
+    /// GGML's `q8_0`: blocks of [`Q8_BLOCK`] values, each an `f16` scale
+    /// then 32 `i8` (34 bytes), value = scale × q. A block never straddles
+    /// two heads (`head_dim % 32 == 0`, checked by [`KvShape::validate`]).
+    Q8_0,
 }
 
+/// Values in one `q8_0` block.
+pub const Q8_BLOCK: usize = 32;
+/// Bytes of one `q8_0` block: the `f16` scale and 32 `i8`.
+pub const Q8_BLOCK_BYTES: usize = 2 + Q8_BLOCK;
+
 impl DType {
-    pub const fn size_bytes(self) -> usize {
+    /// Bytes that `n` values take (`n` a multiple of [`Q8_BLOCK`] for `q8_0`).
+    pub const fn row_bytes(self, n: usize) -> usize {
         match self {
-            DType::F16 => 2,
-            DType::F32 => 4,
+            DType::F16 => 2 * n,
+            DType::F32 => 4 * n,
+            DType::Q8_0 => n / Q8_BLOCK * Q8_BLOCK_BYTES,
         }
     }
 
@@ -21,6 +32,7 @@ impl DType {
         match self {
             DType::F16 => "f16",
             DType::F32 => "f32",
+            DType::Q8_0 => "q8_0",
         }
     }
 }
@@ -96,11 +108,8 @@ impl KvShape {
                 "kv_heads × head_dim must be in 1..={TOKEN_WIDTH_MAX}"
             ));
         }
-        // Keep every (page, layer) block and K/V half 64-byte aligned.
-        if !(self.page_size * self.token_width() * self.dtype.size_bytes())
-            .is_multiple_of(PAGE_ALIGN_BYTES)
-        {
-            return bad("page_size × kv_heads × head_dim × dtype bytes must be a multiple of 64");
+        if self.dtype == DType::Q8_0 && !self.head_dim.is_multiple_of(Q8_BLOCK) {
+            return bad("q8_0 needs head_dim to be a multiple of 32");
         }
         Ok(())
     }
@@ -110,9 +119,16 @@ impl KvShape {
         self.kv_heads * self.head_dim
     }
 
-    /// Bytes of the K half (= the V half) of one (page, layer) block.
+    /// Bytes of one token's K (or V) row in one layer.
+    pub const fn row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.token_width())
+    }
+
+    /// Bytes of the K half (= the V half) of one (page, layer) block:
+    /// `page_size` rows, padded to [`PAGE_ALIGN_BYTES`] so that every half
+    /// starts 64-byte aligned.
     pub const fn half_bytes(&self) -> usize {
-        self.page_size * self.token_width() * self.dtype.size_bytes()
+        (self.page_size * self.row_bytes()).next_multiple_of(PAGE_ALIGN_BYTES)
     }
 
     /// Bytes of one (page, layer) block: K slots then V slots.
@@ -132,7 +148,7 @@ impl KvShape {
 
     /// KV bytes one token needs across all layers (K and V).
     pub const fn bytes_per_token(&self) -> usize {
-        self.layers * 2 * self.token_width() * self.dtype.size_bytes()
+        self.layers * 2 * self.row_bytes()
     }
 
     /// Pages needed to hold `tokens` tokens of one sequence.
@@ -175,6 +191,21 @@ mod tests {
         assert_eq!(s.bytes_per_token(), 30 * 2 * 192 * 4);
         let h = smollm(DType::F16);
         assert_eq!(h.data_bytes() * 2, s.data_bytes());
+        // q8_0: 6 blocks of 34 bytes a row; 16 rows = 3,264 bytes, 64-aligned.
+        let q = smollm(DType::Q8_0);
+        assert_eq!(q.row_bytes(), 204);
+        assert_eq!(q.half_bytes(), 3264);
+        assert_eq!(q.bytes_per_token(), 30 * 2 * 204);
+    }
+
+    #[test]
+    fn halves_are_padded_to_64_bytes() {
+        // 1 slot × 3 × 5 × 2 bytes = 30 bytes, padded to 64.
+        let s = KvShape::new(2, 3, 5, 1, DType::F16).unwrap();
+        assert_eq!(s.half_bytes(), 64);
+        assert_eq!(s.bytes_per_token(), 2 * 2 * 30);
+        let q = KvShape::new(1, 1, 32, 3, DType::Q8_0).unwrap();
+        assert_eq!((q.row_bytes(), q.half_bytes()), (34, 128));
     }
 
     #[test]
@@ -197,7 +228,8 @@ mod tests {
         assert!(KvShape::new(30, 0, 64, 16, DType::F32).is_err());
         assert!(KvShape::new(30, 3, 64, 0, DType::F32).is_err());
         assert!(KvShape::new(30, 3, 64, 100_000, DType::F32).is_err());
-        // 1 slot × 3 × 5 × 2 bytes = 30 bytes: not 64-aligned.
-        assert!(KvShape::new(2, 3, 5, 1, DType::F16).is_err());
+        // q8_0 blocks must not straddle heads.
+        assert!(KvShape::new(30, 3, 48, 16, DType::Q8_0).is_err());
+        assert!(KvShape::new(30, 2, 16, 16, DType::Q8_0).is_err());
     }
 }

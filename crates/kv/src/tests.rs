@@ -43,7 +43,19 @@ fn k_values(view: LayerView<'_>) -> Vec<f32> {
     match view {
         LayerView::F32 { k, .. } => k.to_vec(),
         LayerView::F16 { k, .. } => k.iter().map(|x| x.to_f32()).collect(),
+        LayerView::Q8_0 { k, .. } => dequant(k),
     }
+}
+
+fn dequant(bytes: &[u8]) -> Vec<f32> {
+    let mut out = vec![0.0; bytes.len() / Q8_BLOCK_BYTES * Q8_BLOCK];
+    for (b, o) in bytes
+        .chunks_exact(Q8_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(Q8_BLOCK))
+    {
+        dequantize_q8_0(b, o);
+    }
+    out
 }
 
 fn check(ok: bool, what: &str) -> Result<(), String> {
@@ -566,7 +578,102 @@ fn f16_pool_round_trips_rows() {
             assert_eq!(gk.iter().map(|x| x.to_f32()).collect::<Vec<_>>(), k);
             assert_eq!(gv.iter().map(|x| x.to_f32()).collect::<Vec<_>>(), v);
         }
-        LayerView::F32 { .. } => panic!("wrong dtype"),
+        _ => panic!("wrong dtype"),
+    }
+}
+
+/// `q8_0` as GGML writes it: scale max|x|/127 in f16, then round half away
+/// from zero. Pinned on a block whose values are exact in the format.
+#[test]
+fn q8_0_blocks_are_ggml_blocks() {
+    let mut x = [0.0f32; Q8_BLOCK];
+    x[0] = 127.0;
+    x[1] = -63.5; // half: rounds away from zero, to -64
+    x[2] = 0.49;
+    x[3] = -127.0;
+    let mut b = [0u8; Q8_BLOCK_BYTES];
+    quantize_q8_0(&x, &mut b);
+    assert_eq!(&b[..2], &half::f16::from_f32(1.0).to_le_bytes());
+    assert_eq!(&b[2..6], &[127, (-64i8) as u8, 0, (-127i8) as u8]);
+    assert!(b[6..].iter().all(|&q| q == 0));
+    let mut y = [1.0f32; Q8_BLOCK];
+    quantize_q8_0(&[0.0; Q8_BLOCK], &mut b);
+    dequantize_q8_0(&b, &mut y);
+    assert!(
+        y.iter().all(|&v| v == 0.0),
+        "an all-zero block reads as zeros"
+    );
+    // A non-finite input poisons its block instead of reading as numbers.
+    x[5] = f32::INFINITY;
+    quantize_q8_0(&x, &mut b);
+    dequantize_q8_0(&b, &mut y);
+    assert!(y.iter().all(|v| v.is_nan()));
+}
+
+#[test]
+fn q8_0_pool_round_trips_rows_within_half_a_step() {
+    // 3 slots × 34 bytes = 102 bytes a half: padded to 128.
+    let shape = KvShape::new(2, 2, 32, 3, DType::Q8_0).unwrap();
+    let mut p = Pool::new(shape, 2, PoolOptions::default()).unwrap();
+    let h = alloc(&mut p, ALICE, 1)[0];
+    let k: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+    let v: Vec<f32> = (0..64).map(|i| (i as f32 * 0.11).cos() - 0.5).collect();
+    for slot in 0..3 {
+        p.write_token(h, ALICE, 1, slot, &k, &v).unwrap();
+    }
+    let view = p.read_layer(h, ALICE, 1, 3).unwrap();
+    assert_eq!(view.slots(shape.token_width()), 3);
+    let LayerView::Q8_0 { k: gk, v: gv } = view else {
+        panic!("wrong dtype")
+    };
+    for (got, want) in [(dequant(gk), &k), (dequant(gv), &v)] {
+        assert_eq!(got.len(), 3 * 64);
+        for (blk, w) in got.chunks(32).zip(want.chunks(32).cycle()) {
+            let amax = w.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            for (a, b) in blk.iter().zip(w) {
+                // Half a quantisation step, plus the scale's f16 rounding.
+                assert!(
+                    (a - b).abs() <= amax / 254.0 * 1.01 + amax * 1e-3,
+                    "{a} vs {b}"
+                );
+            }
+        }
+    }
+    // Freed and poisoned: every block's scale is NaN, so every value is.
+    p.free(h, ALICE).unwrap();
+    let bytes = p.page(h.index)[..shape.data_bytes()].to_vec();
+    assert!(dequant(&bytes[..102]).iter().all(|x| x.is_nan()));
+}
+
+#[test]
+fn q8_0_export_zeroes_the_padding_and_an_earlier_owners_slots() {
+    let shape = KvShape::new(1, 1, 32, 3, DType::Q8_0).unwrap();
+    let mut p = Pool::new(
+        shape,
+        1,
+        PoolOptions {
+            poison: Poison::Off,
+        },
+    )
+    .unwrap();
+    let h = alloc(&mut p, BOB, 1)[0];
+    for slot in 0..3 {
+        p.write_token(h, BOB, 0, slot, &[42.0; 32], &[42.0; 32])
+            .unwrap();
+    }
+    p.free(h, BOB).unwrap();
+    let h = alloc(&mut p, ALICE, 1)[0];
+    // 127: exact in q8_0 (scale 1).
+    p.write_token(h, ALICE, 0, 0, &[127.0; 32], &[127.0; 32])
+        .unwrap();
+    let mut out = vec![0xAAu8; shape.data_bytes()];
+    assert_eq!(p.export_page(h, ALICE, &mut out).unwrap(), 1);
+    for half in out.chunks(shape.half_bytes()) {
+        assert_eq!(dequant(&half[..34]), vec![127.0; 32]);
+        assert!(
+            half[34..].iter().all(|&b| b == 0),
+            "bytes past slot 0 leave the node"
+        );
     }
 }
 

@@ -464,6 +464,7 @@ impl Model {
                 let (k, v) = match pool.read_layer(seq.pages[j], seq.owner, layer, n)? {
                     LayerView::F32 { k, v } => (KvRows::F32(k), KvRows::F32(v)),
                     LayerView::F16 { k, v } => (KvRows::F16(k), KvRows::F16(v)),
+                    LayerView::Q8_0 { k, v } => (KvRows::Q8_0(k), KvRows::Q8_0(v)),
                 };
                 pages.push(KvPage { k, v, slots: n });
             }

@@ -166,9 +166,21 @@ fn another_owners_pages_are_refused() {
 }
 
 #[test]
-fn synthetic_batch_invariance_f16_and_f32() {
-    for dtype in [DType::F32, DType::F16] {
-        let m = synthetic(&format!("inv-{dtype:?}"), SyntheticConfig::default());
+fn synthetic_batch_invariance_in_every_kv_dtype() {
+    // q8_0 blocks need head_dim % 32 == 0: 128 / 4 heads.
+    let wide = SyntheticConfig {
+        dim: 128,
+        ..SyntheticConfig::default()
+    };
+    let narrow = synthetic("inv-narrow", SyntheticConfig::default());
+    let err = narrow.kv_shape(4, DType::Q8_0).unwrap_err();
+    assert!(err.to_string().contains("head_dim"), "{err}");
+    for (dtype, cfg) in [
+        (DType::F32, SyntheticConfig::default()),
+        (DType::F16, SyntheticConfig::default()),
+        (DType::Q8_0, wide),
+    ] {
+        let m = synthetic(&format!("inv-{dtype:?}"), cfg);
         let shape = m.kv_shape(4, dtype).unwrap();
         let a: Vec<u32> = (0..11).map(|i| 3 + (i * 13) % 250).collect();
         let b: Vec<u32> = (0..9).map(|i| 5 + (i * 7) % 250).collect();

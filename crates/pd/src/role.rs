@@ -119,6 +119,7 @@ pub fn kv_layout(model: &Model, cfg: &EngineConfig) -> KvLayout {
         dtype: match cfg.kv_dtype {
             DType::F32 => 0,
             DType::F16 => 1,
+            DType::Q8_0 => 2,
         },
         layers: model.config.n_layer as u32,
         kv_heads: model.config.n_kv_head as u32,

@@ -150,7 +150,9 @@ pub fn next_from_pool(
                         ));
                     }
                 }
-                LayerView::F16 { .. } => unreachable!("the stand-in's pools are f32"),
+                LayerView::F16 { .. } | LayerView::Q8_0 { .. } => {
+                    unreachable!("the stand-in's pools are f32")
+                }
             }
         }
     }

@@ -182,6 +182,31 @@ impl Gateway {
         self.stats
     }
 
+    /// Prefill and decode nodes that are both up but can never be paired:
+    /// their KV layouts (page size, storage type, shape) differ, so decode
+    /// could not read prefill's pages. One line per such pair, for the log;
+    /// [`Self::pick_pair`] skips them.
+    pub fn layout_mismatches(&self) -> Vec<String> {
+        let up = |role: u8| {
+            self.nodes
+                .iter()
+                .filter(move |n| n.role == role && n.up())
+                .filter_map(|n| n.hello.as_ref())
+        };
+        let mut out = Vec::new();
+        for p in up(ROLE_PREFILL) {
+            for d in up(ROLE_DECODE) {
+                if p.layout != d.layout {
+                    out.push(format!(
+                        "pairing refused: prefill node `{}` has KV layout {:?}, decode node `{}` has {:?} (pass both the same --page-size and --kv-dtype)",
+                        p.node, p.layout, d.node, d.layout
+                    ));
+                }
+            }
+        }
+        out
+    }
+
     pub fn requests(&self) -> usize {
         self.reqs.len()
     }

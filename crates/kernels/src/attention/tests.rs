@@ -23,12 +23,51 @@ fn seq(rng: &mut StdRng, len: usize, kvw: usize) -> Seq {
     }
 }
 
-/// Pages of the sequences in the given storage type (f16 data rounded).
+/// How the test pages store K and V.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Store {
+    F32,
+    F16,
+    Q8,
+}
+
+/// The storage types a head geometry allows (`q8_0` blocks must not
+/// straddle heads).
+fn stores(sh: AttnShape) -> Vec<Store> {
+    let mut v = vec![Store::F32, Store::F16];
+    if sh.head_dim.is_multiple_of(Q8_BLOCK) {
+        v.push(Store::Q8);
+    }
+    v
+}
+
+/// GGML's `q8_0` quantiser (the pool's, restated: kernels does not depend
+/// on kv).
+fn q8(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for b in x.chunks(Q8_BLOCK) {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend(f16::from_f32(d).to_le_bytes());
+        out.extend(b.iter().map(|v| ((v * id).round() as i8) as u8));
+    }
+    out
+}
+
+fn q8_value(bytes: &[u8], j: usize) -> f32 {
+    let b = &bytes[j / Q8_BLOCK * Q8_BLOCK_BYTES..][..Q8_BLOCK_BYTES];
+    f16::from_le_bytes([b[0], b[1]]).to_f32() * f32::from(b[2 + j % Q8_BLOCK] as i8)
+}
+
+/// Pages of the sequences in every storage type (f16 and q8_0 data rounded).
 struct Paged {
     k32: Vec<Vec<f32>>,
     v32: Vec<Vec<f32>>,
     k16: Vec<Vec<f16>>,
     v16: Vec<Vec<f16>>,
+    k8: Vec<Vec<u8>>,
+    v8: Vec<Vec<u8>>,
     slots: Vec<usize>,
     /// Per sequence: its pages.
     ranges: Vec<Range<usize>>,
@@ -40,6 +79,8 @@ fn paged(seqs: &[Seq], kvw: usize, ps: usize) -> Paged {
         v32: vec![],
         k16: vec![],
         v16: vec![],
+        k8: vec![],
+        v8: vec![],
         slots: vec![],
         ranges: vec![],
     };
@@ -53,6 +94,10 @@ fn paged(seqs: &[Seq], kvw: usize, ps: usize) -> Paged {
             p.v32.push(v.to_vec());
             p.k16.push(k.iter().map(|&x| f16::from_f32(x)).collect());
             p.v16.push(v.iter().map(|&x| f16::from_f32(x)).collect());
+            if kvw.is_multiple_of(Q8_BLOCK) {
+                p.k8.push(q8(k));
+                p.v8.push(q8(v));
+            }
             p.slots.push(n);
         }
         p.ranges.push(start..p.slots.len());
@@ -61,19 +106,19 @@ fn paged(seqs: &[Seq], kvw: usize, ps: usize) -> Paged {
 }
 
 impl Paged {
-    fn pages(&self, half: bool) -> Vec<KvPage<'_>> {
+    fn pages(&self, store: Store) -> Vec<KvPage<'_>> {
         (0..self.slots.len())
-            .map(|i| match half {
-                false => KvPage {
-                    k: KvRows::F32(&self.k32[i]),
-                    v: KvRows::F32(&self.v32[i]),
+            .map(|i| {
+                let (k, v) = match store {
+                    Store::F32 => (KvRows::F32(&self.k32[i]), KvRows::F32(&self.v32[i])),
+                    Store::F16 => (KvRows::F16(&self.k16[i]), KvRows::F16(&self.v16[i])),
+                    Store::Q8 => (KvRows::Q8_0(&self.k8[i]), KvRows::Q8_0(&self.v8[i])),
+                };
+                KvPage {
+                    k,
+                    v,
                     slots: self.slots[i],
-                },
-                true => KvPage {
-                    k: KvRows::F16(&self.k16[i]),
-                    v: KvRows::F16(&self.v16[i]),
-                    slots: self.slots[i],
-                },
+                }
             })
             .collect()
     }
@@ -109,16 +154,18 @@ fn levels() -> Vec<KernelLevel> {
         .collect()
 }
 
-/// Naive attention in f64 over the stored (possibly f16-rounded) values.
-fn naive(shape: AttnShape, pages: &Paged, half: bool, rows: &[AttnRow], q: &[f32]) -> Vec<f64> {
+/// Naive attention in f64 over the stored (possibly rounded) values.
+fn naive(shape: AttnShape, pages: &Paged, store: Store, rows: &[AttnRow], q: &[f32]) -> Vec<f64> {
     let (hd, kvw, ps) = (shape.head_dim, shape.kv_width(), shape.page_size);
     let dim = shape.n_head * hd;
     let val = |i: usize, j: usize, kv: usize| -> f64 {
-        match (half, kv) {
-            (false, 0) => f64::from(pages.k32[i][j]),
-            (false, _) => f64::from(pages.v32[i][j]),
-            (true, 0) => f64::from(pages.k16[i][j].to_f32()),
-            (true, _) => f64::from(pages.v16[i][j].to_f32()),
+        match (store, kv) {
+            (Store::F32, 0) => f64::from(pages.k32[i][j]),
+            (Store::F32, _) => f64::from(pages.v32[i][j]),
+            (Store::F16, 0) => f64::from(pages.k16[i][j].to_f32()),
+            (Store::F16, _) => f64::from(pages.v16[i][j].to_f32()),
+            (Store::Q8, 0) => f64::from(q8_value(&pages.k8[i], j)),
+            (Store::Q8, _) => f64::from(q8_value(&pages.v8[i], j)),
         }
     };
     let mut out = vec![0.0; rows.len() * dim];
@@ -221,16 +268,16 @@ fn matches_a_float64_softmax_in_every_shape_and_storage() {
         let c = case(&mut rng, sh, &lens, rows);
         let p = paged(&c.seqs, sh.kv_width(), sh.page_size);
         let rows = attn_rows(&c, &p);
-        for half in [false, true] {
-            let want = naive(sh, &p, half, &rows, &c.q);
+        for store in stores(sh) {
+            let want = naive(sh, &p, store, &rows, &c.q);
             for level in levels() {
-                let got = run(level, 2, sh, &p.pages(half), &rows, &c.q);
+                let got = run(level, 2, sh, &p.pages(store), &rows, &c.q);
                 let err = got
                     .iter()
                     .zip(&want)
                     .map(|(&a, &b)| (f64::from(a) - b).abs())
                     .fold(0.0, f64::max);
-                assert!(err < 2e-5, "{sh:?} f16={half} {level:?}: max error {err}");
+                assert!(err < 2e-5, "{sh:?} {store:?} {level:?}: max error {err}");
             }
         }
     }
@@ -248,13 +295,13 @@ fn every_level_gives_the_same_bits_k12() {
         );
         let p = paged(&c.seqs, sh.kv_width(), sh.page_size);
         let rows = attn_rows(&c, &p);
-        for half in [false, true] {
-            let pages = p.pages(half);
+        for store in stores(sh) {
+            let pages = p.pages(store);
             let want = bits(&run(KernelLevel::Scalar, 1, sh, &pages, &rows, &c.q));
             for level in levels() {
                 for threads in [1, 2, 3] {
                     let got = bits(&run(level, threads, sh, &pages, &rows, &c.q));
-                    assert!(got == want, "{sh:?} f16={half} {level:?} threads {threads}");
+                    assert!(got == want, "{sh:?} {store:?} {level:?} threads {threads}");
                 }
             }
         }
@@ -271,7 +318,7 @@ fn a_rows_output_does_not_depend_on_the_rows_beside_it_k12() {
     let c = case(&mut rng, sh, &[len], (0..len).map(|p| (0, p)).collect());
     let p = paged(&c.seqs, sh.kv_width(), sh.page_size);
     let rows = attn_rows(&c, &p);
-    let pages = p.pages(true);
+    let pages = p.pages(Store::F16);
     let dim = sh.n_head * sh.head_dim;
     let level = KernelLevel::active();
     let whole = bits(&run(level, 2, sh, &pages, &rows, &c.q));
@@ -301,7 +348,7 @@ fn a_rows_output_does_not_depend_on_the_rows_beside_it_k12() {
     );
     let p2 = paged(&c2.seqs, sh.kv_width(), sh.page_size);
     let rows2 = attn_rows(&c2, &p2);
-    let pages2 = p2.pages(true);
+    let pages2 = p2.pages(Store::Q8);
     let mixed = bits(&run(level, 2, sh, &pages2, &rows2, &c2.q));
     for (i, r) in rows2.iter().enumerate() {
         let alone = bits(&run(
@@ -370,7 +417,7 @@ fn the_page_size_does_not_change_a_bit_k12() {
         &[700],
         vec![(0, 699), (0, 300), (0, 63), (0, 64)],
     );
-    let mut want: [Option<Vec<u32>>; 2] = [None, None];
+    let mut want: [Option<Vec<u32>>; 3] = [None, None, None];
     for ps in [16, 7, 300, 1] {
         let sh = AttnShape {
             page_size: ps,
@@ -378,18 +425,18 @@ fn the_page_size_does_not_change_a_bit_k12() {
         };
         let p = paged(&c.seqs, sh.kv_width(), ps);
         let rows = attn_rows(&c, &p);
-        for half in [false, true] {
+        for (i, store) in stores(sh).into_iter().enumerate() {
             let got = bits(&run(
                 KernelLevel::active(),
                 2,
                 sh,
-                &p.pages(half),
+                &p.pages(store),
                 &rows,
                 &c.q,
             ));
-            match &want[half as usize] {
-                None => want[half as usize] = Some(got),
-                Some(w) => assert!(*w == got, "page size {ps}, f16 {half}"),
+            match &want[i] {
+                None => want[i] = Some(got),
+                Some(w) => assert!(*w == got, "page size {ps}, {store:?}"),
             }
         }
     }
