@@ -464,49 +464,89 @@ fn run_item(
                 }
             }
             let (kr, vr) = (&tile.k_rows, &tile.v_rows);
+            let qh = |r: usize, h: usize| &q[r * dim + h * hd..r * dim + (h + 1) * hd];
+            let tile_of = |n: usize| Tile { k: kr, v: vr, n };
+            let pairs = level >= KernelLevel::Avx2 && hd.is_multiple_of(32);
+            // One head over the tile alone (the reference, or AVX2's
+            // one-head pass).
+            let single = |r: usize, h: usize, n: usize| match level {
+                #[cfg(target_arch = "x86_64")]
+                KernelLevel::Avx2 | KernelLevel::Avx512 => {
+                    // SAFETY: the level was checked against the CPU
+                    // (KernelLevel::active or the caller); hd % 8 == 0.
+                    unsafe { avx2::tile_update(qh(r, h), tile_of(n), scale, state(r, h)) }
+                }
+                _ => tile_update_ref(qh(r, h), tile_of(n), scale, state(r, h)),
+            };
+            // Two (row, head) states over the same n keys in one pass: each
+            // K and V load serves both, and per state the operations are
+            // those of the one-head pass, so the bits are the same.
+            let double = |(r0, h0): (usize, usize), (r1, h1): (usize, usize), n: usize| {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `pairs` holds only with AVX2 checked against the
+                // CPU and hd % 32 == 0; two different states.
+                unsafe {
+                    avx2::tile_update2(
+                        qh(r0, h0),
+                        qh(r1, h1),
+                        tile_of(n),
+                        scale,
+                        state(r0, h0),
+                        state(r1, h1),
+                    )
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                {
+                    single(r0, h0, n);
+                    single(r1, h1, n);
+                }
+            };
+            // A group of odd size leaves one head a row: it waits here for
+            // the next row's, and the two go together when they cover the
+            // same keys (full tiles; in a prompt, most of them).
+            let mut waiting: Option<(usize, usize, usize)> = None;
             for r in block.clone() {
                 let pos = rows[r].pos;
                 if pos < t0 {
                     continue;
                 }
-                let t = Tile {
-                    k: kr,
-                    v: vr,
-                    n: n.min(pos + 1 - t0),
-                };
-                let qh = |h: usize| &q[r * dim + h * hd..r * dim + (h + 1) * hd];
+                let n = n.min(pos + 1 - t0);
                 let mut h = g * group;
                 while h < (g + 1) * group {
-                    match level {
+                    if !pairs {
+                        single(r, h, n);
+                        h += 1;
+                    } else if group == 3 {
                         #[cfg(target_arch = "x86_64")]
-                        KernelLevel::Avx2 | KernelLevel::Avx512
-                            if hd.is_multiple_of(32) && h + 1 < (g + 1) * group =>
-                        {
-                            // SAFETY: the level was checked against the CPU
-                            // (KernelLevel::active or the caller), hd % 32
-                            // == 0; two different heads' states.
-                            unsafe {
-                                avx2::tile_update2(
-                                    qh(h),
-                                    qh(h + 1),
-                                    t,
-                                    scale,
-                                    state(r, h),
-                                    state(r, h + 1),
-                                )
-                            };
-                            h += 2;
-                            continue;
+                        // SAFETY: `pairs`: AVX2 checked against the CPU and
+                        // hd % 32 == 0; three different states.
+                        unsafe {
+                            avx2::tile_update3(
+                                [qh(r, h), qh(r, h + 1), qh(r, h + 2)],
+                                tile_of(n),
+                                scale,
+                                [state(r, h), state(r, h + 1), state(r, h + 2)],
+                            )
+                        };
+                        h += 3;
+                    } else if h + 1 < (g + 1) * group {
+                        double((r, h), (r, h + 1), n);
+                        h += 2;
+                    } else {
+                        match waiting.take() {
+                            Some((r0, h0, n0)) if n0 == n => double((r0, h0), (r, h), n),
+                            Some((r0, h0, n0)) => {
+                                single(r0, h0, n0);
+                                waiting = Some((r, h, n));
+                            }
+                            None => waiting = Some((r, h, n)),
                         }
-                        #[cfg(target_arch = "x86_64")]
-                        KernelLevel::Avx2 | KernelLevel::Avx512 => {
-                            // SAFETY: as above, hd % 8 == 0.
-                            unsafe { avx2::tile_update(qh(h), t, scale, state(r, h)) }
-                        }
-                        _ => tile_update_ref(qh(h), t, scale, state(r, h)),
+                        h += 1;
                     }
-                    h += 1;
                 }
+            }
+            if let Some((r, h, n)) = waiting {
+                single(r, h, n);
             }
         }
         t0 = t1;
@@ -1012,6 +1052,103 @@ mod avx2 {
 
     /// The tile's online-softmax step on `s[..n]` (scaled scores, turned
     /// into weights): updates the state's max and sum, returns α.
+    /// Three query vectors over the same tile (a KV group of three heads,
+    /// as SmolLM2's): each K and V load serves all three. Per head, the
+    /// same operations in the same order as [`tile_update`], so the same
+    /// bits. Registers: 3 keys × 3 heads of dot accumulators, then 16
+    /// dimensions × 3 heads of output accumulators.
+    ///
+    /// # Safety
+    /// AVX2, FMA; the three `q` of one length, a multiple of 16; the tile
+    /// as [`super::Tile`] says.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_update3(q: [&[f32]; 3], t: Tile, scale: f32, st: [&mut [f32]; 3]) {
+        let hd = q[0].len();
+        let mut s = [[0.0f32; TILE]; 3];
+        let [st0, st1, st2] = st;
+        // SAFETY: every pointer stays within the tile's n rows of hd
+        // values, the score arrays (TILE ≥ n) and the states (hd + 2).
+        unsafe {
+            let vscale = _mm_set1_ps(scale);
+            let mut i = 0;
+            while i + 3 <= t.n {
+                let mut a = [[_mm256_setzero_ps(); 3]; 3];
+                let mut j = 0;
+                while j < hd {
+                    let x = [
+                        _mm256_loadu_ps(q[0].as_ptr().add(j)),
+                        _mm256_loadu_ps(q[1].as_ptr().add(j)),
+                        _mm256_loadu_ps(q[2].as_ptr().add(j)),
+                    ];
+                    for k in 0..3 {
+                        let kv = _mm256_loadu_ps(t.k[i + k].add(j));
+                        for (ah, xh) in a.iter_mut().zip(&x) {
+                            ah[k] = _mm256_fmadd_ps(*xh, kv, ah[k]);
+                        }
+                    }
+                    j += 8;
+                }
+                for (ah, sh) in a.iter().zip(s.iter_mut()) {
+                    // Lane k: ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)) of key k,
+                    // the contract's tree (lane 3 repeats key 2, unused).
+                    let h =
+                        _mm256_hadd_ps(_mm256_hadd_ps(ah[0], ah[1]), _mm256_hadd_ps(ah[2], ah[2]));
+                    let four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                    let mut out = [0.0f32; 4];
+                    _mm_storeu_ps(out.as_mut_ptr(), _mm_mul_ps(four, vscale));
+                    sh[i..i + 3].copy_from_slice(&out[..3]);
+                }
+                i += 3;
+            }
+            while i < t.n {
+                for (qh, sh) in q.iter().zip(s.iter_mut()) {
+                    sh[i] = dot1(qh.as_ptr(), t.k[i], hd) * scale;
+                }
+                i += 1;
+            }
+            let [s0, s1, s2] = &mut s;
+            let al = [
+                _mm256_set1_ps(softmax(s0, t.n, st0)),
+                _mm256_set1_ps(softmax(s1, t.n, st1)),
+                _mm256_set1_ps(softmax(s2, t.n, st2)),
+            ];
+            let acc = [
+                st0.as_mut_ptr().add(2),
+                st1.as_mut_ptr().add(2),
+                st2.as_mut_ptr().add(2),
+            ];
+            let mut c = 0;
+            while c < hd {
+                let mut b = [[_mm256_setzero_ps(); 2]; 3];
+                for h in 0..3 {
+                    for d in 0..2 {
+                        b[h][d] = _mm256_mul_ps(_mm256_loadu_ps(acc[h].add(c + d * 8)), al[h]);
+                    }
+                }
+                for i in 0..t.n {
+                    let p = [
+                        _mm256_set1_ps(s[0][i]),
+                        _mm256_set1_ps(s[1][i]),
+                        _mm256_set1_ps(s[2][i]),
+                    ];
+                    let v = t.v[i].add(c);
+                    for d in 0..2 {
+                        let vv = _mm256_loadu_ps(v.add(d * 8));
+                        for h in 0..3 {
+                            b[h][d] = _mm256_fmadd_ps(p[h], vv, b[h][d]);
+                        }
+                    }
+                }
+                for h in 0..3 {
+                    for d in 0..2 {
+                        _mm256_storeu_ps(acc[h].add(c + d * 8), b[h][d]);
+                    }
+                }
+                c += 16;
+            }
+        }
+    }
+
     #[inline(always)]
     unsafe fn softmax(s: &mut [f32; TILE], n: usize, st: &mut [f32]) -> f32 {
         // SAFETY: loads and stores within `s` (TILE ≥ n rounded up to 8,

@@ -286,12 +286,28 @@ fn matches_a_float64_softmax_in_every_shape_and_storage() {
 #[test]
 fn every_level_gives_the_same_bits_k12() {
     let mut rng = StdRng::seed_from_u64(11);
-    for sh in [shape(9, 3, 64, 16), shape(4, 2, 32, 7), shape(2, 1, 16, 64)] {
+    // Groups of 3 (three heads a pass), 2, 5 (two pairs, then the odd head
+    // paired with the next row's) and 1 (rows paired).
+    for sh in [
+        shape(9, 3, 64, 16),
+        shape(4, 2, 32, 7),
+        shape(2, 1, 16, 64),
+        shape(5, 1, 32, 16),
+        shape(4, 4, 32, 16),
+    ] {
         let c = case(
             &mut rng,
             sh,
             &[1300, 9],
-            vec![(0, 1299), (0, 600), (0, 5), (1, 8), (1, 0)],
+            vec![
+                (0, 1299),
+                (0, 1298),
+                (0, 600),
+                (0, 601),
+                (0, 5),
+                (1, 8),
+                (1, 0),
+            ],
         );
         let p = paged(&c.seqs, sh.kv_width(), sh.page_size);
         let rows = attn_rows(&c, &p);
@@ -400,6 +416,31 @@ fn tile_update_speed() {
         let fmas = (TILE * hd * 2 / 8) as f64;
         println!(
             "{level:?}: {ns:.0} ns per 64-key tile, {:.2} FMA-instructions/ns",
+            fmas / ns
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    if KernelLevel::Avx2.is_supported() {
+        let (mut s1, mut s2) = (st.clone(), st.clone());
+        let fmas = (TILE * hd * 2 / 8) as f64;
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            // SAFETY: AVX2 checked; hd 64.
+            unsafe { avx2::tile_update2(&q, &q, t, 0.125, &mut st, &mut s1) }
+        }
+        let ns = start.elapsed().as_secs_f64() * 1e9 / reps as f64 / 2.0;
+        println!(
+            "two heads a pass: {ns:.0} ns per head-tile, {:.2} FMA-instructions/ns",
+            fmas / ns
+        );
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            // SAFETY: as above.
+            unsafe { avx2::tile_update3([&q, &q, &q], t, 0.125, [&mut st, &mut s1, &mut s2]) }
+        }
+        let ns = start.elapsed().as_secs_f64() * 1e9 / reps as f64 / 3.0;
+        println!(
+            "three heads a pass: {ns:.0} ns per head-tile, {:.2} FMA-instructions/ns",
             fmas / ns
         );
     }
