@@ -1062,6 +1062,7 @@ mod avx2 {
     /// AVX2, FMA; the three `q` of one length, a multiple of 16; the tile
     /// as [`super::Tile`] says.
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::needless_range_loop)] // register arrays indexed by head and lane
     pub(super) unsafe fn tile_update3(q: [&[f32]; 3], t: Tile, scale: f32, st: [&mut [f32]; 3]) {
         let hd = q[0].len();
         let mut s = [[0.0f32; TILE]; 3];
