@@ -1113,7 +1113,10 @@ impl Pool {
 
     /// The first `n` written K/V slots of `layer` in page `h`. Refused if any
     /// of them was not written by `owner` in the page's current epoch (K3).
-    #[inline]
+    // Always inlined: it runs once per (page, layer) of every attention
+    // step, and returned through memory its view costs a store-forwarding
+    // stall (measured: 4.8 → 13 ns a call when it stopped being inlined).
+    #[inline(always)]
     pub fn read_layer(
         &self,
         h: PageRef,

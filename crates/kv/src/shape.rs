@@ -20,6 +20,7 @@ pub const Q8_BLOCK_BYTES: usize = 2 + Q8_BLOCK;
 
 impl DType {
     /// Bytes that `n` values take (`n` a multiple of [`Q8_BLOCK`] for `q8_0`).
+    #[inline]
     pub const fn row_bytes(self, n: usize) -> usize {
         match self {
             DType::F16 => 2 * n,
@@ -28,6 +29,7 @@ impl DType {
         }
     }
 
+    #[inline]
     pub const fn name(self) -> &'static str {
         match self {
             DType::F16 => "f16",
@@ -115,11 +117,13 @@ impl KvShape {
     }
 
     /// Elements per token for K (or for V) in one layer.
+    #[inline]
     pub const fn token_width(&self) -> usize {
         self.kv_heads * self.head_dim
     }
 
     /// Bytes of one token's K (or V) row in one layer.
+    #[inline]
     pub const fn row_bytes(&self) -> usize {
         self.dtype.row_bytes(self.token_width())
     }
@@ -127,31 +131,37 @@ impl KvShape {
     /// Bytes of the K half (= the V half) of one (page, layer) block:
     /// `page_size` rows, padded to [`PAGE_ALIGN_BYTES`] so that every half
     /// starts 64-byte aligned.
+    #[inline]
     pub const fn half_bytes(&self) -> usize {
         (self.page_size * self.row_bytes()).next_multiple_of(PAGE_ALIGN_BYTES)
     }
 
     /// Bytes of one (page, layer) block: K slots then V slots.
+    #[inline]
     pub const fn layer_bytes(&self) -> usize {
         2 * self.half_bytes()
     }
 
     /// Bytes of KV data in one page (all layers), without the trailer.
+    #[inline]
     pub const fn data_bytes(&self) -> usize {
         self.layers * self.layer_bytes()
     }
 
     /// Bytes one page occupies in the pool, trailer included.
+    #[inline]
     pub const fn page_bytes(&self) -> usize {
         self.data_bytes() + TRAILER_BYTES
     }
 
     /// KV bytes one token needs across all layers (K and V).
+    #[inline]
     pub const fn bytes_per_token(&self) -> usize {
         self.layers * 2 * self.row_bytes()
     }
 
     /// Pages needed to hold `tokens` tokens of one sequence.
+    #[inline]
     pub const fn pages_for_tokens(&self, tokens: u64) -> u64 {
         tokens.div_ceil(self.page_size as u64)
     }
