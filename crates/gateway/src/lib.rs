@@ -591,6 +591,11 @@ pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<
         "Bytes sent to nodes",
         t.stats.bytes_sent_total.load(Ordering::Relaxed),
     );
+    counter(
+        "transport_tls_handshakes_refused_total",
+        "TLS handshakes with nodes that failed (another CA, wrong name, plaintext, too slow)",
+        t.stats.tls_handshakes_refused_total.load(Ordering::Relaxed),
+    );
     for n in gw.nodes() {
         let role = if n.role == ROLE_DECODE {
             "decode"

@@ -215,7 +215,110 @@ pub struct NodeArgs {
     #[arg(long)]
     pub metrics_port: Option<u16>,
     #[command(flatten)]
+    pub tls: TransferTlsArgs,
+    #[command(flatten)]
     pub engine: NodeEngineArgs,
+}
+
+/// Mutual TLS on the transfer channel (K14), for prefill, decode and the
+/// gateway alike.
+#[derive(clap::Args, Debug, Clone, PartialEq, Default)]
+pub struct TransferTlsArgs {
+    /// This node's certificate chain (PEM), signed by --transfer-tls-ca
+    /// and naming --transfer-tls-server-name. With --transfer-tls-key and
+    /// --transfer-tls-ca, every transfer connection is mutually
+    /// authenticated TLS 1.3; a peer without a certificate from that CA is
+    /// refused before any message is read (`isoserve transfer-certs` writes
+    /// a CA and node certificates).
+    #[arg(long, value_name = "PEM")]
+    pub transfer_tls_cert: Option<PathBuf>,
+    /// This node's private key (PEM).
+    #[arg(long, value_name = "PEM")]
+    pub transfer_tls_key: Option<PathBuf>,
+    /// The CA certificate peers must chain to (PEM).
+    #[arg(long, value_name = "PEM")]
+    pub transfer_tls_ca: Option<PathBuf>,
+    /// The DNS name every node certificate carries; dialled nodes must
+    /// present it.
+    #[arg(long, default_value = transport::tls::DEFAULT_SERVER_NAME)]
+    pub transfer_tls_server_name: String,
+    /// Allow plaintext transfer on a non-loopback address: KV pages and
+    /// prompts then cross the network unencrypted and anyone who can reach
+    /// the port talks the protocol. Without TLS and without this flag, a
+    /// node or gateway whose transfer addresses are not loopback refuses to
+    /// start.
+    #[arg(long)]
+    pub insecure_transfer: bool,
+}
+
+/// Whether `host` (an address or `localhost`, with or without a port)
+/// names only this machine.
+pub fn is_loopback_host(host: &str) -> bool {
+    let h = host.trim();
+    let h = h
+        .parse::<std::net::SocketAddr>()
+        .map(|a| a.ip().to_string())
+        .unwrap_or_else(|_| match h.rsplit_once(':') {
+            Some((name, port)) if port.parse::<u16>().is_ok() && !name.contains(':') => {
+                name.to_string()
+            }
+            _ => h.to_string(),
+        });
+    let h = h.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost")
+        || h.parse::<std::net::IpAddr>()
+            .map(|ip| ip.is_loopback())
+            .unwrap_or(false)
+}
+
+impl TransferTlsArgs {
+    /// The transport configuration these flags ask for, checked against the
+    /// addresses the transfer channel uses (`what` names them in errors):
+    /// TLS when the three files are given; plaintext on loopback; plaintext
+    /// elsewhere only with --insecure-transfer.
+    pub fn transport_config(
+        &self,
+        addrs: &[&str],
+        what: &str,
+    ) -> Result<transport::TransportConfig> {
+        let files = [
+            &self.transfer_tls_cert,
+            &self.transfer_tls_key,
+            &self.transfer_tls_ca,
+        ];
+        let given = files.iter().filter(|f| f.is_some()).count();
+        let mut cfg = transport::TransportConfig::default();
+        if given == 3 {
+            let settings = transport::TlsSettings {
+                cert: self.transfer_tls_cert.clone().unwrap_or_default(),
+                key: self.transfer_tls_key.clone().unwrap_or_default(),
+                ca: self.transfer_tls_ca.clone().unwrap_or_default(),
+                server_name: self.transfer_tls_server_name.clone(),
+            };
+            cfg.tls = Some(transport::TransportTls::load(&settings).context("transfer TLS")?);
+            return Ok(cfg);
+        }
+        if given != 0 {
+            anyhow::bail!(
+                "give --transfer-tls-cert, --transfer-tls-key and --transfer-tls-ca together"
+            );
+        }
+        if let Some(a) = addrs.iter().find(|a| !is_loopback_host(a)) {
+            if !self.insecure_transfer {
+                anyhow::bail!(
+                    "{what} `{a}` is not a loopback address, and the transfer channel carries \
+                     prompts and KV pages: give --transfer-tls-cert, --transfer-tls-key and \
+                     --transfer-tls-ca (mutual TLS), or --insecure-transfer to send them in \
+                     the clear"
+                );
+            }
+            tracing::warn!(
+                "--insecure-transfer: {what} `{a}` is not loopback and the transfer channel is \
+                 plaintext and unauthenticated"
+            );
+        }
+        Ok(cfg)
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -234,6 +337,8 @@ pub struct GatewayArgs {
     /// the minimum over this, the model and every node's limit).
     #[arg(long)]
     pub max_context: Option<usize>,
+    #[command(flatten)]
+    pub tls: TransferTlsArgs,
     #[command(flatten)]
     pub http: HttpArgs,
 }
@@ -299,6 +404,64 @@ impl NodeEngineArgs {
 mod tests {
     use super::{engine_config, parse_bytes, NodeEngineArgs};
     use clap::{Args, Parser};
+
+    #[test]
+    fn loopback_hosts_are_told_apart_from_the_network() {
+        use super::is_loopback_host as lo;
+        for h in [
+            "127.0.0.1",
+            "127.0.0.1:7000",
+            "localhost",
+            "localhost:9",
+            "::1",
+            "[::1]:80",
+            "127.9.9.9",
+        ] {
+            assert!(lo(h), "{h}");
+        }
+        for h in [
+            "0.0.0.0",
+            "10.0.0.1:7000",
+            "::",
+            "[::]:80",
+            "node.example",
+            "prefill-0:7100",
+            "dns:x:1",
+            "",
+        ] {
+            assert!(!lo(h), "{h}");
+        }
+    }
+
+    /// K14 at the command line: plaintext off loopback only with the
+    /// explicit flag; TLS files all three or none.
+    #[test]
+    fn plaintext_transfer_off_loopback_needs_the_explicit_flag() {
+        let plain = super::TransferTlsArgs::default();
+        assert!(plain.transport_config(&["127.0.0.1"], "--host").is_ok());
+        let err = plain
+            .transport_config(&["127.0.0.1:1", "10.0.0.2:7000"], "node address")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`10.0.0.2:7000` is not a loopback address"),
+            "{err}"
+        );
+        let insecure = super::TransferTlsArgs {
+            insecure_transfer: true,
+            ..plain.clone()
+        };
+        let cfg = insecure.transport_config(&["0.0.0.0"], "--host").unwrap();
+        assert!(cfg.tls.is_none());
+        let partial = super::TransferTlsArgs {
+            transfer_tls_cert: Some("/x.pem".into()),
+            ..plain
+        };
+        let err = partial
+            .transport_config(&["127.0.0.1"], "--host")
+            .unwrap_err();
+        assert!(err.to_string().contains("together"), "{err}");
+    }
 
     /// `serve --disaggregated` hands its engine flags to the children
     /// through [`NodeEngineArgs::to_cli_args`]: every flag clap knows for

@@ -41,6 +41,8 @@ const CHILD_START_TIMEOUT: Duration = Duration::from_secs(180);
 /// `isoserve prefill` / `isoserve decode`.
 pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
     serve::init_tracing();
+    // K14: refuse plaintext on a non-loopback address before loading anything.
+    let tcfg = args.tls.transport_config(&[&args.host], "--host")?;
     let path = fetch::resolve_model(args.engine.model.as_deref(), false)?;
     let generate::Loaded {
         model, tokenizer, ..
@@ -85,7 +87,7 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
             cfg,
             pd,
             listener,
-            TransportConfig::default(),
+            tcfg,
         )?;
         eprintln!("{}", node.node.capacity().table());
         eprintln!(
@@ -167,6 +169,7 @@ async fn serve_gateway(
     prefill: Vec<String>,
     decode: Vec<String>,
     max_context: Option<usize>,
+    transport: TransportConfig,
     http: &HttpArgs,
     tenants: Tenants,
     reqlog: Option<RequestLog>,
@@ -180,6 +183,7 @@ async fn serve_gateway(
         model.window.min(u32::MAX as usize) as u32,
     );
     opts.max_context = max_context.map(|m| m.min(u32::MAX as usize) as u32);
+    opts.transport = transport;
     let backend = Arc::new(GatewayBackend::start(opts));
     let scfg = server_config(&model.id, http)?;
     let served: Arc<dyn request::Backend> = if node_metrics.is_empty() {
@@ -244,6 +248,13 @@ async fn serve_gateway(
 /// `isoserve gateway`.
 pub fn run_gateway(args: GatewayArgs) -> Result<()> {
     serve::init_tracing();
+    let addrs: Vec<&str> = args
+        .prefill
+        .iter()
+        .chain(&args.decode)
+        .map(String::as_str)
+        .collect();
+    let transport = args.tls.transport_config(&addrs, "node address")?;
     let (tenants, reqlog) = tenants_and_log(&args.http)?;
     let path = fetch::resolve_model(args.model.as_deref(), false)?;
     let model = gateway_model(&path)?;
@@ -253,6 +264,7 @@ pub fn run_gateway(args: GatewayArgs) -> Result<()> {
         args.prefill.clone(),
         args.decode.clone(),
         args.max_context,
+        transport,
         &args.http,
         tenants,
         reqlog,
@@ -496,6 +508,8 @@ pub fn run_supervised(args: ServeArgs) -> Result<()> {
             prefill,
             decode,
             args.engine.max_context,
+            // The children listen on loopback: plaintext stays on this host.
+            TransportConfig::default(),
             &args.http,
             tenants,
             reqlog,

@@ -2,6 +2,7 @@
 
 mod args;
 mod audit_cmd;
+mod certs;
 mod disagg;
 mod fetch;
 mod generate;
@@ -139,6 +140,9 @@ enum Cmd {
     /// held KV pages, KV safety checks firing; counted per tenant and time
     /// window. Exit 0 none, 1 matches, 2 could not audit.
     Audit(audit_cmd::AuditArgs),
+    /// Write a CA and a certificate per node for the transfer channel's
+    /// mutual TLS (--transfer-tls-cert/--transfer-tls-key/--transfer-tls-ca).
+    TransferCerts(certs::CertsArgs),
     /// Print where the model cache lives.
     ModelPath {
         #[arg(long)]
@@ -233,6 +237,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Prefill(args) => disagg::run_node(pd::role::PdRole::Prefill, args)?,
         Cmd::Decode(args) => disagg::run_node(pd::role::PdRole::Decode, args)?,
         Cmd::Gateway(args) => disagg::run_gateway(args)?,
+        Cmd::TransferCerts(args) => certs::run(args)?,
         Cmd::Probe(_) | Cmd::Audit(_) => {
             unreachable!("handled in main: they have their own exit codes")
         }

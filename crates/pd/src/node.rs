@@ -350,6 +350,12 @@ pub fn node_samples(s: &PdStats, t: &Transport) -> Vec<MetricSample> {
     );
     metric(
         "counter",
+        "transport_tls_handshakes_refused_total",
+        "TLS handshakes refused (no certificate, another CA, wrong name, plaintext, too slow); no frame of them read",
+        t.stats.tls_handshakes_refused_total.load(Ordering::Relaxed),
+    );
+    metric(
+        "counter",
         "transfers_timed_total",
         "Transfers timed (decode: first page to checked Done)",
         s.transfers_timed_total,

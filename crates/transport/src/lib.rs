@@ -6,13 +6,39 @@
 //! The transport knows nothing of the protocol: it turns bytes into
 //! [`Message`]s and connection ends into [`NetEvent`]s for whoever
 //! owns the state machine, and carries out sends, closes and dials.
+//!
+//! With [`TransportConfig::tls`] every connection, accepted or dialled, is
+//! mutually authenticated TLS 1.3 against the operator's CA ([`tls`]): a
+//! peer without a certificate from it, or speaking plaintext, is refused in
+//! the handshake, before any frame is read, and counted
+//! (`tls_handshakes_refused_total`). Handshakes in progress count against
+//! the connection limits and have their own timeout.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! use transport::{TlsSettings, Transport, TransportConfig, TransportTls};
+//! let tls = TransportTls::load(&TlsSettings {
+//!     cert: "node.pem".into(),
+//!     key: "node.key".into(),
+//!     ca: "ca.pem".into(),
+//!     server_name: transport::tls::DEFAULT_SERVER_NAME.into(),
+//! })?;
+//! let (tx, _rx) = tokio::sync::mpsc::channel(64);
+//! let cfg = TransportConfig { tls: Some(tls), ..TransportConfig::default() };
+//! let t = Transport::new(cfg, tokio::runtime::Handle::current(), tx);
+//! t.dial("10.0.0.7:7100".into()); // Dialled or DialFailed follows, as an event
+//! # Ok(()) }
+//! ```
+
+pub mod tls;
+pub use tls::{TlsError, TlsSettings, TransportTls};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
@@ -38,6 +64,11 @@ pub struct TransportConfig {
     /// host cannot take every slot of a node); beyond it a connection is
     /// closed unread and counted like the global limit's.
     pub connections_per_peer_max: usize,
+    /// Mutual TLS for every connection; `None`: plaintext (loopback, or an
+    /// operator's explicit `--insecure-transfer`).
+    pub tls: Option<TransportTls>,
+    /// A TLS handshake not done within this is refused.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for TransportConfig {
@@ -49,6 +80,8 @@ impl Default for TransportConfig {
             dial_timeout: Duration::from_secs(5),
             connections_max: 1024,
             connections_per_peer_max: 64,
+            tls: None,
+            handshake_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -76,6 +109,23 @@ pub struct TransportStats {
     pub slow_peer_disconnects_total: AtomicU64,
     pub connections_total: AtomicU64,
     pub connections_refused_total: AtomicU64,
+    /// TLS handshakes that failed, accepted or dialled: a peer with no
+    /// certificate, one from another CA, the wrong name, plaintext, or too
+    /// slow. No frame of such a connection is ever read.
+    pub tls_handshakes_refused_total: AtomicU64,
+}
+
+type ReadBox = Box<dyn AsyncRead + Unpin + Send>;
+type WriteBox = Box<dyn AsyncWrite + Unpin + Send>;
+
+fn tcp_halves(s: TcpStream) -> (ReadBox, WriteBox) {
+    let (r, w) = s.into_split();
+    (Box::new(r), Box::new(w))
+}
+
+fn halves<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(s: S) -> (ReadBox, WriteBox) {
+    let (r, w) = tokio::io::split(s);
+    (Box::new(r), Box::new(w))
 }
 
 /// The transport of one node.
@@ -84,6 +134,9 @@ pub struct Transport {
     rt: Handle,
     next_conn: AtomicU64,
     conns: Mutex<HashMap<u64, ConnEntry>>,
+    /// Accepted connections still in their TLS handshake, by peer: they
+    /// count against the limits like live ones.
+    handshaking: Mutex<HashMap<Option<std::net::IpAddr>, usize>>,
     events: mpsc::Sender<NetEvent>,
     pub stats: TransportStats,
 }
@@ -97,23 +150,29 @@ impl Transport {
             rt,
             next_conn: AtomicU64::new(1),
             conns: Mutex::new(HashMap::new()),
+            handshaking: Mutex::new(HashMap::new()),
             events,
             stats: TransportStats::default(),
         })
     }
 
     /// An accepted stream: `Accepted` is reported before any of its
-    /// messages. Beyond `connections_max` live connections the stream is
-    /// dropped unread (`None`).
-    pub async fn accepted(self: &Arc<Self>, stream: TcpStream) -> Option<u64> {
+    /// messages. Beyond `connections_max` live connections (or
+    /// `connections_per_peer_max` from its address) the stream is dropped
+    /// unread and `false` returned. With TLS the handshake runs in a task
+    /// of its own (a slow peer never holds up the accept loop), and the
+    /// connection is reported only once it completed.
+    pub async fn accepted(self: &Arc<Self>, stream: TcpStream) -> bool {
         let peer = stream.peer_addr().ok().map(|a| a.ip());
         let (live, from_peer) = {
             let conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+            let hs = self.handshaking.lock().unwrap_or_else(|e| e.into_inner());
             let from_peer = conns
                 .values()
                 .filter(|c| c.peer.is_some() && c.peer == peer)
-                .count();
-            (conns.len(), from_peer)
+                .count()
+                + peer.map_or(0, |_| hs.get(&peer).copied().unwrap_or(0));
+            (conns.len() + hs.values().sum::<usize>(), from_peer)
         };
         if live >= self.cfg.connections_max || from_peer >= self.cfg.connections_per_peer_max {
             self.stats
@@ -126,23 +185,66 @@ impl Transport {
                 self.cfg.connections_max,
                 self.cfg.connections_per_peer_max
             );
-            return None;
+            return false;
         }
-        Some(
-            self.register_gated(stream, peer, |conn| NetEvent::Accepted { conn })
-                .await,
-        )
+        let _ = stream.set_nodelay(true);
+        let Some(tls) = &self.cfg.tls else {
+            let (r, w) = tcp_halves(stream);
+            self.register_gated(r, w, peer, |conn| NetEvent::Accepted { conn })
+                .await;
+            return true;
+        };
+        let acceptor = tls.acceptor.clone();
+        *self
+            .handshaking
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(peer)
+            .or_insert(0) += 1;
+        let t = self.clone();
+        self.rt.spawn(async move {
+            let done = tokio::time::timeout(t.cfg.handshake_timeout, acceptor.accept(stream)).await;
+            {
+                let mut hs = t.handshaking.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(n) = hs.get_mut(&peer) {
+                    *n -= 1;
+                    if *n == 0 {
+                        hs.remove(&peer);
+                    }
+                }
+            }
+            match done {
+                Ok(Ok(s)) => {
+                    let (r, w) = halves(s);
+                    t.register_gated(r, w, peer, |conn| NetEvent::Accepted { conn })
+                        .await;
+                }
+                Ok(Err(e)) => t.tls_refused(peer, &e.to_string()),
+                Err(_) => t.tls_refused(peer, "handshake timed out"),
+            }
+        });
+        true
     }
 
-    /// Registers a stream, reports `first(conn)`, then starts its reader
-    /// and writer (so the first event precedes every message).
+    fn tls_refused(&self, peer: Option<std::net::IpAddr>, why: &str) {
+        self.stats
+            .tls_handshakes_refused_total
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            ?peer,
+            "TLS handshake refused, connection closed unread: {why}"
+        );
+    }
+
+    /// Registers a stream's halves, reports `first(conn)`, then starts its
+    /// reader and writer (so the first event precedes every message).
     async fn register_gated(
         self: &Arc<Self>,
-        stream: TcpStream,
+        read: ReadBox,
+        write: WriteBox,
         peer: Option<std::net::IpAddr>,
         first: impl FnOnce(u64) -> NetEvent,
     ) -> u64 {
-        let _ = stream.set_nodelay(true);
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
         self.stats.connections_total.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(self.cfg.queue_frames_max);
@@ -151,7 +253,6 @@ impl Transport {
             .unwrap_or_else(|e| e.into_inner())
             .insert(conn, ConnEntry { tx, peer });
         let _ = self.events.send(first(conn)).await;
-        let (read, write) = stream.into_split();
         let closed = Arc::new(AtomicBool::new(false));
         let t = self.clone();
         let c = closed.clone();
@@ -163,36 +264,45 @@ impl Transport {
         conn
     }
 
+    /// Connects to `addr` (and with TLS, completes the handshake, checking
+    /// the server's certificate and name): the stream's halves, or why not.
+    async fn connect(self: &Arc<Self>, addr: &str) -> Result<(ReadBox, WriteBox), String> {
+        let stream =
+            match tokio::time::timeout(self.cfg.dial_timeout, TcpStream::connect(addr)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(_) => return Err("connect timed out".into()),
+            };
+        let _ = stream.set_nodelay(true);
+        let Some(tls) = &self.cfg.tls else {
+            return Ok(tcp_halves(stream));
+        };
+        let hs = tls.connector.connect(tls.server_name.clone(), stream);
+        match tokio::time::timeout(self.cfg.handshake_timeout, hs).await {
+            Ok(Ok(s)) => Ok(halves(s)),
+            Ok(Err(e)) => {
+                self.tls_refused(None, &format!("{addr}: {e}"));
+                Err(format!("TLS handshake with {addr} failed: {e}"))
+            }
+            Err(_) => {
+                self.tls_refused(None, &format!("{addr}: handshake timed out"));
+                Err(format!("TLS handshake with {addr} timed out"))
+            }
+        }
+    }
+
     /// Dials `addr` in the background: `Dialled` or `DialFailed` follows.
     pub fn dial(self: &Arc<Self>, addr: String) {
         let t = self.clone();
         self.rt.spawn(async move {
-            match tokio::time::timeout(t.cfg.dial_timeout, TcpStream::connect(&addr)).await {
-                Ok(Ok(stream)) => {
+            match t.connect(&addr).await {
+                Ok((r, w)) => {
                     let a = addr.clone();
-                    t.register_gated(stream, None, move |conn| NetEvent::Dialled {
-                        conn,
-                        addr: a,
-                    })
-                    .await;
-                }
-                Ok(Err(e)) => {
-                    let _ = t
-                        .events
-                        .send(NetEvent::DialFailed {
-                            addr,
-                            why: e.to_string(),
-                        })
+                    t.register_gated(r, w, None, move |conn| NetEvent::Dialled { conn, addr: a })
                         .await;
                 }
-                Err(_) => {
-                    let _ = t
-                        .events
-                        .send(NetEvent::DialFailed {
-                            addr,
-                            why: "connect timed out".into(),
-                        })
-                        .await;
+                Err(why) => {
+                    let _ = t.events.send(NetEvent::DialFailed { addr, why }).await;
                 }
             }
         });
@@ -205,11 +315,16 @@ impl Transport {
         addr: &str,
         first: impl FnOnce(u64) -> NetEvent,
     ) -> Result<u64, String> {
-        match tokio::time::timeout(self.cfg.dial_timeout, TcpStream::connect(addr)).await {
-            Ok(Ok(stream)) => Ok(self.register_gated(stream, None, first).await),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("connect timed out".into()),
-        }
+        let (r, w) = self.connect(addr).await?;
+        Ok(self.register_gated(r, w, None, first).await)
+    }
+
+    /// Frames queued for `conn` and not yet written (0 for a closed one).
+    pub fn queued(&self, conn: u64) -> usize {
+        let conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        conns
+            .get(&conn)
+            .map_or(0, |c| c.tx.max_capacity() - c.tx.capacity())
     }
 
     /// Queues a message; never blocks. A connection whose queue is full is
@@ -285,7 +400,7 @@ impl Transport {
     async fn writer(
         self: Arc<Self>,
         conn: u64,
-        mut w: tokio::net::tcp::OwnedWriteHalf,
+        mut w: WriteBox,
         mut rx: mpsc::Receiver<Outgoing>,
         closed: Arc<AtomicBool>,
     ) {
@@ -313,17 +428,17 @@ impl Transport {
                 .bytes_sent_total
                 .fetch_add(frame.len() as u64, Ordering::Relaxed);
             self.stats.frames_sent_total.fetch_add(1, Ordering::Relaxed);
+            // Flush (TLS buffers records) once nothing more is queued, so a
+            // burst of frames goes out in few records and syscalls.
+            if rx.is_empty() && w.flush().await.is_err() {
+                break;
+            }
         }
         let _ = w.shutdown().await;
         self.report_closed(conn, &closed);
     }
 
-    async fn reader(
-        self: Arc<Self>,
-        conn: u64,
-        mut r: tokio::net::tcp::OwnedReadHalf,
-        closed: Arc<AtomicBool>,
-    ) {
+    async fn reader(self: Arc<Self>, conn: u64, mut r: ReadBox, closed: Arc<AtomicBool>) {
         let mut buf: Vec<u8> = Vec::with_capacity(1 << 16);
         let mut chunk = vec![0u8; 1 << 16];
         'outer: loop {
