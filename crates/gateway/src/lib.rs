@@ -592,6 +592,11 @@ pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<
         t.stats.bytes_sent_total.load(Ordering::Relaxed),
     );
     counter(
+        "replaced_draining_total",
+        "Requests placed on another pair because a node refused them while draining",
+        s.replaced_draining_total,
+    );
+    counter(
         "transport_tls_handshakes_refused_total",
         "TLS handshakes with nodes that failed (another CA, wrong name, plaintext, too slow)",
         t.stats.tls_handshakes_refused_total.load(Ordering::Relaxed),

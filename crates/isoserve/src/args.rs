@@ -214,6 +214,11 @@ pub struct NodeArgs {
     /// `isoserve: metrics on http://HOST:PORT/metrics`. Default: none.
     #[arg(long)]
     pub metrics_port: Option<u16>,
+    /// On SIGTERM, refuse new requests (the gateway places them on other
+    /// nodes) and wait this long for those in flight before exiting; a
+    /// second signal ends at once. 0: exit at once.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub drain_grace_secs: u64,
     #[command(flatten)]
     pub tls: TransferTlsArgs,
     #[command(flatten)]

@@ -123,12 +123,47 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
         }
         tracing::info!(node = %node_name, fingerprint = %transfer::short_hex(&fingerprint), "{role_name} node on {}", node.addr);
         serve::shutdown_signal().await;
+        drain(&node.node, Duration::from_secs(args.drain_grace_secs)).await;
         tracing::info!("shutting down: closing every connection (peers release their side)");
         node.shutdown();
         anyhow::Ok(())
     })?;
     rt.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// SIGTERM on a node: stop taking requests (the gateway places new ones on
+/// other pairs) and wait — at most `grace`, or until a second signal — for
+/// the ones in flight to end.
+async fn drain(node: &pd::role::PdNode, grace: Duration) {
+    if grace.is_zero() {
+        return;
+    }
+    node.drain();
+    let t0 = Instant::now();
+    tracing::info!(
+        requests = node.stats().requests,
+        "draining: no new requests; waiting up to {grace:?} for those in flight"
+    );
+    let idle = async {
+        // The loop sees the drain within its idle poll (500 ms); until then
+        // `draining` is false and nothing is concluded.
+        loop {
+            let s = node.stats();
+            if s.draining && s.requests == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::select! {
+        _ = idle => tracing::info!("drained in {:?}", t0.elapsed()),
+        _ = tokio::time::sleep(grace) => tracing::warn!(
+            requests = node.stats().requests,
+            "drain grace of {grace:?} over: ending the rest"
+        ),
+        _ = serve::shutdown_signal() => tracing::warn!("second signal: ending now"),
+    }
 }
 
 /// What the gateway needs of the model file: tokenizer, template, window

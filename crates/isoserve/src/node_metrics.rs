@@ -1,8 +1,9 @@
 //! A PD node's metrics port, and the gateway's view of its nodes' metrics.
 //!
 //! A node serves `GET /metrics` (Prometheus text, encoded by the server's
-//! Prometheus library from `pd::node::node_samples`) and `GET /samples`
-//! (the same samples as JSON). Under `serve --disaggregated` the gateway's
+//! Prometheus library from `pd::node::node_samples`), `GET /samples`
+//! (the same samples as JSON), `GET /health` (liveness) and `GET /ready`
+//! (readiness: 503 while draining). Under `serve --disaggregated` the gateway's
 //! `/metrics` also shows every child's samples with a `node` label
 //! ([`WithNodeMetrics`]), so one scrape sees the whole set.
 
@@ -67,6 +68,29 @@ pub async fn serve(listener: TcpListener, node: Arc<PdNode>, transport: Arc<Tran
                     server::metrics::CONTENT_TYPE,
                     server::metrics::encode_samples(samples()),
                 )
+            } else if head.starts_with(b"GET /health ") {
+                // Liveness: the node thread answers (its stats are fresh).
+                (
+                    "200 OK",
+                    "application/json",
+                    "{\"status\":\"ok\"}".to_string(),
+                )
+            } else if head.starts_with(b"GET /ready ") {
+                // Readiness: pool measured and allocated (the node listens
+                // only after that), and not draining.
+                if node.stats().draining {
+                    (
+                        "503 Service Unavailable",
+                        "application/json",
+                        "{\"status\":\"draining\"}".to_string(),
+                    )
+                } else {
+                    (
+                        "200 OK",
+                        "application/json",
+                        "{\"status\":\"ready\"}".to_string(),
+                    )
+                }
             } else if head.starts_with(b"GET /samples ") {
                 (
                     "200 OK",
@@ -77,7 +101,7 @@ pub async fn serve(listener: TcpListener, node: Arc<PdNode>, transport: Arc<Tran
                 (
                     "404 Not Found",
                     "text/plain",
-                    "not found: GET /metrics or GET /samples\n".to_string(),
+                    "not found: GET /metrics, /samples, /health or /ready\n".to_string(),
                 )
             };
             let resp = format!(

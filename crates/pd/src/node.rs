@@ -149,6 +149,12 @@ pub fn node_samples(s: &PdStats, t: &Transport) -> Vec<MetricSample> {
         s.requests as u64,
     );
     metric(
+        "gauge",
+        "draining",
+        "1 while the node drains (SIGTERM): no new request, in-flight ones finish",
+        u64::from(s.draining),
+    );
+    metric(
         "counter",
         "generated_tokens_total",
         "Tokens sampled",

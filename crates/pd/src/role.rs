@@ -88,6 +88,8 @@ pub struct PdStats {
     pub decode: Option<DecodeStats>,
     /// Requests the node knows (all phases).
     pub requests: usize,
+    /// The node is draining: it takes no new request.
+    pub draining: bool,
     /// Decode: wall time from a transfer's first page to its checked end,
     /// summed over completed transfers (with `decode.page_bytes_received`
     /// this gives the transfer rate). Measured by the node loop, not the
@@ -110,6 +112,7 @@ pub struct PdNode {
     layout: KvLayout,
     stats: Arc<Mutex<PdStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    drain: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The KV layout a node advertises (must match its peer's exactly).
@@ -208,10 +211,12 @@ impl PdNode {
             }
         };
         let (tx, rx) = mpsc::sync_channel(pd.events_max);
+        let drain = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let node = NodeLoop {
             glue,
             commands,
             stats: stats.clone(),
+            drain: drain.clone(),
         };
         let thread = std::thread::Builder::new()
             .name(match role {
@@ -227,6 +232,7 @@ impl PdNode {
             layout,
             stats,
             thread: Mutex::new(Some(thread)),
+            drain,
         })
     }
 
@@ -250,6 +256,15 @@ impl PdNode {
 
     pub fn stats(&self) -> PdStats {
         self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Starts draining: new requests are refused as `draining` (the
+    /// gateway places them on another pair), those in flight run to their
+    /// end. Seen by the node loop within its idle poll (500 ms); watch
+    /// [`PdStats::requests`] reach 0 (and [`PdStats::draining`]), then
+    /// [`Self::shutdown`].
+    pub fn drain(&self) {
+        self.drain.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Stops the node thread (running requests end with the process; the
@@ -311,6 +326,8 @@ struct NodeLoop {
     glue: Glue,
     commands: Box<dyn FnMut(NetCommand) + Send>,
     stats: Arc<Mutex<PdStats>>,
+    /// Set by [`PdNode::drain`]; the loop hands it to the machine.
+    drain: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The batch core as the glue's engine, on either role.
@@ -494,6 +511,12 @@ impl NodeLoop {
 
     fn run(mut self, rx: Receiver<Option<NetEvent>>) {
         loop {
+            if self.drain.load(std::sync::atomic::Ordering::Acquire) {
+                match &mut self.glue {
+                    Glue::Prefill(g) => g.machine.drain(),
+                    Glue::Decode(g) => g.machine.drain(),
+                }
+            }
             // Block while idle; poll while a batch runs. The timeout only
             // bounds how long stats can go unpublished.
             if self.engine().core.running() == 0 {
@@ -526,9 +549,19 @@ impl NodeLoop {
     }
 
     fn publish(&mut self) {
-        let (requests, prefill, decode) = match &self.glue {
-            Glue::Prefill(g) => (g.machine.requests(), Some(g.machine.stats()), None),
-            Glue::Decode(g) => (g.machine.requests(), None, Some(g.machine.stats())),
+        let (requests, draining, prefill, decode) = match &self.glue {
+            Glue::Prefill(g) => (
+                g.machine.requests(),
+                g.machine.draining(),
+                Some(g.machine.stats()),
+                None,
+            ),
+            Glue::Decode(g) => (
+                g.machine.requests(),
+                g.machine.draining(),
+                None,
+                Some(g.machine.stats()),
+            ),
         };
         let e = self.engine_mut();
         e.core.publish();
@@ -550,6 +583,7 @@ impl NodeLoop {
         s.prefill = prefill;
         s.decode = decode;
         s.requests = requests;
+        s.draining = draining;
     }
 
     fn send(&mut self, cmds: Vec<NetCommand>) {

@@ -202,6 +202,19 @@ pub mod refusal {
         }
     }
 
+    /// The code of [`draining`]: the gateway places such a request again.
+    pub const DRAINING_CODE: &str = "draining";
+
+    /// The node is draining (SIGTERM): it finishes what it holds and takes
+    /// nothing new; the gateway places the request on another pair.
+    pub fn draining(node: &str) -> Refusal {
+        Refusal {
+            status: 503,
+            code: DRAINING_CODE.into(),
+            message: format!("node `{node}` is draining (shutting down)"),
+        }
+    }
+
     pub fn unavailable(message: impl Into<String>) -> Refusal {
         Refusal {
             status: 503,

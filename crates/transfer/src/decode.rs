@@ -197,6 +197,9 @@ pub struct DecodeNode {
     prefill_links: BTreeMap<String, ConnId>,
     reqs: BTreeMap<u64, Req>,
     waiting: VecDeque<u64>,
+    /// Draining (SIGTERM): new requests are refused with
+    /// [`refusal::draining`]; what is in flight finishes.
+    draining: bool,
     stats: DecodeStats,
     #[cfg(any(test, feature = "mutations"))]
     mutations: DecodeMutations,
@@ -210,6 +213,7 @@ impl DecodeNode {
             prefill_links: BTreeMap::new(),
             reqs: BTreeMap::new(),
             waiting: VecDeque::new(),
+            draining: false,
             stats: DecodeStats::default(),
             #[cfg(any(test, feature = "mutations"))]
             mutations: DecodeMutations::default(),
@@ -232,6 +236,17 @@ impl DecodeNode {
     /// Requests known, by phase (for metrics and tests).
     pub fn phase_of(&self, req: u64) -> Option<DecodePhase> {
         self.reqs.get(&req).map(|r| r.phase)
+    }
+
+    /// Stops taking new requests (the gateway places them elsewhere);
+    /// those in flight run to their end. Irreversible: a drained node is
+    /// shut down and restarted.
+    pub fn drain(&mut self) {
+        self.draining = true;
+    }
+
+    pub fn draining(&self) -> bool {
+        self.draining
     }
 
     pub fn requests(&self) -> usize {
@@ -507,6 +522,9 @@ impl DecodeNode {
                     format!("request {req} is already known"),
                 ),
             );
+        }
+        if self.draining {
+            return refuse(self, out, refusal::draining(&self.cfg.identity.node));
         }
         // K8 on this node, before anything is allocated.
         if let Err(e) = check_request(

@@ -82,7 +82,14 @@ pub struct GatewayStats {
     pub nodes_lost_total: u64,
     pub handshakes_refused_total: u64,
     pub protocol_errors_total: u64,
+    /// Requests placed on another pair because a node refused them while
+    /// draining (before any token reached the client).
+    pub replaced_draining_total: u64,
 }
+
+/// Placements of one request at most (the first and two more): a request
+/// refused by draining nodes three times fails with the last refusal.
+pub const PLACEMENTS_MAX: u8 = 3;
 
 /// One configured node as the gateway sees it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -98,6 +105,9 @@ pub struct NodeView {
     /// Why the last pairing was refused.
     pub refused: Option<String>,
     pub inflight: usize,
+    /// The node refused a request because it is draining (SIGTERM): no new
+    /// request goes to it until it reconnects (a restarted node).
+    pub draining: bool,
 }
 
 impl NodeView {
@@ -117,6 +127,8 @@ struct Req {
     phase: GatewayPhase,
     /// Tokens delivered to the client so far.
     streamed: u32,
+    /// Pairs this request was placed on (1 + re-placements).
+    placements: u8,
 }
 
 /// Test-only mutations (see [`crate::decode::DecodeMutations`]).
@@ -155,6 +167,7 @@ impl Gateway {
                 last_limit: None,
                 refused: None,
                 inflight: 0,
+                draining: false,
             })
             .collect();
         Gateway {
@@ -298,6 +311,7 @@ impl Gateway {
                         n.last_limit = Some(peer.max_request_tokens);
                         n.hello = Some(peer);
                         n.refused = None;
+                        n.draining = false;
                     }
                     Err(why) => {
                         self.stats.handshakes_refused_total += 1;
@@ -380,6 +394,15 @@ impl Gateway {
                     self.stats.rejected_by_decode_total += 1;
                 } else {
                     self.stats.rejected_by_prefill_total += 1;
+                }
+                if error.code == refusal::DRAINING_CODE {
+                    // Route around it from now on; a request nobody has
+                    // answered yet goes to another pair.
+                    self.nodes[node].draining = true;
+                    let r = &self.reqs[&req];
+                    if r.phase != GatewayPhase::Streaming && r.placements < PLACEMENTS_MAX {
+                        return self.replace(req, error, out);
+                    }
                 }
                 self.end(req, Some(error), out);
             }
@@ -476,13 +499,13 @@ impl Gateway {
         for i in 0..self.nodes.len() {
             let d = (i + self.rotate) % n;
             let dn = &self.nodes[d];
-            if dn.role != ROLE_DECODE || !dn.up() {
+            if dn.role != ROLE_DECODE || !dn.up() || dn.draining {
                 continue;
             }
             for j in 0..self.nodes.len() {
                 let p = (j + self.rotate) % n;
                 let pn = &self.nodes[p];
-                if pn.role != ROLE_PREFILL || !pn.up() {
+                if pn.role != ROLE_PREFILL || !pn.up() || pn.draining {
                     continue;
                 }
                 let same_layout =
@@ -536,10 +559,26 @@ impl Gateway {
                 self.reqs.len()
             )));
         }
+        self.place(req, tenant, tokens, max_tokens, gen, 1, out)
+    }
+
+    /// Sends `Reserve` for a request to the least-loaded pair up and not
+    /// draining, and files it; or the refusal when there is none.
+    #[allow(clippy::too_many_arguments)]
+    fn place(
+        &mut self,
+        req: u64,
+        tenant: u64,
+        tokens: Vec<u32>,
+        max_tokens: u32,
+        gen: GenSpec,
+        placements: u8,
+        out: &mut Vec<GatewayAction>,
+    ) -> Result<(), Refusal> {
         let Some((p, d)) = self.pick_pair() else {
             self.stats.refused_unavailable_total += 1;
             return Err(refusal::unavailable(
-                "no prefill/decode pair is available (nodes down or refused pairing)",
+                "no prefill/decode pair is available (nodes down, draining or refused pairing)",
             ));
         };
         self.rotate = self.rotate.wrapping_add(1);
@@ -573,9 +612,39 @@ impl Gateway {
                 gen,
                 phase: GatewayPhase::Reserving,
                 streamed: 0,
+                placements,
             },
         );
         Ok(())
+    }
+
+    /// A node refused `req` because it is draining, before any token
+    /// reached the client: release what the old pair holds (Cancel, as
+    /// [`Self::end`]) and place it again; `error` is the client's answer if
+    /// no other pair is up.
+    fn replace(&mut self, req: u64, error: Refusal, out: &mut Vec<GatewayAction>) {
+        let Some(r) = self.reqs.get(&req) else {
+            return;
+        };
+        let (tenant, tokens, max_tokens, gen, placements) = (
+            r.tenant,
+            r.tokens.clone(),
+            r.max_tokens,
+            r.gen.clone(),
+            r.placements,
+        );
+        self.end(req, None, out);
+        self.stats.replaced_draining_total += 1;
+        if let Err(e) = self.place(req, tenant, tokens, max_tokens, gen, placements + 1, out) {
+            let e = Refusal {
+                message: format!("{} ({})", e.message, error.message),
+                ..e
+            };
+            out.push(GatewayAction::Deliver {
+                req,
+                event: ClientEvent::Error(e),
+            });
+        }
     }
 
     /// The client went away (or asked to stop): cooperative cancel on both

@@ -193,6 +193,9 @@ pub struct PrefillNode {
     queue: VecDeque<u64>,
     tombstones: VecDeque<u64>,
     tombstone_set: BTreeSet<u64>,
+    /// Draining (SIGTERM): new requests are refused with
+    /// [`refusal::draining`]; what is in flight finishes.
+    draining: bool,
     stats: PrefillStats,
     #[cfg(any(test, feature = "mutations"))]
     mutations: PrefillMutations,
@@ -208,6 +211,7 @@ impl PrefillNode {
             queue: VecDeque::new(),
             tombstones: VecDeque::new(),
             tombstone_set: BTreeSet::new(),
+            draining: false,
             stats: PrefillStats::default(),
             #[cfg(any(test, feature = "mutations"))]
             mutations: PrefillMutations::default(),
@@ -229,6 +233,17 @@ impl PrefillNode {
 
     pub fn phase_of(&self, req: u64) -> Option<PrefillPhase> {
         self.reqs.get(&req).map(|r| r.phase)
+    }
+
+    /// Stops taking new requests (the gateway places them elsewhere);
+    /// those in flight run to their end. Irreversible: a drained node is
+    /// shut down and restarted.
+    pub fn drain(&mut self) {
+        self.draining = true;
+    }
+
+    pub fn draining(&self) -> bool {
+        self.draining
     }
 
     pub fn requests(&self) -> usize {
@@ -529,6 +544,20 @@ impl PrefillNode {
         out: &mut Vec<PrefillAction>,
     ) {
         self.stats.prefills_total += 1;
+        if self.draining {
+            // Only the gateway hears of it: it cancels decode's reservation
+            // and places the request again (an Abort to decode could reach
+            // it after the request's next Reserve there).
+            self.stats.prefills_refused_total += 1;
+            out.push(PrefillAction::Send {
+                conn,
+                msg: Message::Rejected {
+                    req,
+                    error: refusal::draining(&self.cfg.identity.node),
+                },
+            });
+            return;
+        }
         let refuse = |s: &mut Self, out: &mut Vec<PrefillAction>, error: Refusal| {
             s.stats.prefills_refused_total += 1;
             // Decode learns from us too if we already have a link to it, so
