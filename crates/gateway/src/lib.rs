@@ -592,6 +592,11 @@ pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<
         t.stats.bytes_sent_total.load(Ordering::Relaxed),
     );
     counter(
+        "affinity_routed_total",
+        "Requests sent to their tenant's previous prefill node (its prefix cache) over a less-loaded one",
+        s.affinity_routed_total,
+    );
+    counter(
         "replaced_draining_total",
         "Requests placed on another pair because a node refused them while draining",
         s.replaced_draining_total,

@@ -85,6 +85,9 @@ pub struct GatewayStats {
     /// Requests placed on another pair because a node refused them while
     /// draining (before any token reached the client).
     pub replaced_draining_total: u64,
+    /// Requests sent to their tenant's previous prefill node (where its
+    /// prefix cache is) rather than to the least-loaded one.
+    pub affinity_routed_total: u64,
 }
 
 /// Placements of one request at most (the first and two more): a request
@@ -150,7 +153,18 @@ pub struct Gateway {
     reqs: BTreeMap<u64, Req>,
     rotate: usize,
     stats: GatewayStats,
+    /// Tenant → the prefill node (by name) its last request went to: its
+    /// prefix cache is there (K11 keeps it the tenant's). Bounded: the
+    /// oldest entries go first.
+    affinity: BTreeMap<u64, String>,
+    affinity_order: std::collections::VecDeque<u64>,
 }
+
+/// Tenants whose prefill node the gateway remembers.
+pub const AFFINITY_TENANTS_MAX: usize = 4096;
+/// A tenant's request goes to its prefill node while that node carries at
+/// most this many more requests than the least-loaded choice.
+pub const AFFINITY_SLACK_REQUESTS: usize = 2;
 
 impl Gateway {
     pub fn new(cfg: GatewayConfig) -> Gateway {
@@ -179,6 +193,8 @@ impl Gateway {
             reqs: BTreeMap::new(),
             rotate: 0,
             stats: GatewayStats::default(),
+            affinity: BTreeMap::new(),
+            affinity_order: std::collections::VecDeque::new(),
         }
     }
 
@@ -491,10 +507,20 @@ impl Gateway {
 
     // --------------------------------------------------------- requests
 
-    /// The least-loaded (prefill, decode) pair that is up, with equal KV
-    /// layouts; ties rotate.
+    /// The least-loaded (prefill, decode) pair that is up, not draining,
+    /// with equal KV layouts; ties rotate.
     fn pick_pair(&self) -> Option<(usize, usize)> {
+        self.pick_pair_for(None).map(|(p, d, _)| (p, d))
+    }
+
+    /// As [`Self::pick_pair`], but a pair on `tenant`'s previous prefill
+    /// node (its prefix cache) wins while that pair carries at most
+    /// [`AFFINITY_SLACK_REQUESTS`] more requests than the least-loaded one.
+    /// The flag says the affinity decided.
+    fn pick_pair_for(&self, tenant: Option<u64>) -> Option<(usize, usize, bool)> {
+        let home = tenant.and_then(|t| self.affinity.get(&t));
         let mut best: Option<(usize, usize, usize)> = None;
+        let mut best_home: Option<(usize, usize, usize)> = None;
         let n = self.nodes.len().max(1);
         for i in 0..self.nodes.len() {
             let d = (i + self.rotate) % n;
@@ -517,9 +543,30 @@ impl Gateway {
                 if best.is_none_or(|(_, _, l)| load < l) {
                     best = Some((p, d, load));
                 }
+                let at_home = home.is_some_and(|h| pn.hello.as_ref().is_some_and(|x| &x.node == h));
+                if at_home && best_home.is_none_or(|(_, _, l)| load < l) {
+                    best_home = Some((p, d, load));
+                }
             }
         }
-        best.map(|(p, d, _)| (p, d))
+        let (p, d, load) = best?;
+        match best_home {
+            Some((hp, hd, hl)) if hl <= load + AFFINITY_SLACK_REQUESTS => Some((hp, hd, hp != p)),
+            _ => Some((p, d, false)),
+        }
+    }
+
+    /// Remembers `tenant`'s prefill node (bounded; the oldest go first).
+    fn remember(&mut self, tenant: u64, prefill: &str) {
+        if self.affinity.insert(tenant, prefill.to_string()).is_none() {
+            self.affinity_order.push_back(tenant);
+            while self.affinity_order.len() > AFFINITY_TENANTS_MAX {
+                if let Some(old) = self.affinity_order.pop_front() {
+                    self.affinity.remove(&old);
+                }
+            }
+        }
+        debug_assert_eq!(self.affinity.len(), self.affinity_order.len());
     }
 
     /// A new request. Refused at once (K8: over the advertised limit; no
@@ -575,7 +622,7 @@ impl Gateway {
         placements: u8,
         out: &mut Vec<GatewayAction>,
     ) -> Result<(), Refusal> {
-        let Some((p, d)) = self.pick_pair() else {
+        let Some((p, d, by_affinity)) = self.pick_pair_for(Some(tenant)) else {
             self.stats.refused_unavailable_total += 1;
             return Err(refusal::unavailable(
                 "no prefill/decode pair is available (nodes down, draining or refused pairing)",
@@ -587,6 +634,10 @@ impl Gateway {
             .as_ref()
             .map(|h| h.node.clone())
             .unwrap_or_default();
+        if by_affinity {
+            self.stats.affinity_routed_total += 1;
+        }
+        self.remember(tenant, &prefill);
         let dconn = self.nodes[d].conn.expect("up implies connected");
         out.push(GatewayAction::Send {
             conn: dconn,

@@ -1,0 +1,127 @@
+//! Prefix-aware routing (issue 19): a tenant's requests go to the prefill
+//! node its last request went to — where its prefix cache is — while that
+//! node carries at most `AFFINITY_SLACK_REQUESTS` more than the
+//! least-loaded choice; past that, load wins. The gateway machine alone,
+//! two prefill and two decode nodes.
+//!
+//! Mutation: without the affinity, ties rotate between the prefill nodes
+//! and `a_tenant_returns_to_its_prefill_node` fails.
+
+use transfer::gateway::{Gateway, GatewayAction, GatewayConfig};
+use transfer::wire::{GenSpec, KvLayout, Message, WirePage, ROLE_DECODE, ROLE_PREFILL};
+use transfer::Identity;
+
+const LAYOUT: KvLayout = KvLayout {
+    page_size: 16,
+    dtype: 1,
+    layers: 2,
+    kv_heads: 1,
+    head_dim: 32,
+};
+
+fn identity(node: &str) -> Identity {
+    Identity {
+        node: node.into(),
+        fingerprint: [7; 32],
+        layout: LAYOUT,
+        max_request_tokens: 1000,
+    }
+}
+
+fn gateway() -> Gateway {
+    let mut gw = Gateway::new(GatewayConfig {
+        identity: identity("gw"),
+        model_window_tokens: 1000,
+        requests_max: 64,
+        prefill: vec!["p0:1".into(), "p1:1".into()],
+        decode: vec!["d0:1".into(), "d1:1".into()],
+    });
+    let mut out = Vec::new();
+    for (node, conn, name, role) in [
+        (0, 10, "p0", ROLE_PREFILL),
+        (1, 11, "p1", ROLE_PREFILL),
+        (2, 20, "d0", ROLE_DECODE),
+        (3, 21, "d1", ROLE_DECODE),
+    ] {
+        gw.connected(node, conn, &mut out);
+        gw.message(conn, identity(name).hello(role), &mut out);
+    }
+    gw
+}
+
+/// Submits `req` for `tenant`, lets decode reserve, and returns the
+/// prefill connection its Prefill went to.
+fn place(gw: &mut Gateway, req: u64, tenant: u64) -> u64 {
+    let mut out = Vec::new();
+    gw.submit(req, tenant, vec![1, 2, 3], 4, GenSpec::default(), &mut out)
+        .unwrap();
+    let dconn = out
+        .iter()
+        .find_map(|a| match a {
+            GatewayAction::Send {
+                conn,
+                msg: Message::Reserve { .. },
+            } => Some(*conn),
+            _ => None,
+        })
+        .expect("a Reserve");
+    let mut out = Vec::new();
+    gw.message(
+        dconn,
+        Message::Reserved {
+            req,
+            pages: vec![WirePage {
+                index: req as u32,
+                epoch: 1,
+            }],
+        },
+        &mut out,
+    );
+    out.iter()
+        .find_map(|a| match a {
+            GatewayAction::Send {
+                conn,
+                msg: Message::Prefill { .. },
+            } => Some(*conn),
+            _ => None,
+        })
+        .expect("a Prefill")
+}
+
+#[test]
+fn a_tenant_returns_to_its_prefill_node() {
+    let mut gw = gateway();
+    let home = place(&mut gw, 1, 42);
+    gw.cancel(1, &mut Vec::new());
+    for req in 2..10 {
+        // Another tenant in between moves the rotation.
+        place(&mut gw, 100 + req, 7);
+        gw.cancel(100 + req, &mut Vec::new());
+        assert_eq!(place(&mut gw, req, 42), home, "request {req}");
+        gw.cancel(req, &mut Vec::new());
+    }
+    assert!(gw.stats().affinity_routed_total >= 1);
+    assert_eq!(gw.requests(), 0);
+}
+
+#[test]
+fn load_wins_past_the_slack() {
+    let mut gw = gateway();
+    let home = place(&mut gw, 1, 42);
+    // The next request of the tenant stays home although the other prefill
+    // node is idle (within the slack)...
+    assert_eq!(place(&mut gw, 2, 42), home);
+    assert_eq!(gw.stats().affinity_routed_total, 1);
+    // ...but with its requests kept in flight the load moves some away
+    // (and the tenant's home follows its latest request).
+    let mut used = std::collections::BTreeSet::new();
+    for req in 3..12 {
+        used.insert(place(&mut gw, req, 42));
+    }
+    assert_eq!(used.len(), 2, "load never won");
+    let (p0, p1) = (gw.nodes()[0].inflight, gw.nodes()[1].inflight);
+    assert!(
+        p0.abs_diff(p1) <= 1 + transfer::gateway::AFFINITY_SLACK_REQUESTS,
+        "{p0} vs {p1}"
+    );
+}
