@@ -17,6 +17,7 @@ CSV through --map.
 
 import csv
 import json
+import re
 import socket
 import subprocess
 
@@ -105,14 +106,20 @@ def assert_clean(p, report):
     # alone before each over-recall) + 7 window edges (3 over-recalls,
     # under, at's sizing and at, over) + 9 prefix-cache trials (3 × the
     # first tenant's prompt, the second's copy and its cold twin).
-    assert report["requests_sent"] == 61, report
-    # 6 idle + 12 loaded + 20 flood + 6 window edges (3 over-recalls,
+    # The near-window flood prompts are as many as the measured prefill
+    # rate lets finish in time (8 on an idle machine; at least the 2 that
+    # cover the window plus a quarter): 14–20 flood requests in all.
+    markers = next(c for c in report["checks"] if c["check"] == "markers")
+    m = re.search(r"6 secret-bearing prompts and (\d+) flooding", markers["summary"])
+    assert m, markers
+    flood = int(m.group(1))
+    assert 14 <= flood <= 20, markers
+    assert report["requests_sent"] == 41 + flood, report
+    # 6 idle + 12 loaded + the flood + 6 window edges (3 over-recalls,
     # under, at, over) read; every answer but the four refused over-long
     # ones came with its tokens (logprobs) and was matched on both.
-    markers = next(c for c in report["checks"] if c["check"] == "markers")
-    assert "6 secret-bearing prompts and 20 flooding" in markers["summary"], markers
-    assert "44 outputs" in markers["summary"], markers
-    assert "40 matched on text and tokens" in markers["summary"], markers
+    assert f"{24 + flood} outputs" in markers["summary"], markers
+    assert f"{20 + flood} matched on text and tokens" in markers["summary"], markers
     over = next(c for c in report["checks"] if c["check"] == "over-length")
     assert "under" in over["summary"] and ": 400" in over["summary"], over
 
