@@ -78,3 +78,29 @@ def test_sigterm_drains_a_decode_node_without_losing_a_request(tmp_root, server)
         gw.terminate()
         for n in (d_a, d_b, p):
             n.terminate()
+
+
+def test_a_gateway_finds_its_decode_node_by_dns_name(tmp_root, server):
+    """`--decode dns:localhost:PORT`: the gateway resolves the name (at start
+    and every 5 s) and pairs with what it finds; a malformed `dns:` address
+    is a one-line error."""
+    d = Node("decode", tmp_root, "decode-dns")
+    p = Node("prefill", tmp_root, "prefill-dns")
+    gw = Gateway(p.addr, f"dns:localhost:{d.port}", tmp_root, "gateway-dns")
+    try:
+        wait_until(lambda: healthy(gw), what="the gateway to find decode by name")
+        want = chat(server, PROMPTS[2], max_tokens=24).json()["choices"][0]["message"]
+        r = chat(gw, PROMPTS[2], max_tokens=24)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == want
+        assert "node joined" in gw.stderr(), gw.stderr()
+    finally:
+        gw.terminate()
+        d.terminate()
+        p.terminate()
+    import subprocess
+    from conftest import BIN
+    bad = subprocess.run([str(BIN), "gateway", "--prefill", "127.0.0.1:1", "--decode", "dns:nope",
+                          "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
+    assert "expected dns:NAME:PORT" in bad.stderr.strip().splitlines()[-1], bad.stderr

@@ -3,7 +3,10 @@
 //! the [`transfer::gateway::Gateway`] state machine coordinates them over
 //! (prefill, decode) pairs, and a connection manager keeps every configured
 //! node connected (reconnecting with backoff; a reconnect re-reads the
-//! node's limit, K8).
+//! node's limit, K8). A node address `dns:NAME:PORT` (a Kubernetes
+//! headless Service) is resolved at start and every
+//! [`RESOLVE_INTERVAL`]: addresses that appear join, ones that vanish are
+//! retired (nothing new goes to them; what runs there finishes).
 //!
 //! A client that goes away drops its [`RequestHandle`]; the handle's cancel
 //! hook tells the machine, which sends a cooperative `Cancel` to both nodes.
@@ -35,7 +38,7 @@ use request::{
 use tokio::sync::{mpsc, Notify};
 use transfer::convert::gen_spec;
 use transfer::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
-use transfer::wire::{Message, Refusal, ROLE_DECODE};
+use transfer::wire::{Message, Refusal, ROLE_DECODE, ROLE_PREFILL};
 use transfer::Identity;
 
 use transfer::node::NetEvent;
@@ -108,9 +111,50 @@ struct Inner {
     next_req: AtomicU64,
     nonce: u64,
     shutting_down: AtomicBool,
-    /// One per node: fired when that node's connection closes.
-    node_closed: Vec<Notify>,
-    addrs: Vec<String>,
+    /// Per node slot of the machine: its connection manager's handle.
+    slots: Mutex<Vec<Arc<Slot>>>,
+    reconnect_max: Duration,
+    /// Connection managers, aborted when the backend drops.
+    managers: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+/// A node slot's connection manager: the generation names it (a slot
+/// reassigned to another address gets a new manager; the old one sees the
+/// generation change and stops).
+struct Slot {
+    generation: u64,
+    addr: String,
+    /// Fired when the slot's connection closes.
+    closed: Notify,
+    /// The manager stopped (the node was retired and its connection ended).
+    stopped: AtomicBool,
+}
+
+/// How often `dns:` node addresses are resolved again.
+pub const RESOLVE_INTERVAL: Duration = Duration::from_secs(5);
+/// Addresses one `dns:` name may contribute.
+pub const RESOLVED_ADDRS_MAX: usize = 64;
+
+/// The key a slot's dial reports in `NetEvent::Dialled::addr`: the slot and
+/// its generation, so that a connection is matched to the manager that
+/// made it even when two slots share an address.
+fn dial_key(slot: usize, generation: u64) -> String {
+    format!("slot:{slot}:{generation}")
+}
+
+fn parse_dial_key(key: &str) -> Option<(usize, u64)> {
+    let mut it = key.strip_prefix("slot:")?.split(':');
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
+/// `dns:NAME:PORT` → (NAME, PORT).
+pub fn parse_dns(addr: &str) -> Option<(String, u16)> {
+    let rest = addr.strip_prefix("dns:")?;
+    let (name, port) = rest.rsplit_once(':')?;
+    if name.is_empty() {
+        return None;
+    }
+    Some((name.to_string(), port.parse().ok()?))
 }
 
 /// The PD gateway backend.
@@ -231,7 +275,12 @@ impl Inner {
         let mut out = Vec::new();
         match ev {
             NetEvent::Dialled { conn, addr } => {
-                if let Some(node) = self.addrs.iter().position(|a| *a == addr) {
+                let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+                let live = parse_dial_key(&addr).filter(|&(node, generation)| {
+                    slots.get(node).is_some_and(|s| s.generation == generation)
+                });
+                drop(slots);
+                if let Some((node, _)) = live {
                     st.conn_node.insert(conn, node);
                     st.gw.connected(node, conn, &mut out);
                 } else {
@@ -242,7 +291,10 @@ impl Inner {
             NetEvent::Closed { conn } => {
                 st.gw.closed(conn, &mut out);
                 if let Some(node) = st.conn_node.remove(&conn) {
-                    self.node_closed[node].notify_one();
+                    let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(s) = slots.get(node) {
+                        s.closed.notify_one();
+                    }
                 }
             }
             NetEvent::Accepted { conn } => {
@@ -295,9 +347,20 @@ impl GatewayBackend {
             },
             model_window_tokens: window,
             requests_max: opts.requests_max,
-            prefill: opts.prefill.clone(),
-            decode: opts.decode.clone(),
+            prefill: opts
+                .prefill
+                .iter()
+                .filter(|a| parse_dns(a).is_none())
+                .cloned()
+                .collect(),
+            decode: opts
+                .decode
+                .iter()
+                .filter(|a| parse_dns(a).is_none())
+                .cloned()
+                .collect(),
         });
+        let statics: Vec<String> = gw.nodes().iter().map(|n| n.addr.clone()).collect();
         // The fault-incident build sends over-long requests on to the nodes,
         // where its prefill turns them into placeholders.
         #[cfg(feature = "mutations")]
@@ -308,7 +371,6 @@ impl GatewayBackend {
         if opts.skip_limit_check {
             tracing::error!("skip_limit_check needs the `mutations` build; ignored");
         }
-        let addrs: Vec<String> = opts.prefill.iter().chain(&opts.decode).cloned().collect();
         let mut seed = [0u8; 8];
         // A per-process nonce in the request ids, so that a restarted
         // gateway never reuses a live id on a node.
@@ -329,8 +391,9 @@ impl GatewayBackend {
             next_req: AtomicU64::new(1),
             nonce,
             shutting_down: AtomicBool::new(false),
-            node_closed: addrs.iter().map(|_| Notify::new()).collect(),
-            addrs: addrs.clone(),
+            slots: Mutex::new(Vec::new()),
+            reconnect_max: opts.reconnect_max,
+            managers: Mutex::new(Vec::new()),
         });
         let mut tasks = Vec::new();
         let i = inner.clone();
@@ -339,12 +402,16 @@ impl GatewayBackend {
                 i.on_event(ev);
             }
         }));
-        for (node, addr) in addrs.into_iter().enumerate() {
-            let i = Arc::downgrade(&inner);
-            let max = opts.reconnect_max;
-            tasks.push(tokio::spawn(async move {
-                connection_manager(i, node, addr, max).await
-            }));
+        for (node, addr) in statics.into_iter().enumerate() {
+            Inner::manage(&inner, node, addr);
+        }
+        for (role, list) in [(ROLE_PREFILL, &opts.prefill), (ROLE_DECODE, &opts.decode)] {
+            for spec in list {
+                if let Some((name, port)) = parse_dns(spec) {
+                    let i = Arc::downgrade(&inner);
+                    tasks.push(tokio::spawn(resolver(i, role, name, port)));
+                }
+            }
         }
         GatewayBackend { inner, tasks }
     }
@@ -367,30 +434,146 @@ impl GatewayBackend {
     }
 }
 
-async fn connection_manager(inner: Weak<Inner>, node: usize, addr: String, max: Duration) {
+impl Inner {
+    /// Starts the connection manager of slot `node` (now at `addr`),
+    /// replacing any earlier one (it sees the new generation and stops).
+    fn manage(inner: &Arc<Inner>, node: usize, addr: String) {
+        let mut slots = inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = slots.get(node).map_or(0, |s| s.generation + 1);
+        let slot = Arc::new(Slot {
+            generation,
+            addr: addr.clone(),
+            closed: Notify::new(),
+            stopped: AtomicBool::new(false),
+        });
+        if node < slots.len() {
+            slots[node] = slot.clone();
+        } else {
+            debug_assert_eq!(node, slots.len(), "slots are added in order");
+            slots.push(slot.clone());
+        }
+        drop(slots);
+        let i = Arc::downgrade(inner);
+        let max = inner.reconnect_max;
+        let task = tokio::spawn(connection_manager(i, node, slot, max));
+        let mut managers = inner.managers.lock().unwrap_or_else(|e| e.into_inner());
+        managers.retain(|t| !t.is_finished());
+        managers.push(task);
+    }
+
+    /// Applies one resolution of a `dns:` name: addresses not yet known
+    /// join (a slot and a manager each), known ones of this name that are
+    /// gone are retired.
+    fn discovered(inner: &Arc<Inner>, role: u8, mine: &mut Vec<String>, found: Vec<String>) {
+        let mut start = Vec::new();
+        {
+            let mut st = inner.state.lock().unwrap_or_else(|e| e.into_inner());
+            for addr in &found {
+                let Some(node) = st.gw.add_node(role, addr) else {
+                    tracing::warn!(%addr, "node slots full ({}); not adding", transfer::gateway::NODES_MAX);
+                    continue;
+                };
+                let slots = inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+                let running = slots
+                    .get(node)
+                    .is_some_and(|s| s.addr == *addr && !s.stopped.load(Ordering::Acquire));
+                drop(slots);
+                if !running {
+                    start.push((node, addr.clone()));
+                }
+                if !mine.contains(addr) {
+                    tracing::info!(%addr, role = transfer::role_name(role), "node joined");
+                }
+            }
+            for addr in mine.iter().filter(|a| !found.contains(a)) {
+                if let Some(node) = st
+                    .gw
+                    .nodes()
+                    .iter()
+                    .position(|n| n.role == role && n.addr == *addr && !n.retired)
+                {
+                    tracing::info!(%addr, role = transfer::role_name(role), "node left discovery: retired");
+                    st.gw.retire_node(node);
+                }
+            }
+        }
+        *mine = found;
+        for (node, addr) in start {
+            Inner::manage(inner, node, addr);
+        }
+    }
+}
+
+/// Resolves `name:port` now and every [`RESOLVE_INTERVAL`]; a failed
+/// lookup keeps the last answer (a DNS hiccup is not a node leaving).
+async fn resolver(inner: Weak<Inner>, role: u8, name: String, port: u16) {
+    let mut mine: Vec<String> = Vec::new();
+    let mut failing = false;
+    loop {
+        match tokio::net::lookup_host((name.as_str(), port)).await {
+            Ok(addrs) => {
+                let mut found: Vec<String> = addrs.map(|a| a.to_string()).collect();
+                found.sort();
+                found.dedup();
+                found.truncate(RESOLVED_ADDRS_MAX);
+                failing = false;
+                let Some(i) = inner.upgrade() else {
+                    return;
+                };
+                if i.shutting_down.load(Ordering::Acquire) {
+                    return;
+                }
+                Inner::discovered(&i, role, &mut mine, found);
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(%name, port, "cannot resolve: {e}; keeping the last answer");
+                }
+                failing = true;
+            }
+        }
+        tokio::time::sleep(RESOLVE_INTERVAL).await;
+    }
+}
+
+async fn connection_manager(inner: Weak<Inner>, node: usize, slot: Arc<Slot>, max: Duration) {
     let mut backoff = Duration::from_millis(50);
+    let current = |i: &Inner| {
+        let slots = i.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots
+            .get(node)
+            .is_some_and(|s| s.generation == slot.generation)
+    };
+    let retired = |i: &Inner| {
+        let st = i.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.gw.nodes().get(node).is_none_or(|n| n.retired)
+    };
     loop {
         let Some(i) = inner.upgrade() else {
             return;
         };
-        if i.shutting_down.load(Ordering::Acquire) {
+        if i.shutting_down.load(Ordering::Acquire) || !current(&i) || retired(&i) {
+            slot.stopped.store(true, Ordering::Release);
             return;
         }
-        let a = addr.clone();
+        let key = dial_key(node, slot.generation);
         let dialled = i
             .transport
-            .dial_wait(&addr, move |conn| NetEvent::Dialled { conn, addr: a })
+            .dial_wait(&slot.addr, move |conn| NetEvent::Dialled {
+                conn,
+                addr: key,
+            })
             .await;
         match dialled {
             Ok(_conn) => {
                 backoff = Duration::from_millis(50);
                 // (The task is aborted when the backend drops, releasing
                 // this reference.)
-                i.node_closed[node].notified().await;
-                tracing::warn!(node = %addr, "connection to node lost; reconnecting");
+                slot.closed.notified().await;
+                tracing::warn!(node = %slot.addr, "connection to node lost; reconnecting");
             }
             Err(why) => {
-                tracing::debug!(node = %addr, "cannot connect: {why}");
+                tracing::debug!(node = %slot.addr, "cannot connect: {why}");
                 drop(i);
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(max);
@@ -402,6 +585,15 @@ async fn connection_manager(inner: Weak<Inner>, node: usize, addr: String, max: 
 impl Drop for GatewayBackend {
     fn drop(&mut self) {
         for t in &self.tasks {
+            t.abort();
+        }
+        for t in self
+            .inner
+            .managers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
             t.abort();
         }
         self.inner.transport.close_all();

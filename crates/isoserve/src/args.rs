@@ -260,6 +260,8 @@ pub struct TransferTlsArgs {
 /// names only this machine.
 pub fn is_loopback_host(host: &str) -> bool {
     let h = host.trim();
+    // `dns:NAME:PORT` (discovery) is loopback when NAME is.
+    let h = h.strip_prefix("dns:").unwrap_or(h);
     let h = h
         .parse::<std::net::SocketAddr>()
         .map(|a| a.ip().to_string())
@@ -328,10 +330,13 @@ impl TransferTlsArgs {
 
 #[derive(clap::Args, Debug)]
 pub struct GatewayArgs {
-    /// A prefill node's `host:port` (repeat for several).
+    /// A prefill node's `host:port` (repeat for several), or
+    /// `dns:NAME:PORT`: every address NAME resolves to, re-resolved every
+    /// 5 s (a Kubernetes headless Service) — addresses that appear join,
+    /// ones that vanish stop getting requests.
     #[arg(long, required = true)]
     pub prefill: Vec<String>,
-    /// A decode node's `host:port` (repeat for several).
+    /// A decode node's `host:port` or `dns:NAME:PORT` (repeat for several).
     #[arg(long, required = true)]
     pub decode: Vec<String>,
     /// The GGUF the nodes serve (tokenizer, chat template, fingerprint);
@@ -421,6 +426,7 @@ mod tests {
             "::1",
             "[::1]:80",
             "127.9.9.9",
+            "dns:localhost:7100",
         ] {
             assert!(lo(h), "{h}");
         }

@@ -289,6 +289,11 @@ pub fn run_gateway(args: GatewayArgs) -> Result<()> {
         .chain(&args.decode)
         .map(String::as_str)
         .collect();
+    for a in &addrs {
+        if a.starts_with("dns:") && gateway::parse_dns(a).is_none() {
+            anyhow::bail!("node address `{a}`: expected dns:NAME:PORT");
+        }
+    }
     let transport = args.tls.transport_config(&addrs, "node address")?;
     let (tenants, reqlog) = tenants_and_log(&args.http)?;
     let path = fetch::resolve_model(args.model.as_deref(), false)?;

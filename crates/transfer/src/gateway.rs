@@ -111,7 +111,35 @@ pub struct NodeView {
     /// The node refused a request because it is draining (SIGTERM): no new
     /// request goes to it until it reconnects (a restarted node).
     pub draining: bool,
+    /// Gone from discovery (`dns:` no longer lists it): nothing new goes to
+    /// it; what runs there finishes; the slot is reused once it is closed
+    /// and idle.
+    pub retired: bool,
 }
+
+impl NodeView {
+    fn new(role: u8, addr: String) -> NodeView {
+        NodeView {
+            role,
+            addr,
+            conn: None,
+            hello: None,
+            last_limit: None,
+            refused: None,
+            inflight: 0,
+            draining: false,
+            retired: false,
+        }
+    }
+
+    /// Whether new requests may go to it.
+    fn usable(&self) -> bool {
+        self.up() && !self.draining && !self.retired
+    }
+}
+
+/// Node slots at most (static and discovered).
+pub const NODES_MAX: usize = 256;
 
 impl NodeView {
     pub fn up(&self) -> bool {
@@ -173,16 +201,7 @@ impl Gateway {
             .iter()
             .map(|a| (ROLE_PREFILL, a))
             .chain(cfg.decode.iter().map(|a| (ROLE_DECODE, a)))
-            .map(|(role, addr)| NodeView {
-                role,
-                addr: addr.clone(),
-                conn: None,
-                hello: None,
-                last_limit: None,
-                refused: None,
-                inflight: 0,
-                draining: false,
-            })
+            .map(|(role, addr)| NodeView::new(role, addr.clone()))
             .collect();
         Gateway {
             #[cfg(any(test, feature = "mutations"))]
@@ -249,6 +268,7 @@ impl Gateway {
     pub fn max_request_tokens(&self) -> u32 {
         self.nodes
             .iter()
+            .filter(|n| !n.retired)
             .filter_map(|n| n.last_limit)
             .fold(self.cfg.model_window_tokens, u32::min)
     }
@@ -261,6 +281,45 @@ impl Gateway {
     // ------------------------------------------------------------ links
 
     /// The driver connected to node `node` (an index into [`Self::nodes`]).
+    /// A node found by discovery: its slot (a retired one that is closed
+    /// and idle is reused), or `None` when [`NODES_MAX`] slots are in use.
+    /// The driver then dials it and reports [`Self::connected`].
+    pub fn add_node(&mut self, role: u8, addr: &str) -> Option<usize> {
+        // Known (also one retired but back in discovery): the same slot.
+        if let Some(i) = self
+            .nodes
+            .iter()
+            .position(|n| n.role == role && n.addr == addr)
+        {
+            self.nodes[i].retired = false;
+            return Some(i);
+        }
+        let free = self
+            .nodes
+            .iter()
+            .position(|n| n.retired && n.conn.is_none() && n.inflight == 0);
+        let view = NodeView::new(role, addr.to_string());
+        match free {
+            Some(i) => {
+                self.nodes[i] = view;
+                Some(i)
+            }
+            None if self.nodes.len() < NODES_MAX => {
+                self.nodes.push(view);
+                Some(self.nodes.len() - 1)
+            }
+            None => None,
+        }
+    }
+
+    /// A node gone from discovery: no new request goes to it; requests
+    /// running there finish (or fail when its connection ends).
+    pub fn retire_node(&mut self, node: usize) {
+        if let Some(n) = self.nodes.get_mut(node) {
+            n.retired = true;
+        }
+    }
+
     pub fn connected(&mut self, node: usize, conn: ConnId, out: &mut Vec<GatewayAction>) {
         let n = &mut self.nodes[node];
         n.conn = Some(conn);
@@ -525,13 +584,13 @@ impl Gateway {
         for i in 0..self.nodes.len() {
             let d = (i + self.rotate) % n;
             let dn = &self.nodes[d];
-            if dn.role != ROLE_DECODE || !dn.up() || dn.draining {
+            if dn.role != ROLE_DECODE || !dn.usable() {
                 continue;
             }
             for j in 0..self.nodes.len() {
                 let p = (j + self.rotate) % n;
                 let pn = &self.nodes[p];
-                if pn.role != ROLE_PREFILL || !pn.up() || pn.draining {
+                if pn.role != ROLE_PREFILL || !pn.usable() {
                     continue;
                 }
                 let same_layout =

@@ -125,3 +125,60 @@ fn load_wins_past_the_slack() {
         "{p0} vs {p1}"
     );
 }
+
+/// Discovery (`dns:`): a node found later joins, one gone from discovery
+/// gets nothing new while its requests finish, and its slot is reused once
+/// it is closed and idle.
+#[test]
+fn nodes_join_and_leave_at_run_time() {
+    let mut gw = gateway();
+    let mut out = Vec::new();
+    // p2 joins.
+    let p2 = gw.add_node(ROLE_PREFILL, "p2:1").unwrap();
+    assert_eq!(
+        gw.add_node(ROLE_PREFILL, "p2:1"),
+        Some(p2),
+        "known: same slot"
+    );
+    gw.connected(p2, 12, &mut out);
+    gw.message(12, identity("p2").hello(ROLE_PREFILL), &mut out);
+    // p0 and p1 leave discovery; a request already on p0 keeps running.
+    let on_p0 = {
+        let mut req = 1;
+        loop {
+            let conn = place(&mut gw, req, 1000 + req);
+            if conn == 10 {
+                break req;
+            }
+            gw.cancel(req, &mut Vec::new());
+            req += 1;
+            assert!(req < 20, "p0 never chosen");
+        }
+    };
+    gw.retire_node(0);
+    gw.retire_node(1);
+    for req in 100..106 {
+        assert_eq!(place(&mut gw, req, req), 12, "only p2 takes new requests");
+        gw.cancel(req, &mut Vec::new());
+    }
+    assert!(
+        gw.phase_of(on_p0).is_some(),
+        "the running request was not touched"
+    );
+    // p0's slot cannot be reused while it holds a request and a connection.
+    let p3 = gw.add_node(ROLE_PREFILL, "p3:1").unwrap();
+    assert!(p3 != 0 && p3 != 1, "a busy retired slot was reused");
+    // p1 is idle; once its connection closes its slot is free again.
+    gw.closed(11, &mut out);
+    assert_eq!(gw.add_node(ROLE_DECODE, "d9:1"), Some(1));
+    // Back in discovery: p0 is usable again, in its own slot.
+    assert_eq!(gw.add_node(ROLE_PREFILL, "p0:1"), Some(0));
+    assert!(!gw.nodes()[0].retired);
+    // Bounded.
+    let mut last = None;
+    for i in 0..transfer::gateway::NODES_MAX {
+        last = gw.add_node(ROLE_DECODE, &format!("x{i}:1"));
+    }
+    assert_eq!(last, None);
+    assert!(gw.nodes().len() <= transfer::gateway::NODES_MAX);
+}
