@@ -7,47 +7,11 @@
 //! Mutation: without the affinity, ties rotate between the prefill nodes
 //! and `a_tenant_returns_to_its_prefill_node` fails.
 
-use transfer::gateway::{Gateway, GatewayAction, GatewayConfig};
-use transfer::wire::{GenSpec, KvLayout, Message, WirePage, ROLE_DECODE, ROLE_PREFILL};
-use transfer::Identity;
+mod common;
 
-const LAYOUT: KvLayout = KvLayout {
-    page_size: 16,
-    dtype: 1,
-    layers: 2,
-    kv_heads: 1,
-    head_dim: 32,
-};
-
-fn identity(node: &str) -> Identity {
-    Identity {
-        node: node.into(),
-        fingerprint: [7; 32],
-        layout: LAYOUT,
-        max_request_tokens: 1000,
-    }
-}
-
-fn gateway() -> Gateway {
-    let mut gw = Gateway::new(GatewayConfig {
-        identity: identity("gw"),
-        model_window_tokens: 1000,
-        requests_max: 64,
-        prefill: vec!["p0:1".into(), "p1:1".into()],
-        decode: vec!["d0:1".into(), "d1:1".into()],
-    });
-    let mut out = Vec::new();
-    for (node, conn, name, role) in [
-        (0, 10, "p0", ROLE_PREFILL),
-        (1, 11, "p1", ROLE_PREFILL),
-        (2, 20, "d0", ROLE_DECODE),
-        (3, 21, "d1", ROLE_DECODE),
-    ] {
-        gw.connected(node, conn, &mut out);
-        gw.message(conn, identity(name).hello(role), &mut out);
-    }
-    gw
-}
+use common::{gateway, identity};
+use transfer::gateway::{Gateway, GatewayAction};
+use transfer::wire::{GenSpec, Message, WirePage, ROLE_DECODE, ROLE_PREFILL};
 
 /// Submits `req` for `tenant`, lets decode reserve, and returns the
 /// prefill connection its Prefill went to.

@@ -102,6 +102,19 @@ fn certs(what: &'static str, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>,
 /// post-quantum hybrid key exchange needs the aws-lc C build (minutes of
 /// every clean CI build on two cores); moving to it is a feature switch
 /// here and in `Cargo.toml`, not a code change.
+/// This node's certificate chain and private key from PEM.
+fn identity(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
+    let chain = certs("certificate", cert_pem)?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::Pem {
+        what: "private key",
+        why: e.to_string(),
+    })?;
+    Ok((chain, key))
+}
+
 #[allow(deprecated)]
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
@@ -126,11 +139,7 @@ impl TransportTls {
         ca_pem: &[u8],
         server_name: &str,
     ) -> Result<TransportTls, TlsError> {
-        let chain = certs("certificate", cert_pem)?;
-        let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::Pem {
-            what: "private key",
-            why: e.to_string(),
-        })?;
+        let (chain, key) = identity(cert_pem, key_pem)?;
         let mut roots = RootCertStore::empty();
         for ca in certs("CA certificate", ca_pem)? {
             roots
@@ -174,11 +183,7 @@ impl TransportTls {
         server_name: &str,
     ) -> Result<TransportTls, TlsError> {
         let mut t = TransportTls::from_pem(cert_pem, key_pem, ca_pem, server_name)?;
-        let chain = certs("certificate", cert_pem)?;
-        let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::Pem {
-            what: "private key",
-            why: e.to_string(),
-        })?;
+        let (chain, key) = identity(cert_pem, key_pem)?;
         let server = ServerConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| TlsError::Config(e.to_string()))?
