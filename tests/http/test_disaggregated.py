@@ -197,6 +197,44 @@ def test_over_long_request_is_refused_at_the_gateway(pd_set):
     assert d.metrics()["isoserve_node_decode_reservations_total"] == before
 
 
+def test_nodes_report_their_load_to_the_gateway(pd_set):
+    """Each node tells the gateway its queued and running requests and free
+    pages every 250 ms (`Message::Load`); the gateway exports what it was
+    told per node and routes by it (the machine tests show the routing)."""
+    gw, p, d = pd_set["gateway"], pd_set["prefill"], pd_set["decode"]
+    pool_free(d)
+    total = d.metrics()["isoserve_node_kv_pages_total"]
+
+    def reported(name, node):
+        return gw.metrics().get(f'isoserve_gateway_node_{name}{{node="{node.addr}"}}')
+
+    # Reports lag by up to 250 ms: the previous test's pages may show.
+    wait_until(lambda: reported("kv_pages_total", d) == total
+               and reported("kv_pages_free", d) == total, what="decode's report")
+    assert reported("requests_running", d) == 0 and reported("requests_queued", d) == 0
+    assert reported("kv_pages_total", p) == p.metrics()["isoserve_node_kv_pages_total"]
+    before = gw.metrics()["isoserve_gateway_load_reports_total"]
+    time.sleep(1.0)
+    # Two nodes at 4 Hz (the loop's timing is loose, so a lower bound).
+    assert gw.metrics()["isoserve_gateway_load_reports_total"] - before >= 4
+    # A long stream runs on decode: its report shows it and its pages.
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 600, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Count to a thousand."}], "stream": True}
+    with Stream(gw, "/v1/chat/completions", body, timeout=120) as st:
+        assert st.status == 200
+        events = st.json_events()
+        next(events)
+        wait_until(lambda: reported("requests_running", d) == 1, timeout=5,
+                   what="decode to report the running request")
+        assert reported("kv_pages_free", d) < total
+    # Cancelled by the close: back to idle in the report.
+    wait_until(lambda: reported("requests_running", d) == 0
+               and reported("kv_pages_free", d) == total, timeout=10,
+               what="decode to report itself idle")
+    pool_free(d)
+    pool_free(p)
+
+
 def long_prompt():
     return "Summarise the following notes. " + "The meeting covered budgets, hiring and the roadmap. " * 130
 

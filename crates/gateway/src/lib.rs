@@ -366,6 +366,7 @@ impl GatewayBackend {
         #[cfg(feature = "mutations")]
         gw.set_mutations(transfer::gateway::GatewayMutations {
             skip_limit_check: opts.skip_limit_check || cfg!(feature = "fault-incident"),
+            ..Default::default()
         });
         #[cfg(not(feature = "mutations"))]
         if opts.skip_limit_check {
@@ -789,6 +790,16 @@ pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<
         s.affinity_routed_total,
     );
     counter(
+        "load_reports_total",
+        "Load reports received from nodes (queued and running requests, free pages)",
+        s.load_reports_total,
+    );
+    counter(
+        "load_routed_total",
+        "Requests placed on another pair than the gateway's own counts would pick, because of what nodes reported",
+        s.load_routed_total,
+    );
+    counter(
         "replaced_draining_total",
         "Requests placed on another pair because a node refused them while draining",
         s.replaced_draining_total,
@@ -813,6 +824,33 @@ pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<
             .label("node", n.addr.clone())
             .label("role", role),
         );
+    }
+    for n in gw.nodes() {
+        let Some(l) = n.load else { continue };
+        for (name, help, v) in [
+            (
+                "isoserve_gateway_node_requests_queued",
+                "Requests the node last reported admitted but not running (every gateway's)",
+                l.queued,
+            ),
+            (
+                "isoserve_gateway_node_requests_running",
+                "Requests the node last reported in its engine's batch (every gateway's)",
+                l.running,
+            ),
+            (
+                "isoserve_gateway_node_kv_pages_free",
+                "KV pages the node last reported free (idle cached ones included)",
+                l.pages_free,
+            ),
+            (
+                "isoserve_gateway_node_kv_pages_total",
+                "KV pages in the node's pool, as last reported",
+                l.pages_total,
+            ),
+        ] {
+            o.push(MetricSample::gauge(name, help, f64::from(v)).label("node", n.addr.clone()));
+        }
     }
     for n in gw.nodes() {
         if let Some(l) = n.last_limit {

@@ -217,6 +217,7 @@ impl PdNode {
             commands,
             stats: stats.clone(),
             drain: drain.clone(),
+            load_reported: Instant::now(),
         };
         let thread = std::thread::Builder::new()
             .name(match role {
@@ -328,7 +329,14 @@ struct NodeLoop {
     stats: Arc<Mutex<PdStats>>,
     /// Set by [`PdNode::drain`]; the loop hands it to the machine.
     drain: Arc<std::sync::atomic::AtomicBool>,
+    /// When the node last told its gateways its load.
+    load_reported: Instant,
 }
+
+/// How often a node tells its gateways its load (`Message::Load`): often
+/// enough that a burst of requests spreads by what nodes hold, not only by
+/// what one gateway sent; a 30-byte frame per gateway each time.
+const LOAD_REPORT_INTERVAL: Duration = Duration::from_millis(250);
 
 /// The batch core as the glue's engine, on either role.
 struct CoreEngine {
@@ -385,6 +393,10 @@ impl NodeEngine for CoreEngine {
 
     fn stop(&mut self, req: u64) {
         self.core.stop_remote(req);
+    }
+
+    fn running(&mut self) -> usize {
+        self.core.running()
     }
 }
 
@@ -517,10 +529,10 @@ impl NodeLoop {
                     Glue::Decode(g) => g.machine.drain(),
                 }
             }
-            // Block while idle; poll while a batch runs. The timeout only
-            // bounds how long stats can go unpublished.
+            // Block while idle; poll while a batch runs. The timeout bounds
+            // how long stats and the load report can go stale.
             if self.engine().core.running() == 0 {
-                match rx.recv_timeout(Duration::from_millis(500)) {
+                match rx.recv_timeout(LOAD_REPORT_INTERVAL) {
                     Ok(Some(ev)) => self.handle(ev),
                     Ok(None) | Err(RecvTimeoutError::Disconnected) => break,
                     Err(RecvTimeoutError::Timeout) => {}
@@ -541,6 +553,13 @@ impl NodeLoop {
             match &mut self.glue {
                 Glue::Prefill(g) => g.reports(&mut cmds),
                 Glue::Decode(g) => g.reports(&mut cmds),
+            }
+            if self.load_reported.elapsed() >= LOAD_REPORT_INTERVAL {
+                self.load_reported = Instant::now();
+                match &mut self.glue {
+                    Glue::Prefill(g) => g.report_load(&mut cmds),
+                    Glue::Decode(g) => g.report_load(&mut cmds),
+                }
             }
             self.send(cmds);
             self.publish();

@@ -262,6 +262,9 @@ impl NodeEngine for StandInPrefill {
     fn stop(&mut self, req: u64) {
         self.jobs.remove(&req);
     }
+    fn running(&mut self) -> usize {
+        self.jobs.len()
+    }
 }
 
 impl PrefillEngine for StandInPrefill {
@@ -368,6 +371,9 @@ impl NodeEngine for StandInDecode {
     }
     fn stop(&mut self, req: u64) {
         self.decoding.remove(&req);
+    }
+    fn running(&mut self) -> usize {
+        self.decoding.len()
     }
 }
 

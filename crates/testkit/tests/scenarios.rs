@@ -66,6 +66,7 @@ fn incident_placeholder_request_never_decodes() {
     let mut sim = Sim::scripted(1, cfg, &reqs);
     sim.gateway_mut().set_mutations(GatewayMutations {
         skip_limit_check: true,
+        ..GatewayMutations::default()
     });
     let r = sim.run().expect("invariants hold");
     let secret = outcome(&r, 100);
@@ -102,6 +103,7 @@ fn incident_placeholder_is_caught_by_decode_completeness_but_loses_the_original_
     let mut sim = Sim::scripted(1, cfg, &reqs);
     sim.gateway_mut().set_mutations(GatewayMutations {
         skip_limit_check: true,
+        ..GatewayMutations::default()
     });
     sim.prefill_mut().set_mutations(PrefillMutations {
         placeholder: true,
@@ -124,6 +126,7 @@ fn without_completeness_the_placeholder_answers_wrongly() {
     let mut sim = Sim::scripted(1, cfg, &reqs);
     sim.gateway_mut().set_mutations(GatewayMutations {
         skip_limit_check: true,
+        ..GatewayMutations::default()
     });
     sim.prefill_mut().set_mutations(PrefillMutations {
         placeholder: true,

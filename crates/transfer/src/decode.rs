@@ -253,6 +253,14 @@ impl DecodeNode {
         self.reqs.len()
     }
 
+    /// Connections to paired gateways (where [`Message::Load`] goes).
+    pub fn gateway_conns(&self) -> impl Iterator<Item = ConnId> + '_ {
+        self.links
+            .iter()
+            .filter(|(_, l)| matches!(l, Link::Gateway))
+            .map(|(&c, _)| c)
+    }
+
     /// Every request this node knows, with its phase.
     pub fn request_phases(&self) -> impl Iterator<Item = (u64, DecodePhase)> + '_ {
         self.reqs.iter().map(|(&k, r)| (k, r.phase))
@@ -370,7 +378,7 @@ impl DecodeNode {
             return;
         };
         match (link, msg) {
-            (_, Message::Heartbeat { .. }) => {}
+            (_, Message::Heartbeat { .. } | Message::Load { .. }) => {}
             (Link::Handshaking, msg @ Message::Hello { .. }) => {
                 let peer = PeerHello::from_message(&msg).expect("a Hello");
                 let layout = peer.role == ROLE_PREFILL;

@@ -88,6 +88,21 @@ pub struct GatewayStats {
     /// Requests sent to their tenant's previous prefill node (where its
     /// prefix cache is) rather than to the least-loaded one.
     pub affinity_routed_total: u64,
+    /// `Load` reports received from nodes.
+    pub load_reports_total: u64,
+    /// Requests placed on a pair the gateway's own count alone would not
+    /// have picked: a node's report (other gateways' requests, or too few
+    /// free pages for the request) moved it.
+    pub load_routed_total: u64,
+}
+
+/// What a node last reported of its load ([`Message::Load`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct NodeLoad {
+    pub queued: u32,
+    pub running: u32,
+    pub pages_free: u32,
+    pub pages_total: u32,
 }
 
 /// Placements of one request at most (the first and two more): a request
@@ -115,6 +130,9 @@ pub struct NodeView {
     /// it; what runs there finishes; the slot is reused once it is closed
     /// and idle.
     pub retired: bool,
+    /// The node's last load report on this connection (none before the
+    /// first, and none after the connection closes).
+    pub load: Option<NodeLoad>,
 }
 
 impl NodeView {
@@ -129,12 +147,30 @@ impl NodeView {
             inflight: 0,
             draining: false,
             retired: false,
+            load: None,
         }
     }
 
     /// Whether new requests may go to it.
     fn usable(&self) -> bool {
         self.up() && !self.draining && !self.retired
+    }
+
+    /// Requests on the node: what this gateway placed there, or what the
+    /// node last reported (every gateway's), whichever is more. The report
+    /// is up to one interval old; the gateway's own count is current.
+    fn requests_on(&self, by_reports: bool) -> usize {
+        let reported = match (by_reports, self.load) {
+            (true, Some(l)) => l.queued as usize + l.running as usize,
+            _ => 0,
+        };
+        self.inflight.max(reported)
+    }
+
+    /// Whether the node reported fewer free pages than `pages` (a request
+    /// placed there would wait for pages).
+    fn short_of(&self, pages: u32, by_reports: bool) -> bool {
+        by_reports && self.load.is_some_and(|l| l.pages_free < pages)
     }
 }
 
@@ -169,6 +205,9 @@ pub struct GatewayMutations {
     /// Route over-long requests to the nodes instead of refusing them (to
     /// show the nodes' own checks, K8 "again on every node").
     pub skip_limit_check: bool,
+    /// Route by the gateway's own request counts only, ignoring what the
+    /// nodes report (to show the reports decide placements).
+    pub ignore_load_reports: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -339,6 +378,7 @@ impl Gateway {
         let n = &mut self.nodes[node];
         n.conn = None;
         n.hello = None;
+        n.load = None;
         if was_up {
             self.stats.nodes_lost_total += 1;
         }
@@ -377,6 +417,20 @@ impl Gateway {
         let up = self.nodes[node].up();
         match msg {
             Message::Heartbeat { .. } => {}
+            Message::Load {
+                queued,
+                running,
+                pages_free,
+                pages_total,
+            } if up => {
+                self.stats.load_reports_total += 1;
+                self.nodes[node].load = Some(NodeLoad {
+                    queued,
+                    running,
+                    pages_free: pages_free.min(pages_total),
+                    pages_total,
+                });
+            }
             msg @ Message::Hello { .. } if !up => {
                 let peer = PeerHello::from_message(&msg).expect("a Hello");
                 let role = self.nodes[node].role;
@@ -569,17 +623,35 @@ impl Gateway {
     /// The least-loaded (prefill, decode) pair that is up, not draining,
     /// with equal KV layouts; ties rotate.
     fn pick_pair(&self) -> Option<(usize, usize)> {
-        self.pick_pair_for(None).map(|(p, d, _)| (p, d))
+        self.pick_pair_for(None, 0, true).map(|(p, d, _)| (p, d))
     }
 
-    /// As [`Self::pick_pair`], but a pair on `tenant`'s previous prefill
-    /// node (its prefix cache) wins while that pair carries at most
-    /// [`AFFINITY_SLACK_REQUESTS`] more requests than the least-loaded one.
-    /// The flag says the affinity decided.
-    fn pick_pair_for(&self, tenant: Option<u64>) -> Option<(usize, usize, bool)> {
+    /// The pair a request of `tenant` needing `pages` decode pages goes to,
+    /// ranked by:
+    /// 1. the decode node has the pages free (by its last report; a node
+    ///    short of them would make the request wait);
+    /// 2. fewest requests on the two nodes ([`NodeView::requests_on`]: the
+    ///    gateway's own count or the nodes' reports, whichever is more);
+    /// 3. rotation among equals.
+    ///
+    /// A pair on `tenant`'s previous prefill node (its prefix cache) wins
+    /// while it is not worse on 1 and carries at most
+    /// [`AFFINITY_SLACK_REQUESTS`] more requests. The flag says the
+    /// affinity decided. `by_reports: false` ranks by the gateway's own
+    /// counts only (to tell whether the reports moved a placement).
+    fn pick_pair_for(
+        &self,
+        tenant: Option<u64>,
+        pages: u32,
+        by_reports: bool,
+    ) -> Option<(usize, usize, bool)> {
         let home = tenant.and_then(|t| self.affinity.get(&t));
-        let mut best: Option<(usize, usize, usize)> = None;
-        let mut best_home: Option<(usize, usize, usize)> = None;
+        // (prefill, decode, short of pages, requests)
+        let mut best: Option<(usize, usize, bool, usize)> = None;
+        let mut best_home: Option<(usize, usize, bool, usize)> = None;
+        let better = |a: (bool, usize), b: Option<(usize, usize, bool, usize)>| {
+            b.is_none_or(|(_, _, short, load)| a < (short, load))
+        };
         let n = self.nodes.len().max(1);
         for i in 0..self.nodes.len() {
             let d = (i + self.rotate) % n;
@@ -587,6 +659,7 @@ impl Gateway {
             if dn.role != ROLE_DECODE || !dn.usable() {
                 continue;
             }
+            let short = dn.short_of(pages, by_reports);
             for j in 0..self.nodes.len() {
                 let p = (j + self.rotate) % n;
                 let pn = &self.nodes[p];
@@ -598,21 +671,38 @@ impl Gateway {
                 if !same_layout {
                     continue;
                 }
-                let load = pn.inflight + dn.inflight;
-                if best.is_none_or(|(_, _, l)| load < l) {
-                    best = Some((p, d, load));
+                let load = pn.requests_on(by_reports) + dn.requests_on(by_reports);
+                if better((short, load), best) {
+                    best = Some((p, d, short, load));
                 }
                 let at_home = home.is_some_and(|h| pn.hello.as_ref().is_some_and(|x| &x.node == h));
-                if at_home && best_home.is_none_or(|(_, _, l)| load < l) {
-                    best_home = Some((p, d, load));
+                if at_home && better((short, load), best_home) {
+                    best_home = Some((p, d, short, load));
                 }
             }
         }
-        let (p, d, load) = best?;
+        let (p, d, short, load) = best?;
         match best_home {
-            Some((hp, hd, hl)) if hl <= load + AFFINITY_SLACK_REQUESTS => Some((hp, hd, hp != p)),
+            Some((hp, hd, hshort, hl)) if hshort <= short && hl <= load + AFFINITY_SLACK_REQUESTS => {
+                Some((hp, hd, hp != p))
+            }
             _ => Some((p, d, false)),
         }
+    }
+
+    /// Decode pages a request of `tokens` (prompt and generation) needs on
+    /// a node of `layout`.
+    fn pages_for(&self, tokens: usize) -> u32 {
+        // Page sizes are equal on paired nodes; take the first decode
+        // node's that is up (a mismatch is never paired anyway).
+        let page = self
+            .nodes
+            .iter()
+            .filter(|n| n.role == ROLE_DECODE)
+            .find_map(|n| n.hello.as_ref().map(|h| h.layout.page_size))
+            .unwrap_or(1)
+            .max(1) as usize;
+        u32::try_from(tokens.div_ceil(page)).unwrap_or(u32::MAX)
     }
 
     /// Remembers `tenant`'s prefill node (bounded; the oldest go first).
@@ -681,12 +771,25 @@ impl Gateway {
         placements: u8,
         out: &mut Vec<GatewayAction>,
     ) -> Result<(), Refusal> {
-        let Some((p, d, by_affinity)) = self.pick_pair_for(Some(tenant)) else {
+        let pages = self.pages_for(tokens.len().saturating_add(max_tokens as usize));
+        #[cfg(any(test, feature = "mutations"))]
+        let by_reports = !self.mutations.ignore_load_reports;
+        #[cfg(not(any(test, feature = "mutations")))]
+        let by_reports = true;
+        let Some((p, d, by_affinity)) = self.pick_pair_for(Some(tenant), pages, by_reports) else {
             self.stats.refused_unavailable_total += 1;
             return Err(refusal::unavailable(
                 "no prefill/decode pair is available (nodes down, draining or refused pairing)",
             ));
         };
+        // Before the rotation moves: the same ranking without the reports.
+        if by_reports
+            && self
+                .pick_pair_for(Some(tenant), pages, false)
+                .is_some_and(|(p0, d0, _)| (p0, d0) != (p, d))
+        {
+            self.stats.load_routed_total += 1;
+        }
         self.rotate = self.rotate.wrapping_add(1);
         let prefill = self.nodes[p]
             .hello
@@ -696,6 +799,7 @@ impl Gateway {
         if by_affinity {
             self.stats.affinity_routed_total += 1;
         }
+
         self.remember(tenant, &prefill);
         let dconn = self.nodes[d].conn.expect("up implies connected");
         out.push(GatewayAction::Send {

@@ -125,6 +125,31 @@ pub trait NodeEngine {
     /// Takes a request out of the engine's batch without touching its
     /// pages (the machine stopped it and frees them).
     fn stop(&mut self, req: u64);
+    /// Requests in the engine's batch (for [`Message::Load`]).
+    fn running(&mut self) -> usize;
+}
+
+/// A node's [`Message::Load`]: `requests` the machine holds, `running` of
+/// them in the engine's batch; pages an allocation can get (free and
+/// evictable cached ones).
+fn load_message(requests: usize, running: usize, pool: &Pool) -> Message {
+    let sat = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    Message::Load {
+        queued: sat(requests.saturating_sub(running)),
+        running: sat(running),
+        pages_free: pool.pages_available(),
+        pages_total: pool.pages_total(),
+    }
+}
+
+/// Appends one `Load` per gateway connection.
+fn send_load(msg: Message, conns: impl Iterator<Item = ConnId>, cmds: &mut Vec<NetCommand>) {
+    for conn in conns {
+        cmds.push(NetCommand::Send {
+            conn,
+            msg: msg.clone(),
+        });
+    }
 }
 
 /// A prefill node's engine.
@@ -237,6 +262,14 @@ impl<E: PrefillEngine> Prefill<E> {
         self.reports(cmds);
     }
 
+    /// Tells every paired gateway this node's load. The node loop calls it
+    /// periodically (the glue has no clock); tests call it when they want.
+    pub fn report_load(&mut self, cmds: &mut Vec<NetCommand>) {
+        let running = self.engine.running();
+        let msg = load_message(self.machine.requests(), running, self.engine.pool());
+        send_load(msg, self.machine.gateway_conns(), cmds);
+    }
+
     /// Takes the engine's reports (after a step) into the machine.
     pub fn reports(&mut self, cmds: &mut Vec<NetCommand>) {
         let mut reports = Vec::new();
@@ -330,6 +363,14 @@ impl<E: DecodeEngine> Decode<E> {
         }
         self.act(out, cmds);
         self.reports(cmds);
+    }
+
+    /// Tells every paired gateway this node's load (as
+    /// [`Prefill::report_load`]).
+    pub fn report_load(&mut self, cmds: &mut Vec<NetCommand>) {
+        let running = self.engine.running();
+        let msg = load_message(self.machine.requests(), running, self.engine.pool());
+        send_load(msg, self.machine.gateway_conns(), cmds);
     }
 
     /// The mutation: decode on the reservation as soon as `Done` arrives.

@@ -250,6 +250,14 @@ impl PrefillNode {
         self.reqs.len()
     }
 
+    /// Connections to paired gateways (where [`Message::Load`] goes).
+    pub fn gateway_conns(&self) -> impl Iterator<Item = ConnId> + '_ {
+        self.links
+            .iter()
+            .filter(|(_, l)| matches!(l, Link::Gateway))
+            .map(|(&c, _)| c)
+    }
+
     pub fn request_phases(&self) -> impl Iterator<Item = (u64, PrefillPhase)> + '_ {
         self.reqs.iter().map(|(&k, r)| (k, r.phase))
     }
@@ -408,7 +416,7 @@ impl PrefillNode {
             return;
         };
         match (link, msg) {
-            (_, Message::Heartbeat { .. }) => {}
+            (_, Message::Heartbeat { .. } | Message::Load { .. }) => {}
             (Link::Incoming, msg @ Message::Hello { .. }) => {
                 let peer = PeerHello::from_message(&msg).expect("a Hello");
                 match check_peer(&self.cfg.identity, &peer, &[ROLE_GATEWAY], false) {

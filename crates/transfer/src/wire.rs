@@ -20,7 +20,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// Version of this format. A peer speaking another version is refused at
 /// the handshake.
-pub const WIRE_VERSION: u8 = 3;
+pub const WIRE_VERSION: u8 = 4;
 /// Largest frame (a page of a large model plus headers). Bigger frames are
 /// refused before their body is read.
 pub const FRAME_BYTES_MAX: usize = 64 << 20;
@@ -262,6 +262,19 @@ pub enum Message {
     },
     /// Liveness.
     Heartbeat { nonce: u64 },
+    /// Node → gateway, periodically: the node's load, counted over every
+    /// gateway it serves (a gateway sees only its own requests). The
+    /// gateway weighs it when it picks a pair.
+    Load {
+        /// Requests admitted but not in the engine's batch (waiting for
+        /// pages, a transfer, or their turn).
+        queued: u32,
+        /// Requests in the engine's batch.
+        running: u32,
+        /// Pages no request or transfer holds (idle cached ones count).
+        pages_free: u32,
+        pages_total: u32,
+    },
 }
 
 /// Why bytes are not a valid frame.
@@ -311,6 +324,7 @@ const K_HEARTBEAT: u8 = 12;
 const K_REFUSE: u8 = 13;
 const K_ABORT: u8 = 14;
 const K_CLOSED: u8 = 15;
+const K_LOAD: u8 = 16;
 
 impl Message {
     pub fn kind_name(&self) -> &'static str {
@@ -330,13 +344,17 @@ impl Message {
             Message::Token { .. } => "Token",
             Message::Finished { .. } => "Finished",
             Message::Heartbeat { .. } => "Heartbeat",
+            Message::Load { .. } => "Load",
         }
     }
 
     /// The request a message is about, if any.
     pub fn req(&self) -> Option<u64> {
         match self {
-            Message::Hello { .. } | Message::Refuse { .. } | Message::Heartbeat { .. } => None,
+            Message::Hello { .. }
+            | Message::Refuse { .. }
+            | Message::Heartbeat { .. }
+            | Message::Load { .. } => None,
             Message::Reserve { req, .. }
             | Message::Reserved { req, .. }
             | Message::Rejected { req, .. }
@@ -519,6 +537,18 @@ impl Message {
                 w.u8(K_HEARTBEAT);
                 w.u64(*nonce);
             }
+            Message::Load {
+                queued,
+                running,
+                pages_free,
+                pages_total,
+            } => {
+                w.u8(K_LOAD);
+                w.u32(*queued);
+                w.u32(*running);
+                w.u32(*pages_free);
+                w.u32(*pages_total);
+            }
         }
         let covered_end = match self {
             Message::Page { bytes, .. } => out.len() - bytes.len(),
@@ -651,6 +681,12 @@ impl Message {
             },
             K_HEARTBEAT => Message::Heartbeat {
                 nonce: r.u64("nonce")?,
+            },
+            K_LOAD => Message::Load {
+                queued: r.u32("queued")?,
+                running: r.u32("running")?,
+                pages_free: r.u32("pages_free")?,
+                pages_total: r.u32("pages_total")?,
             },
             other => return Err(WireError::UnknownKind(other)),
         };

@@ -146,3 +146,102 @@ fn nodes_join_and_leave_at_run_time() {
     assert_eq!(last, None);
     assert!(gw.nodes().len() <= transfer::gateway::NODES_MAX);
 }
+
+/// What a node tells the gateway of its load (`Message::Load`).
+fn report(gw: &mut Gateway, conn: u64, queued: u32, running: u32, pages_free: u32) {
+    gw.message(
+        conn,
+        Message::Load {
+            queued,
+            running,
+            pages_free,
+            pages_total: 100,
+        },
+        &mut Vec::new(),
+    );
+}
+
+/// The decode node each of `reqs` went to (conn 20 or 21).
+fn decode_of(gw: &mut Gateway, reqs: std::ops::Range<u64>) -> Vec<u64> {
+    reqs.map(|req| {
+        let mut out = Vec::new();
+        gw.submit(req, 1000 + req, vec![1, 2, 3], 4, GenSpec::default(), &mut out)
+            .unwrap();
+        out.iter()
+            .find_map(|a| match a {
+                GatewayAction::Send {
+                    conn,
+                    msg: Message::Reserve { .. },
+                } => Some(*conn),
+                _ => None,
+            })
+            .expect("a Reserve")
+    })
+    .collect()
+}
+
+/// Another gateway's requests fill d0: this gateway sees none of them in
+/// its own counts, only in d0's report, and sends its requests to d1 until
+/// its own count there reaches what d0 reported.
+///
+/// Mutation: `ignore_load_reports` — the gateway alternates d0/d1 and the
+/// test fails.
+#[test]
+fn requests_go_where_the_nodes_report_room() {
+    for ignore in [false, true] {
+        let mut gw = gateway();
+        gw.set_mutations(transfer::gateway::GatewayMutations {
+            ignore_load_reports: ignore,
+            ..Default::default()
+        });
+        report(&mut gw, 20, 3, 4, 90);
+        report(&mut gw, 21, 0, 0, 100);
+        let to = decode_of(&mut gw, 0..6);
+        if ignore {
+            assert!(to.contains(&20), "{to:?}");
+            assert_eq!(gw.stats().load_routed_total, 0);
+            continue;
+        }
+        assert_eq!(to, vec![21; 6], "d0 reported 7 requests");
+        assert_eq!(gw.stats().load_reports_total, 2);
+        assert_eq!(gw.stats().load_routed_total, 6);
+        // Past d0's reported load the two are even again: both are used.
+        let more = decode_of(&mut gw, 6..12);
+        assert!(more.contains(&20) && more.contains(&21), "{more:?}");
+    }
+}
+
+/// A decode node that reported too few free pages for a request is passed
+/// over while another has them, even if that one carries more requests;
+/// when none has room the least-loaded still takes it (and queues there).
+#[test]
+fn a_decode_node_short_of_pages_is_passed_over() {
+    let mut gw = gateway();
+    // 3 + 4 tokens = 1 page of 16; d1 has none free, d0 some but is busier.
+    report(&mut gw, 20, 0, 5, 10);
+    report(&mut gw, 21, 0, 0, 0);
+    assert_eq!(decode_of(&mut gw, 0..3), vec![20; 3]);
+    report(&mut gw, 20, 0, 5, 0);
+    let to = decode_of(&mut gw, 3..5);
+    assert_eq!(to, vec![21; 2], "no room anywhere: the least loaded");
+}
+
+/// A report lives as long as its connection: a node that reconnects (a
+/// restarted process) starts from nothing, and a report from a connection
+/// the gateway has not paired is a protocol error, not load.
+#[test]
+fn a_load_report_ends_with_its_connection() {
+    let mut gw = gateway();
+    report(&mut gw, 20, 50, 50, 0);
+    assert!(gw.nodes()[2].load.is_some());
+    let mut out = Vec::new();
+    gw.closed(20, &mut out);
+    assert_eq!(gw.nodes()[2].load, None);
+    gw.connected(2, 30, &mut out);
+    report(&mut gw, 30, 50, 50, 0);
+    assert_eq!(gw.nodes()[2].load, None, "a report before the Hello");
+    assert_eq!(gw.stats().protocol_errors_total, 1);
+    // The closed link's requests and counts are the gateway's own again.
+    gw.message(30, identity("d0").hello(ROLE_DECODE), &mut out);
+    assert_eq!(decode_of(&mut gw, 0..2).len(), 2);
+}

@@ -201,6 +201,14 @@ fn message() -> impl Strategy<Value = Message> {
             }
         ),
         any::<u64>().prop_map(|nonce| Message::Heartbeat { nonce }),
+        (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()).prop_map(
+            |(queued, running, pages_free, pages_total)| Message::Load {
+                queued,
+                running,
+                pages_free,
+                pages_total,
+            }
+        ),
     ]
 }
 

@@ -165,6 +165,7 @@ impl Bounds {
             mutations: Mutations {
                 gateway: GatewayMutations {
                     skip_limit_check: true,
+                    ..GatewayMutations::default()
                 },
                 ..Mutations::default()
             },
