@@ -68,12 +68,14 @@ class Server:
     """A running `isoserve serve` process."""
 
     def __init__(self, args, tmp: Path, name: str, command: str = "serve", binary: Path = BIN,
-                 env_extra=None):
+                 env_extra=None, host: str = "127.0.0.1", port: int = 0, prefix=()):
+        """`prefix`: words before the binary (`ip netns exec NS` for a host
+        in a network namespace, listening on its own `host` and `port`)."""
         self.tmp = tmp
         self.stderr_path = tmp / f"{name}.stderr"
         self.request_log = tmp / f"{name}.requests.jsonl"
-        cmd = [str(binary), command, "--host", "127.0.0.1", "--port", "0",
-               "--request-log", str(self.request_log)] + list(args)
+        cmd = list(prefix) + [str(binary), command, "--host", host, "--port", str(port),
+                              "--request-log", str(self.request_log)] + list(args)
         self._stderr = open(self.stderr_path, "wb")
         env = dict(os.environ)
         env.setdefault("ISOSERVE_LOG", "info")

@@ -14,7 +14,9 @@ it does not skip.
 """
 
 import os
+import shutil
 import subprocess
+from pathlib import Path
 from contextlib import contextmanager
 
 
@@ -82,9 +84,32 @@ class Topology:
         for kind, name in reversed(self._made):
             if kind == "netns":
                 ip("netns", "del", name, check=False)
+            elif kind == "etc":
+                shutil.rmtree(name, ignore_errors=True)
             else:
                 ip("link", "del", name, check=False)
         self._made.clear()
+
+    def names(self, host, names):
+        """What `host` resolves: `names` maps a name to its addresses (a name
+        with several is what a Kubernetes headless Service looks like).
+        `ip netns exec` bind-mounts `/etc/netns/<ns>/hosts` over /etc/hosts
+        for what it starts, and glibc reads the file on every lookup, so
+        calling this again while processes run changes what they resolve.
+        The file is rewritten in place (a new inode would not be seen
+        through the bind mount). Lookups use the file only
+        (`nsswitch.conf`: `hosts: files`), so no DNS server is ever asked.
+        Call it before starting the host's processes."""
+        d = Path("/etc/netns") / self.ns(host)
+        if not d.exists():
+            d.mkdir(parents=True)
+            self._made.append(("etc", str(d)))
+            (d / "nsswitch.conf").write_text("hosts: files\n")
+        lines = ["127.0.0.1 localhost"] + [f"{a} {n}" for n, addrs in names.items() for a in addrs]
+        with open(d / "hosts", "r+" if (d / "hosts").exists() else "w") as f:
+            f.seek(0)
+            f.truncate()
+            f.write("\n".join(lines) + "\n")
 
     def popen(self, host, cmd, **kw):
         """`cmd` run inside `host`'s namespace."""

@@ -49,11 +49,14 @@ class Node:
     """A running `isoserve prefill|decode` process."""
 
     def __init__(self, role, tmp: Path, name: str, port=0, model=None, args=NODE_ARGS,
-                 binary: Path = BIN):
+                 binary: Path = BIN, host="127.0.0.1", metrics_port=0, prefix=()):
+        """`prefix`: words before the binary (`ip netns exec NS` for a node
+        on a host of its own, listening on that host's address)."""
         self.role, self.tmp, self.name = role, tmp, name
         self.stderr_path = tmp / f"{name}.stderr"
-        cmd = [str(binary), role, "--host", "127.0.0.1", "--port", str(port),
-               "--metrics-port", "0", "--node", name] + list(args)
+        cmd = list(prefix) + [str(binary), role, "--host", host, "--port", str(port),
+                              "--metrics-port", str(metrics_port),
+                              "--node", name] + list(args)
         if model:
             cmd += ["--model", str(model)]
         self._stderr = open(self.stderr_path, "ab")

@@ -180,7 +180,8 @@ impl Inner {
             match a {
                 GatewayAction::Send { conn, msg } => {
                     if let Message::Prefill { req, pages, .. } = &msg {
-                        if let Some(c) = st.clients.get(req) {
+                        let client = st.gw.client_of(*req);
+                        if let Some(c) = client.and_then(|id| st.clients.get(&id)) {
                             c.pages.store(pages.len() as u64, Ordering::Release);
                         }
                     }

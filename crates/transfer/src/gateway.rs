@@ -185,6 +185,13 @@ impl NodeView {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Req {
+    /// The client's id for it (what `submit` got and `Deliver` carries).
+    /// The nodes know the request by its placement's wire id, the key of
+    /// `Gateway::reqs`: the first placement's is the client id, a
+    /// re-placement gets another ([`wire_id`]), so nothing a node still
+    /// holds of an earlier placement (a reservation waiting for its
+    /// prefill's last word, a cancel tombstone) is ever taken for it.
+    client: u64,
     tenant: u64,
     prefill: usize,
     decode: usize,
@@ -217,7 +224,10 @@ pub struct Gateway {
     cfg: GatewayConfig,
     nodes: Vec<NodeView>,
     conns: BTreeMap<ConnId, usize>,
+    /// By wire id (see [`Req::client`]).
     reqs: BTreeMap<u64, Req>,
+    /// Client id → wire id of its current placement.
+    clients: BTreeMap<u64, u64>,
     rotate: usize,
     stats: GatewayStats,
     /// Tenant → the prefill node (by name) its last request went to: its
@@ -232,6 +242,15 @@ pub const AFFINITY_TENANTS_MAX: usize = 4096;
 /// A tenant's request goes to its prefill node while that node carries at
 /// most this many more requests than the least-loaded choice.
 pub const AFFINITY_SLACK_REQUESTS: usize = 2;
+
+/// The wire id of a request's `placement`-th placement (1-based): the
+/// client id itself first, then the client id with its top bits flipped —
+/// never another request's id on this gateway (a gateway's client ids
+/// share their top 24 bits), and never an earlier placement's.
+fn wire_id(client: u64, placement: u8) -> u64 {
+    debug_assert!((1..=PLACEMENTS_MAX).contains(&placement));
+    client ^ (u64::from(placement - 1) << 62)
+}
 
 impl Gateway {
     pub fn new(cfg: GatewayConfig) -> Gateway {
@@ -249,6 +268,7 @@ impl Gateway {
             nodes,
             conns: BTreeMap::new(),
             reqs: BTreeMap::new(),
+            clients: BTreeMap::new(),
             rotate: 0,
             stats: GatewayStats::default(),
             affinity: BTreeMap::new(),
@@ -298,8 +318,15 @@ impl Gateway {
         self.reqs.len()
     }
 
+    /// The client id of the request a node knows as `wire`.
+    pub fn client_of(&self, wire: u64) -> Option<u64> {
+        self.reqs.get(&wire).map(|r| r.client)
+    }
+
+    /// The phase of the request the client knows as `req`.
     pub fn phase_of(&self, req: u64) -> Option<GatewayPhase> {
-        self.reqs.get(&req).map(|r| r.phase)
+        let wire = self.clients.get(&req)?;
+        self.reqs.get(wire).map(|r| r.phase)
     }
 
     /// The advertised limit (K8): the model's window and every node's last
@@ -565,7 +592,7 @@ impl Gateway {
                 r.streamed += 1;
                 r.phase = GatewayPhase::Streaming;
                 out.push(GatewayAction::Deliver {
-                    req,
+                    req: r.client,
                     event: ClientEvent::Token { id, text, logprobs },
                 });
             }
@@ -600,7 +627,7 @@ impl Gateway {
                 }
                 self.stats.finished_total += 1;
                 out.push(GatewayAction::Deliver {
-                    req,
+                    req: r.client,
                     event: ClientEvent::Finished {
                         finish,
                         prompt_tokens,
@@ -683,7 +710,9 @@ impl Gateway {
         }
         let (p, d, short, load) = best?;
         match best_home {
-            Some((hp, hd, hshort, hl)) if hshort <= short && hl <= load + AFFINITY_SLACK_REQUESTS => {
+            Some((hp, hd, hshort, hl))
+                if hshort <= short && hl <= load + AFFINITY_SLACK_REQUESTS =>
+            {
                 Some((hp, hd, hp != p))
             }
             _ => Some((p, d, false)),
@@ -745,7 +774,7 @@ impl Gateway {
                 limit as usize,
             ));
         }
-        if self.reqs.contains_key(&req) {
+        if self.clients.contains_key(&req) {
             return Err(refusal::internal(format!("request id {req} reused")));
         }
         if self.reqs.len() >= self.cfg.requests_max {
@@ -802,6 +831,11 @@ impl Gateway {
 
         self.remember(tenant, &prefill);
         let dconn = self.nodes[d].conn.expect("up implies connected");
+        let client = req;
+        let req = wire_id(client, placements);
+        if self.reqs.contains_key(&req) {
+            return Err(refusal::internal(format!("wire id {req} in use")));
+        }
         out.push(GatewayAction::Send {
             conn: dconn,
             msg: Message::Reserve {
@@ -815,9 +849,11 @@ impl Gateway {
         });
         self.nodes[p].inflight += 1;
         self.nodes[d].inflight += 1;
+        self.clients.insert(client, req);
         self.reqs.insert(
             req,
             Req {
+                client,
                 tenant,
                 prefill: p,
                 decode: d,
@@ -840,7 +876,8 @@ impl Gateway {
         let Some(r) = self.reqs.get(&req) else {
             return;
         };
-        let (tenant, tokens, max_tokens, gen, placements) = (
+        let (client, tenant, tokens, max_tokens, gen, placements) = (
+            r.client,
             r.tenant,
             r.tokens.clone(),
             r.max_tokens,
@@ -849,13 +886,13 @@ impl Gateway {
         );
         self.end(req, None, out);
         self.stats.replaced_draining_total += 1;
-        if let Err(e) = self.place(req, tenant, tokens, max_tokens, gen, placements + 1, out) {
+        if let Err(e) = self.place(client, tenant, tokens, max_tokens, gen, placements + 1, out) {
             let e = Refusal {
                 message: format!("{} ({})", e.message, error.message),
                 ..e
             };
             out.push(GatewayAction::Deliver {
-                req,
+                req: client,
                 event: ClientEvent::Error(e),
             });
         }
@@ -864,6 +901,9 @@ impl Gateway {
     /// The client went away (or asked to stop): cooperative cancel on both
     /// nodes. Nothing more is delivered for the request.
     pub fn cancel(&mut self, req: u64, out: &mut Vec<GatewayAction>) {
+        let Some(&req) = self.clients.get(&req) else {
+            return;
+        };
         let Some(r) = self.reqs.get(&req) else {
             return;
         };
@@ -898,7 +938,7 @@ impl Gateway {
         }
         if let Some(e) = error {
             out.push(GatewayAction::Deliver {
-                req,
+                req: self.reqs[&req].client,
                 event: ClientEvent::Error(e),
             });
         }
@@ -907,6 +947,8 @@ impl Gateway {
 
     fn remove(&mut self, req: u64) {
         if let Some(r) = self.reqs.remove(&req) {
+            let gone = self.clients.remove(&r.client);
+            debug_assert_eq!(gone, Some(req));
             self.nodes[r.prefill].inflight -= 1;
             self.nodes[r.decode].inflight -= 1;
         }

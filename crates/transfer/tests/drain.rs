@@ -21,13 +21,31 @@ fn submit(gw: &mut Gateway, req: u64) -> Vec<GatewayAction> {
     out
 }
 
-/// The decode connection a Reserve for `req` went to.
-fn reserved_on(out: &[GatewayAction], req: u64) -> Option<u64> {
+/// The decode connection a Reserve went to, and the request's id on the
+/// wire (a re-placement's differs from the client's).
+fn reserve_of(out: &[GatewayAction]) -> Option<(u64, u64)> {
     out.iter().find_map(|a| match a {
         GatewayAction::Send {
             conn,
-            msg: Message::Reserve { req: r, .. },
-        } if *r == req => Some(*conn),
+            msg: Message::Reserve { req, .. },
+        } => Some((*conn, *req)),
+        _ => None,
+    })
+}
+
+/// The decode connection a Reserve for the client's `req` went to (its
+/// first placement: the wire id is the client id).
+fn reserved_on(out: &[GatewayAction], req: u64) -> Option<u64> {
+    reserve_of(out).filter(|&(_, w)| w == req).map(|(c, _)| c)
+}
+
+/// The prefill connection a Prefill went to.
+fn prefill_of(out: &[GatewayAction]) -> Option<u64> {
+    out.iter().find_map(|a| match a {
+        GatewayAction::Send {
+            conn,
+            msg: Message::Prefill { .. },
+        } => Some(*conn),
         _ => None,
     })
 }
@@ -52,7 +70,7 @@ fn a_request_refused_by_a_draining_decode_goes_to_the_other_one() {
     let first = reserved_on(&out, 1).expect("a Reserve");
     let (other, name) = if first == 20 { (21, "d0") } else { (20, "d1") };
     let out = draining_reject(&mut gw, first, 1, name);
-    assert_eq!(reserved_on(&out, 1), Some(other), "{out:?}");
+    assert_eq!(reserve_of(&out).map(|(c, _)| c), Some(other), "{out:?}");
     assert!(
         !out.iter()
             .any(|a| matches!(a, GatewayAction::Deliver { .. })),
@@ -99,14 +117,13 @@ fn a_draining_prefill_hands_the_request_to_the_other_prefill_and_frees_decode() 
         a,
         GatewayAction::Send { conn, msg: Message::Cancel { req: 1 } } if *conn == dconn
     )));
-    assert!(reserved_on(&out, 1).is_some(), "{out:?}");
     // The next prefill for it goes to the other prefill node.
-    let d2 = reserved_on(&out, 1).unwrap();
+    let (d2, wire) = reserve_of(&out).expect("reserved again");
     let mut out = Vec::new();
     gw.message(
         d2,
         Message::Reserved {
-            req: 1,
+            req: wire,
             pages: vec![transfer::wire::WirePage { index: 4, epoch: 1 }],
         },
         &mut out,
@@ -127,12 +144,12 @@ fn when_every_node_drains_the_request_fails_with_503_and_nothing_leaks() {
     let mut out = submit(&mut gw, 1);
     let mut delivered = None;
     for round in 0..=PLACEMENTS_MAX {
-        let Some(conn) = reserved_on(&out, 1) else {
+        let Some((conn, wire)) = reserve_of(&out) else {
             break;
         };
         // Whichever decode got it claims to be draining; a reconnect (a
         // restarted node) clears the mark so placement can go on.
-        out = draining_reject(&mut gw, conn, 1, "dx");
+        out = draining_reject(&mut gw, conn, wire, "dx");
         delivered = out.iter().find_map(|a| match a {
             GatewayAction::Deliver {
                 event: ClientEvent::Error(e),
@@ -190,4 +207,134 @@ fn a_request_refused_by_a_draining_node_fails_without_replacement() {
         a,
         GatewayAction::Deliver { event: ClientEvent::Error(e), .. } if e.code == "draining"
     )));
+}
+
+/// Found by the multi-host rolling restart: a prefill node drained while a
+/// request's pages were reserved on decode; the gateway cancelled the
+/// reservation and placed the request again under the same id — on the
+/// same decode node, which still held the cancelled reservation (waiting
+/// for the draining prefill's last word), and refused the new one as
+/// `duplicate_request` (400 to the client). Every placement now has its
+/// own wire id; the client's id never changes.
+#[test]
+fn incident_replaced_request_reused_its_wire_id() {
+    let mut gw = gateway();
+    let out = submit(&mut gw, 1);
+    let (dconn, first) = reserve_of(&out).unwrap();
+    assert_eq!(first, 1, "a first placement is known by the client's id");
+    let mut out = Vec::new();
+    let page = transfer::wire::WirePage { index: 3, epoch: 1 };
+    gw.message(
+        dconn,
+        Message::Reserved {
+            req: 1,
+            pages: vec![page],
+        },
+        &mut out,
+    );
+    let pconn = prefill_of(&out).unwrap();
+    let name = if pconn == 10 { "p0" } else { "p1" };
+    let out = draining_reject(&mut gw, pconn, 1, name);
+    let (d2, wire) = reserve_of(&out).expect("placed again");
+    assert_ne!(
+        wire, first,
+        "the same id again: a node may still hold the old one"
+    );
+    // Late words about the old placement change nothing of the new one:
+    // the old decode's reservation answer is cancelled, the old prefill's
+    // refusal ignored.
+    let mut late = Vec::new();
+    gw.message(
+        dconn,
+        Message::Reserved {
+            req: 1,
+            pages: vec![page],
+        },
+        &mut late,
+    );
+    assert!(
+        late.iter().all(|a| matches!(
+            a,
+            GatewayAction::Send {
+                msg: Message::Cancel { req: 1 },
+                ..
+            }
+        )),
+        "{late:?}"
+    );
+    gw.message(
+        pconn,
+        Message::Rejected {
+            req: 1,
+            error: refusal::draining(name),
+        },
+        &mut late,
+    );
+    assert!(
+        !late
+            .iter()
+            .any(|a| matches!(a, GatewayAction::Deliver { .. })),
+        "{late:?}"
+    );
+    assert_eq!(
+        gw.phase_of(1),
+        Some(transfer::gateway::GatewayPhase::Reserving)
+    );
+    // The new placement runs to its end under its wire id; the client
+    // hears of it under its own.
+    let mut out = Vec::new();
+    gw.message(
+        d2,
+        Message::Reserved {
+            req: wire,
+            pages: vec![page],
+        },
+        &mut out,
+    );
+    assert!(prefill_of(&out).is_some());
+    gw.message(
+        d2,
+        Message::Token {
+            req: wire,
+            index: 0,
+            id: 5,
+            text: "x".into(),
+            logprobs: None,
+        },
+        &mut out,
+    );
+    gw.message(
+        d2,
+        Message::Finished {
+            req: wire,
+            finish: 0,
+            prompt_tokens: 3,
+            cached_tokens: 0,
+            completion_tokens: 1,
+            streamed: 1,
+            tail_text: String::new(),
+        },
+        &mut out,
+    );
+    let delivered: Vec<u64> = out
+        .iter()
+        .filter_map(|a| match a {
+            GatewayAction::Deliver { req, .. } => Some(*req),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(delivered, vec![1, 1]);
+    assert_eq!(gw.requests(), 0);
+    assert!(gw.nodes().iter().all(|n| n.inflight == 0));
+    // A client cancel finds the request by the client's id too.
+    let out = submit(&mut gw, 2);
+    let (c2, _) = reserve_of(&out).unwrap();
+    let out = draining_reject(&mut gw, c2, 2, "dx");
+    let (_, w2) = reserve_of(&out).unwrap();
+    let mut out = Vec::new();
+    gw.cancel(2, &mut out);
+    assert!(out.iter().any(
+        |a| matches!(a, GatewayAction::Send { msg: Message::Cancel { req }, .. } if *req == w2)
+    ));
+    assert_eq!(gw.requests(), 0);
 }

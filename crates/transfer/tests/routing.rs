@@ -165,8 +165,15 @@ fn report(gw: &mut Gateway, conn: u64, queued: u32, running: u32, pages_free: u3
 fn decode_of(gw: &mut Gateway, reqs: std::ops::Range<u64>) -> Vec<u64> {
     reqs.map(|req| {
         let mut out = Vec::new();
-        gw.submit(req, 1000 + req, vec![1, 2, 3], 4, GenSpec::default(), &mut out)
-            .unwrap();
+        gw.submit(
+            req,
+            1000 + req,
+            vec![1, 2, 3],
+            4,
+            GenSpec::default(),
+            &mut out,
+        )
+        .unwrap();
         out.iter()
             .find_map(|a| match a {
                 GatewayAction::Send {
