@@ -189,6 +189,21 @@ impl Collector for EngineCollector {
                 }
             }
             {
+                // What the Gateway API Inference Extension's endpoint picker
+                // reads as KV usage (`--kv-cache-usage-percentage-metric`;
+                // vLLM's is `vllm:kv_cache_usage_perc`): held pages over all,
+                // 0 to 1, idle cached pages counted free as above.
+                let used = (p.pages_total - p.pages_unheld()) as f64 / p.pages_total as f64;
+                let g = ConstGauge::new(used);
+                let m = enc.encode_descriptor(
+                    "isoserve_kv_usage_ratio",
+                    "Fraction of KV pages held by requests or transfers (0 to 1)",
+                    None,
+                    g.metric_type(),
+                )?;
+                g.encode(m)?;
+            }
+            {
                 let mut m = enc.encode_descriptor(
                     "isoserve_kv_refusals",
                     "KV pool refusals by kind (every one but out_of_pages is a safety check firing)",
