@@ -62,6 +62,8 @@ pub struct GatewayOptions {
     /// Test-only: route over-long requests to the nodes (to show their own
     /// checks). Needs the `mutations` feature.
     pub skip_limit_check: bool,
+    /// Where request spans go (the log; OTLP with `--otlp-endpoint`).
+    pub telemetry: telemetry::Telemetry,
 }
 
 impl GatewayOptions {
@@ -82,6 +84,7 @@ impl GatewayOptions {
             transport: TransportConfig::default(),
             reconnect_max: Duration::from_secs(2),
             skip_limit_check: false,
+            telemetry: telemetry::Telemetry::logs_only("isoserve-gateway"),
         }
     }
 }
@@ -94,6 +97,24 @@ struct Client {
     /// The handle's page count: decode's pages for the prompt, once the
     /// gateway hands them to prefill.
     pages: Arc<AtomicU64>,
+    /// The request's span, ended when the client is dropped (every way a
+    /// request ends removes its client).
+    span: RequestSpan,
+}
+
+/// The gateway's `request` span: its id is the parent the nodes' spans
+/// name; it ends when dropped, failed unless marked finished.
+struct RequestSpan {
+    span: Option<telemetry::OpenSpan>,
+    finished: bool,
+}
+
+impl Drop for RequestSpan {
+    fn drop(&mut self) {
+        if let Some(s) = self.span.take() {
+            s.end(self.finished);
+        }
+    }
 }
 
 struct State {
@@ -116,6 +137,7 @@ struct Inner {
     reconnect_max: Duration,
     /// Connection managers, aborted when the backend drops.
     managers: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    telemetry: telemetry::Telemetry,
 }
 
 /// A node slot's connection manager: the generation names it (a slot
@@ -229,7 +251,8 @@ impl Inner {
                             completion_tokens,
                             tail_text,
                         } => {
-                            let c = st.clients.remove(&req).expect("known");
+                            let mut c = st.clients.remove(&req).expect("known");
+                            c.span.finished = true;
                             let now = Instant::now();
                             let ms = |d: Duration| d.as_secs_f64() * 1e3;
                             let _ = c.events.try_send(Event::Done(DoneEvent {
@@ -396,6 +419,7 @@ impl GatewayBackend {
             slots: Mutex::new(Vec::new()),
             reconnect_max: opts.reconnect_max,
             managers: Mutex::new(Vec::new()),
+            telemetry: opts.telemetry.clone(),
         });
         let mut tasks = Vec::new();
         let i = inner.clone();
@@ -611,6 +635,11 @@ impl Backend for GatewayBackend {
         let id = (self.inner.nonce << 40) | n;
         let (etx, erx) = request::event_channel();
         let pages = Arc::new(AtomicU64::new(request::PAGES_UNKNOWN));
+        // The request span: under the caller's `traceparent`, or a new
+        // trace; its id is the parent of every node's span for it.
+        let span = self.inner.telemetry.start("request", req.trace, id);
+        let mut spec = gen_spec(&req);
+        spec.trace = Some(Box::new(span.context()));
         {
             let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
             let st = &mut *st;
@@ -623,9 +652,12 @@ impl Backend for GatewayBackend {
                     first_token_at: None,
                     prompt_tokens: req.prompt.len(),
                     pages: pages.clone(),
+                    span: RequestSpan {
+                        span: Some(span),
+                        finished: false,
+                    },
                 },
             );
-            let spec = gen_spec(&req);
             if let Err(r) = st.gw.submit(
                 id,
                 req.tenant.0,
@@ -806,6 +838,11 @@ pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<
         s.replaced_draining_total,
     );
     counter(
+        "replaced_node_lost_total",
+        "Requests placed on another pair because a node holding them was lost before any token reached the client",
+        s.replaced_node_lost_total,
+    );
+    counter(
         "transport_tls_handshakes_refused_total",
         "TLS handshakes with nodes that failed (another CA, wrong name, plaintext, too slow)",
         t.stats.tls_handshakes_refused_total.load(Ordering::Relaxed),
@@ -825,6 +862,36 @@ pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<
             .label("node", n.addr.clone())
             .label("role", role),
         );
+    }
+    for n in gw.nodes() {
+        o.push(
+            MetricSample::gauge(
+                "isoserve_gateway_node_requests",
+                "Requests this gateway has placed on the node and not yet seen end",
+                n.inflight as f64,
+            )
+            .label("node", n.addr.clone()),
+        );
+        if n.retired {
+            o.push(
+                MetricSample::gauge(
+                    "isoserve_gateway_node_retired",
+                    "The node left discovery: no new requests; what runs there finishes",
+                    1.0,
+                )
+                .label("node", n.addr.clone()),
+            );
+        }
+        if n.draining {
+            o.push(
+                MetricSample::gauge(
+                    "isoserve_gateway_node_draining",
+                    "The node refused a request as draining: no new requests until it reconnects",
+                    1.0,
+                )
+                .label("node", n.addr.clone()),
+            );
+        }
     }
     for n in gw.nodes() {
         let Some(l) = n.load else { continue };

@@ -222,7 +222,44 @@ pub struct NodeArgs {
     #[command(flatten)]
     pub tls: TransferTlsArgs,
     #[command(flatten)]
+    pub otlp: OtlpArgs,
+    #[command(flatten)]
     pub engine: NodeEngineArgs,
+}
+
+/// Request spans over OTLP (gateway and nodes).
+#[derive(clap::Args, Debug, Clone, PartialEq)]
+pub struct OtlpArgs {
+    /// Export request spans over OTLP/HTTP to this collector
+    /// (`http://HOST:4318`, or the full traces URL): the gateway's
+    /// `request` span, under the caller's W3C `traceparent`; prefill's
+    /// `queue` and `prefill`; decode's `queue`, `transfer` and `decode` —
+    /// one trace per request across hosts. Spans are logged either way
+    /// (target `isoserve::span`); they carry ids and counts, never prompts.
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+    /// `http/protobuf` or `http/json`.
+    #[arg(long, default_value = "http/protobuf", value_parser = ["http/protobuf", "http/json"])]
+    pub otlp_protocol: String,
+}
+
+impl OtlpArgs {
+    /// Where spans go for `service` (`isoserve-gateway`, …); `instance`
+    /// names this process. The exporter's HTTP client brings its own
+    /// runtime, so it is built on a thread of its own.
+    pub fn telemetry(&self, service: &str, instance: &str) -> anyhow::Result<telemetry::Telemetry> {
+        let Some(endpoint) = self.otlp_endpoint.clone() else {
+            return Ok(telemetry::Telemetry::logs_only(service));
+        };
+        let protocol: telemetry::OtlpProtocol = self.otlp_protocol.parse()?;
+        let (service, instance) = (service.to_string(), instance.to_string());
+        let t = std::thread::spawn(move || {
+            telemetry::Telemetry::otlp(&service, &instance, &endpoint, protocol)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the OTLP exporter's setup panicked"))??;
+        Ok(t)
+    }
 }
 
 /// Mutual TLS on the transfer channel (K14), for prefill, decode and the
@@ -349,6 +386,8 @@ pub struct GatewayArgs {
     pub max_context: Option<usize>,
     #[command(flatten)]
     pub tls: TransferTlsArgs,
+    #[command(flatten)]
+    pub otlp: OtlpArgs,
     #[command(flatten)]
     pub http: HttpArgs,
 }

@@ -59,12 +59,16 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
         .node
         .clone()
         .unwrap_or_else(|| format!("{role_name}-{}:{}", args.host, args.port));
+    let telemetry = args
+        .otlp
+        .telemetry(&format!("isoserve-{role_name}"), &node_name)?;
     let pd = PdConfig {
         node: node_name.clone(),
         fingerprint,
         transfer_window_pages: args.engine.transfer_window_pages,
         requests_max: args.engine.max_queue.max(1) + args.engine.max_running.max(1),
         waiting_max: args.engine.max_queue.max(1),
+        telemetry: telemetry.clone(),
         ..PdConfig::default()
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -129,6 +133,8 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
         anyhow::Ok(())
     })?;
     rt.shutdown_timeout(Duration::from_secs(1));
+    // The last spans leave before the process does.
+    std::thread::spawn(move || telemetry.shutdown()).join().ok();
     Ok(())
 }
 
@@ -209,6 +215,7 @@ async fn serve_gateway(
     tenants: Tenants,
     reqlog: Option<RequestLog>,
     node_metrics: Vec<(String, std::net::SocketAddr)>,
+    telemetry: telemetry::Telemetry,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
     let mut opts = GatewayOptions::new(
@@ -219,6 +226,7 @@ async fn serve_gateway(
     );
     opts.max_context = max_context.map(|m| m.min(u32::MAX as usize) as u32);
     opts.transport = transport;
+    opts.telemetry = telemetry;
     let backend = Arc::new(GatewayBackend::start(opts));
     let scfg = server_config(&model.id, http)?;
     let served: Arc<dyn request::Backend> = if node_metrics.is_empty() {
@@ -298,6 +306,7 @@ pub fn run_gateway(args: GatewayArgs) -> Result<()> {
     let (tenants, reqlog) = tenants_and_log(&args.http)?;
     let path = fetch::resolve_model(args.model.as_deref(), false)?;
     let model = gateway_model(&path)?;
+    let telemetry = args.otlp.telemetry("isoserve-gateway", "gateway")?;
     let rt = runtime()?;
     rt.block_on(serve_gateway(
         model,
@@ -309,9 +318,11 @@ pub fn run_gateway(args: GatewayArgs) -> Result<()> {
         tenants,
         reqlog,
         Vec::new(),
+        telemetry.clone(),
         serve::shutdown_signal(),
     ))?;
     rt.shutdown_timeout(Duration::from_secs(1));
+    std::thread::spawn(move || telemetry.shutdown()).join().ok();
     Ok(())
 }
 
@@ -554,6 +565,7 @@ pub fn run_supervised(args: ServeArgs) -> Result<()> {
             tenants,
             reqlog,
             node_metrics,
+            telemetry::Telemetry::logs_only("isoserve-gateway"),
             stop,
         )
         .await;

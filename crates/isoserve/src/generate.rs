@@ -124,6 +124,7 @@ pub fn generate(
         cache_scope: None,
         priority: 0,
         weight: 1,
+        trace: None,
     };
     let mut h = engine.submit(req)?;
     while let Some(ev) = h.blocking_next() {

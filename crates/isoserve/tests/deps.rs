@@ -16,6 +16,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("kernels", &[]),
     ("probe", &[]),
     ("audit", &[]),
+    ("telemetry", &["request"]),
     ("kv", &["request"]),
     ("tokenizer", &["gguf"]),
     ("model", &["gguf", "kernels", "kv", "request"]),
@@ -25,7 +26,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
     ("transfer", &["kv", "request"]),
     ("transport", &["transfer"]),
-    ("gateway", &["request", "transfer", "transport"]),
+    (
+        "gateway",
+        &["request", "telemetry", "transfer", "transport"],
+    ),
     (
         "pd",
         &[
@@ -33,6 +37,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "kv",
             "model",
             "request",
+            "telemetry",
             "tokenizer",
             "transfer",
             "transport",
@@ -55,6 +60,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "probe",
             "request",
             "server",
+            "telemetry",
             "tokenizer",
             "transfer",
             "transport",

@@ -25,3 +25,4 @@
 
 pub mod node;
 pub mod role;
+mod spans;

@@ -65,6 +65,9 @@ pub struct PdConfig {
     pub waiting_max: usize,
     /// Events waiting for the node thread (the transport blocks beyond).
     pub events_max: usize,
+    /// Where the node's request spans go (the log; OTLP with
+    /// `--otlp-endpoint`).
+    pub telemetry: telemetry::Telemetry,
 }
 
 impl Default for PdConfig {
@@ -76,6 +79,7 @@ impl Default for PdConfig {
             requests_max: 256,
             waiting_max: 256,
             events_max: 1024,
+            telemetry: telemetry::Telemetry::logs_only("isoserve-node"),
         }
     }
 }
@@ -218,6 +222,7 @@ impl PdNode {
             stats: stats.clone(),
             drain: drain.clone(),
             load_reported: Instant::now(),
+            spans: crate::spans::NodeSpans::new(pd.telemetry.clone()),
         };
         let thread = std::thread::Builder::new()
             .name(match role {
@@ -331,6 +336,9 @@ struct NodeLoop {
     drain: Arc<std::sync::atomic::AtomicBool>,
     /// When the node last told its gateways its load.
     load_reported: Instant,
+    /// Each traced request's current phase (queue, prefill, transfer,
+    /// decode), ended into a span.
+    spans: crate::spans::NodeSpans,
 }
 
 /// How often a node tells its gateways its load (`Message::Load`): often
@@ -346,6 +354,9 @@ struct CoreEngine {
     transfer_seconds_total: f64,
     transfers_timed_total: u64,
     outbox: Vec<Outcome>,
+    /// Prefill: requests whose compute started since the loop last looked
+    /// (their `queue` span ends there).
+    computing: Vec<u64>,
 }
 
 impl CoreEngine {
@@ -356,6 +367,7 @@ impl CoreEngine {
             transfer_seconds_total: 0.0,
             transfers_timed_total: 0,
             outbox: Vec::new(),
+            computing: Vec::new(),
         }
     }
 
@@ -402,6 +414,9 @@ impl NodeEngine for CoreEngine {
 
 impl PrefillEngine for CoreEngine {
     fn compute(&mut self, job: ComputeJob) {
+        if job.gen.trace.is_some() && self.computing.len() < crate::spans::TRACKED_MAX {
+            self.computing.push(job.req);
+        }
         self.core.start_prefill(PrefillJob {
             req: job.req,
             owner: job.owner,
@@ -606,12 +621,24 @@ impl NodeLoop {
     }
 
     fn send(&mut self, cmds: Vec<NetCommand>) {
+        // Computes started by what produced these commands end their
+        // requests' queue spans first.
+        let started = std::mem::take(&mut self.engine_mut().computing);
+        for req in started {
+            self.spans.computing(req);
+        }
         for c in cmds {
+            if let NetCommand::Send { msg, .. } = &c {
+                self.spans.outbound(msg);
+            }
             (self.commands)(c);
         }
     }
 
     fn handle(&mut self, ev: NetEvent) {
+        if let NetEvent::Message { msg, .. } = &ev {
+            self.spans.inbound(msg);
+        }
         let mut cmds = Vec::new();
         match &mut self.glue {
             Glue::Prefill(g) => g.event(ev, &mut cmds),

@@ -18,6 +18,8 @@
 //! assert!(validate(&req, 11, 1000).is_ok());
 //! ```
 
+pub mod trace;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -270,6 +272,9 @@ pub struct GenRequest {
     /// The tenant's weight in the fair share (K13), set by the serving
     /// layer from `tenants.toml`; at least 1.
     pub weight: u32,
+    /// The caller's W3C `traceparent` (or one the serving layer started):
+    /// nodes record their spans under it. Never affects the output.
+    pub trace: Option<trace::TraceContext>,
 }
 
 impl GenRequest {
@@ -290,6 +295,7 @@ impl GenRequest {
             cache_scope: None,
             priority: 0,
             weight: 1,
+            trace: None,
         }
     }
 }

@@ -582,6 +582,12 @@ async fn admit(
             .cache_scope(&tenant, params.cache_salt.as_deref()),
         priority: params.priority,
         weight: tenant.weight,
+        // W3C Trace Context: a malformed header is ignored (the spec: start
+        // a new trace), never an error.
+        trace: headers
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .and_then(request::trace::TraceContext::parse),
     };
     if let Some(m) = tenant.max_priority.filter(|&m| params.priority < m) {
         // Priority orders only the tenant's own requests; the operator may

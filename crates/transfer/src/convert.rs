@@ -38,6 +38,7 @@ pub fn gen_spec(req: &GenRequest) -> GenSpec {
         cache_scope: req.cache_scope.map(|s| s.0),
         priority: req.priority,
         weight: req.weight.clamp(1, request::WEIGHT_MAX),
+        trace: req.trace.map(Box::new),
     }
 }
 
@@ -55,6 +56,7 @@ pub fn gen_request(tenant: u64, tokens: &[u32], max_tokens: u32, g: &GenSpec) ->
         cache_scope: g.cache_scope.map(Scope),
         priority: g.priority,
         weight: g.weight,
+        trace: g.trace.as_deref().copied(),
     }
 }
 

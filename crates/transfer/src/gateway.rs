@@ -88,6 +88,9 @@ pub struct GatewayStats {
     /// Requests sent to their tenant's previous prefill node (where its
     /// prefix cache is) rather than to the least-loaded one.
     pub affinity_routed_total: u64,
+    /// Requests placed on another pair because a node holding them was
+    /// lost (closed, killed, cut off) before any token reached the client.
+    pub replaced_node_lost_total: u64,
     /// `Load` reports received from nodes.
     pub load_reports_total: u64,
     /// Requests placed on a pair the gateway's own count alone would not
@@ -423,7 +426,6 @@ impl Gateway {
                 // The KV is on decode already: prefill is not needed any more.
                 continue;
             }
-            self.stats.failed_node_lost_total += 1;
             let what = if role == ROLE_DECODE {
                 "decode"
             } else {
@@ -433,6 +435,17 @@ impl Gateway {
                 &format!("{what}_lost"),
                 format!("the {what} node at {addr} was lost while serving the request"),
             );
+            // Nothing reached the client yet: another pair can serve it
+            // from the start (the old placement's id dies with it, so
+            // nothing a surviving node still holds of it is taken for the
+            // new one). A node that exits after a drain, or dies, costs
+            // its pre-token requests nothing but time.
+            if r.phase != GatewayPhase::Streaming && r.placements < PLACEMENTS_MAX {
+                self.stats.replaced_node_lost_total += 1;
+                self.replace(req, e, out);
+                continue;
+            }
+            self.stats.failed_node_lost_total += 1;
             self.end(req, Some(e), out);
         }
     }
@@ -551,14 +564,25 @@ impl Gateway {
                 } else {
                     self.stats.rejected_by_prefill_total += 1;
                 }
+                let pre_token = {
+                    let r = &self.reqs[&req];
+                    r.phase != GatewayPhase::Streaming && r.placements < PLACEMENTS_MAX
+                };
                 if error.code == refusal::DRAINING_CODE {
                     // Route around it from now on; a request nobody has
                     // answered yet goes to another pair.
                     self.nodes[node].draining = true;
-                    let r = &self.reqs[&req];
-                    if r.phase != GatewayPhase::Streaming && r.placements < PLACEMENTS_MAX {
+                    if pre_token {
+                        self.stats.replaced_draining_total += 1;
                         return self.replace(req, error, out);
                     }
+                }
+                // A node lost its peer for this request (prefill its decode
+                // link, decode its prefill link): as a node loss the gateway
+                // sees itself, another pair can serve it from the start.
+                if pre_token && (error.code == "decode_lost" || error.code == "prefill_lost") {
+                    self.stats.replaced_node_lost_total += 1;
+                    return self.replace(req, error, out);
                 }
                 self.end(req, Some(error), out);
             }
@@ -868,10 +892,10 @@ impl Gateway {
         Ok(())
     }
 
-    /// A node refused `req` because it is draining, before any token
-    /// reached the client: release what the old pair holds (Cancel, as
-    /// [`Self::end`]) and place it again; `error` is the client's answer if
-    /// no other pair is up.
+    /// A node refused `req` because it is draining, or was lost, before
+    /// any token reached the client: release what the old pair holds
+    /// (Cancel, as [`Self::end`]) and place it again under a new wire id;
+    /// `error` is the client's answer if no other pair is up.
     fn replace(&mut self, req: u64, error: Refusal, out: &mut Vec<GatewayAction>) {
         let Some(r) = self.reqs.get(&req) else {
             return;
@@ -885,11 +909,11 @@ impl Gateway {
             r.placements,
         );
         self.end(req, None, out);
-        self.stats.replaced_draining_total += 1;
         if let Err(e) = self.place(client, tenant, tokens, max_tokens, gen, placements + 1, out) {
+            // The original reason, and why it could not go elsewhere.
             let e = Refusal {
-                message: format!("{} ({})", e.message, error.message),
-                ..e
+                message: format!("{} ({})", error.message, e.message),
+                ..error
             };
             out.push(GatewayAction::Deliver {
                 req: client,

@@ -82,6 +82,11 @@ pub struct GenSpec {
     /// The tenant's fair-share weight, 1 to [`request::WEIGHT_MAX`]: nodes
     /// hand out pages and compute in proportion to it (K13).
     pub weight: u32,
+    /// The request's W3C trace context, its parent span the gateway's
+    /// request span: nodes record their spans (queue, prefill, transfer,
+    /// decode) under it. Never read by sampling.
+    /// Boxed: most requests' messages stay as small as before.
+    pub trace: Option<Box<request::trace::TraceContext>>,
 }
 
 impl GenSpec {
@@ -121,6 +126,7 @@ impl GenSpec {
             cache_scope: None,
             priority: 0,
             weight: 1,
+            trace: None,
         }
     }
 }
@@ -782,6 +788,15 @@ impl Writer<'_> {
         }
         self.u32(g.priority as u32);
         self.u32(g.weight);
+        match &g.trace {
+            None => self.u8(0),
+            Some(t) => {
+                self.u8(1);
+                self.raw(&t.trace_id);
+                self.raw(&t.span_id);
+                self.u8(t.flags);
+            }
+        }
     }
     fn logprobs(&mut self, l: Option<&WireLogprobs>) {
         match l {
@@ -912,6 +927,7 @@ impl<'a> Reader<'a> {
             cache_scope: None,
             priority: 0,
             weight: 1,
+            trace: None,
         };
         let n = self.u32("stop")? as usize;
         if n > STOPS_MAX {
@@ -931,6 +947,21 @@ impl<'a> Reader<'a> {
         g.weight = self.u32("weight")?;
         if !(1..=request::WEIGHT_MAX).contains(&g.weight) {
             return Err(WireError::Invalid { what: "weight" });
+        }
+        if self.bool("trace")? {
+            let mut t = request::trace::TraceContext {
+                trace_id: [0; 16],
+                span_id: [0; 8],
+                flags: 0,
+            };
+            for b in t.trace_id.iter_mut() {
+                *b = self.u8("trace id")?;
+            }
+            for b in t.span_id.iter_mut() {
+                *b = self.u8("span id")?;
+            }
+            t.flags = self.u8("trace flags")?;
+            g.trace = Some(Box::new(t));
         }
         Ok(g)
     }

@@ -338,3 +338,119 @@ fn incident_replaced_request_reused_its_wire_id() {
     ));
     assert_eq!(gw.requests(), 0);
 }
+
+/// A node lost (killed, cut off, or exited after a drain while a request it
+/// never saw was on its way) before any token reached the client: the
+/// request goes to another pair under a new wire id; the client hears
+/// nothing of it. Once a token went out, the loss is the client's error.
+///
+/// Mutation: fail every request of a lost node (the pre-issue-19
+/// behaviour) and the first half fails.
+#[test]
+fn a_node_lost_before_the_first_token_costs_the_request_nothing() {
+    let mut gw = gateway();
+    let out = submit(&mut gw, 1);
+    let (dconn, _) = reserve_of(&out).unwrap();
+    let mut out = Vec::new();
+    let page = transfer::wire::WirePage { index: 3, epoch: 1 };
+    gw.message(
+        dconn,
+        Message::Reserved {
+            req: 1,
+            pages: vec![page],
+        },
+        &mut out,
+    );
+    assert!(prefill_of(&out).is_some());
+    // The decode node holding the reservation is lost mid-prefill.
+    let mut out = Vec::new();
+    gw.closed(dconn, &mut out);
+    let (d2, wire) = reserve_of(&out).expect("placed again");
+    assert_ne!(d2, dconn);
+    assert_ne!(wire, 1);
+    assert!(
+        !out.iter()
+            .any(|a| matches!(a, GatewayAction::Deliver { .. })),
+        "{out:?}"
+    );
+    assert_eq!(gw.stats().replaced_node_lost_total, 1);
+    assert_eq!(gw.stats().failed_node_lost_total, 0);
+    // Streaming from the new decode node; then it is lost too: now the
+    // client has tokens, and the request fails with the loss.
+    let mut out = Vec::new();
+    gw.message(
+        d2,
+        Message::Reserved {
+            req: wire,
+            pages: vec![page],
+        },
+        &mut out,
+    );
+    gw.message(
+        d2,
+        Message::Token {
+            req: wire,
+            index: 0,
+            id: 5,
+            text: "x".into(),
+            logprobs: None,
+        },
+        &mut out,
+    );
+    let mut out = Vec::new();
+    gw.closed(d2, &mut out);
+    let err = out.iter().find_map(|a| match a {
+        GatewayAction::Deliver {
+            req: 1,
+            event: ClientEvent::Error(e),
+        } => Some(e.clone()),
+        _ => None,
+    });
+    assert_eq!(err.map(|e| e.code), Some("decode_lost".to_string()));
+    assert_eq!(gw.requests(), 0);
+    assert!(gw.nodes().iter().all(|n| n.inflight == 0));
+    // No decode node left: a new request is refused at once.
+    let e = gw
+        .submit(2, 1, vec![1, 2, 3], 4, GenSpec::default(), &mut Vec::new())
+        .unwrap_err();
+    assert_eq!(e.status, 503);
+}
+
+/// A prefill node that lost its link to the request's decode node says so
+/// (`decode_lost`) before any token: the gateway places the request again,
+/// as for a loss it saw itself. Found by the multi-host test's cable pulled
+/// mid-transfer (the prefill's report arrived before the gateway's own
+/// heartbeat timeout, and ended the request).
+#[test]
+fn a_peer_lost_report_before_the_first_token_places_the_request_again() {
+    let mut gw = gateway();
+    let out = submit(&mut gw, 1);
+    let (dconn, _) = reserve_of(&out).unwrap();
+    let mut out = Vec::new();
+    let page = transfer::wire::WirePage { index: 3, epoch: 1 };
+    gw.message(
+        dconn,
+        Message::Reserved {
+            req: 1,
+            pages: vec![page],
+        },
+        &mut out,
+    );
+    let pconn = prefill_of(&out).unwrap();
+    let mut out = Vec::new();
+    gw.message(
+        pconn,
+        Message::Rejected {
+            req: 1,
+            error: refusal::upstream("decode_lost", "the link to decode was lost"),
+        },
+        &mut out,
+    );
+    assert!(reserve_of(&out).is_some(), "{out:?}");
+    assert!(
+        !out.iter()
+            .any(|a| matches!(a, GatewayAction::Deliver { .. })),
+        "{out:?}"
+    );
+    assert_eq!(gw.stats().replaced_node_lost_total, 1);
+}

@@ -19,6 +19,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
         proptest::collection::vec("[a-z\n✓]{0,8}", 0..4),
         proptest::option::of(any::<u64>()),
         (any::<i32>(), 1..=request::WEIGHT_MAX),
+        proptest::option::of(any::<([u8; 16], [u8; 8], u8)>()),
     )
         .prop_map(
             |(
@@ -28,6 +29,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
                 stop,
                 cache_scope,
                 (priority, weight),
+                trace,
             )| GenSpec {
                 temperature_bits: t,
                 top_k: k,
@@ -43,6 +45,13 @@ fn gen() -> impl Strategy<Value = GenSpec> {
                 cache_scope,
                 priority,
                 weight,
+                trace: trace.map(|(trace_id, span_id, flags)| {
+                    Box::new(request::trace::TraceContext {
+                        trace_id,
+                        span_id,
+                        flags,
+                    })
+                }),
             },
         )
 }
