@@ -559,7 +559,11 @@ fn a_flipped_header_byte_ends_the_link_and_the_request_cleanly() {
     let (ids, _) = stack
         .run(greedy(&stack.tok, 1, "The capital of France is", 8))
         .unwrap();
-    assert_eq!(once.load(Ordering::SeqCst), 2, "the Done was tampered once, sent twice");
+    assert_eq!(
+        once.load(Ordering::SeqCst),
+        2,
+        "the Done was tampered once, sent twice"
+    );
     let lost = settled(
         "decode's lost prefill link",
         || stack.decode.node.stats().decode.unwrap(),
