@@ -1180,7 +1180,12 @@ impl World {
     /// every canary intact (the stand-in engine read them when it started).
     fn check_starts(&mut self) {
         for st in std::mem::take(&mut self.decode.engine.starts) {
-            let prompt = self.clients.get(&st.req).map(|c| c.spec.prompt.clone());
+            // Nodes know a request by its placement's wire id: the client's
+            // id, with its top two bits flipped for a re-placement
+            // (`transfer::gateway`'s `wire_id`); the world's client ids are
+            // small, so masking those bits gives the client back.
+            let client = st.req & !(3u64 << 62);
+            let prompt = self.clients.get(&client).map(|c| c.spec.prompt.clone());
             match (&prompt, &st.read) {
                 (Some(p), Ok(t)) if *p == st.tokens && *t == reference_next(p) => {}
                 _ => self.violations.push(format!(
