@@ -357,6 +357,7 @@ impl GatewayBackend {
         });
         #[allow(unused_mut)]
         let mut gw = Gateway::new(GatewayConfig {
+            placements_max: transfer::gateway::PLACEMENTS_MAX,
             identity: Identity {
                 node: opts.node.clone(),
                 fingerprint: opts.fingerprint,

@@ -441,6 +441,11 @@ pub struct WorldParams {
     pub window_pages: u32,
     /// Prefill runs its prefix cache (production's default).
     pub prefix_cache: bool,
+    /// Placements of one request at most (`GatewayConfig::placements_max`):
+    /// 2 lets a request be placed again once (after a drain refusal, a node
+    /// loss or a peer-lost report) — each is a whole request's life again,
+    /// so the model checker's search grows with it.
+    pub placements_max: u8,
 }
 
 impl Default for WorldParams {
@@ -453,6 +458,7 @@ impl Default for WorldParams {
             decode_limit: 32,
             window_pages: 2,
             prefix_cache: true,
+            placements_max: 2,
         }
     }
 }
@@ -651,6 +657,7 @@ impl World {
                 requests_max: 64,
                 prefill: vec![PREFILL_ADDR.into()],
                 decode: vec![DECODE_ADDR.into()],
+                placements_max: params.placements_max,
             }),
             prefill: Self::new_prefill(&params, pool(params.prefill_pages)),
             decode: Self::new_decode(&params, pool(params.decode_pages)),

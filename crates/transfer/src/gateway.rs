@@ -31,6 +31,10 @@ pub struct GatewayConfig {
     /// Addresses of the prefill nodes, then of the decode nodes.
     pub prefill: Vec<String>,
     pub decode: Vec<String>,
+    /// Placements of one request at most, 1 to [`PLACEMENTS_MAX`]
+    /// (production: the maximum; the model checker bounds its search with
+    /// fewer — every re-placement is a whole request's life again).
+    pub placements_max: u8,
 }
 
 /// What reaches the client of a request.
@@ -440,7 +444,9 @@ impl Gateway {
             // nothing a surviving node still holds of it is taken for the
             // new one). A node that exits after a drain, or dies, costs
             // its pre-token requests nothing but time.
-            if r.phase != GatewayPhase::Streaming && r.placements < PLACEMENTS_MAX {
+            if r.phase != GatewayPhase::Streaming
+                && r.placements < self.cfg.placements_max.clamp(1, PLACEMENTS_MAX)
+            {
                 self.stats.replaced_node_lost_total += 1;
                 self.replace(req, e, out);
                 continue;
@@ -566,7 +572,8 @@ impl Gateway {
                 }
                 let pre_token = {
                     let r = &self.reqs[&req];
-                    r.phase != GatewayPhase::Streaming && r.placements < PLACEMENTS_MAX
+                    r.phase != GatewayPhase::Streaming
+                        && r.placements < self.cfg.placements_max.clamp(1, PLACEMENTS_MAX)
                 };
                 if error.code == refusal::DRAINING_CODE {
                     // Route around it from now on; a request nobody has

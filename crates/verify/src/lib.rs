@@ -125,6 +125,7 @@ impl Bounds {
                 decode_limit: 16,
                 window_pages: 1,
                 prefix_cache: true,
+                placements_max: 2,
             },
             requests: vec![
                 ClientSpec::new(1, vec![11, 12, 13, 14, 15], 1),
@@ -201,6 +202,14 @@ impl Bounds {
             network: Network::Adversarial {
                 drops: 1,
                 duplicates: 1,
+            },
+            // One placement: re-placement is searched on TCP (two-tenants,
+            // prefix-cache: a kill or crash before the first token places
+            // the request again); here every re-run of the request in any
+            // frame order is more than 24 GiB of states.
+            params: WorldParams {
+                placements_max: 1,
+                ..Bounds::two_tenants().params
             },
             ..Bounds::two_tenants()
         }

@@ -30,6 +30,7 @@ pub fn gateway() -> Gateway {
         requests_max: 64,
         prefill: vec!["p0:1".into(), "p1:1".into()],
         decode: vec!["d0:1".into(), "d1:1".into()],
+        placements_max: transfer::gateway::PLACEMENTS_MAX,
     });
     let mut out = Vec::new();
     for (node, conn, name, role) in [
