@@ -37,6 +37,7 @@
 
 mod dequant;
 mod error;
+pub mod kquants;
 mod parse;
 mod types;
 mod value;
