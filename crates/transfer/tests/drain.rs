@@ -39,6 +39,19 @@ fn reserved_on(out: &[GatewayAction], req: u64) -> Option<u64> {
     reserve_of(out).filter(|&(_, w)| w == req).map(|(c, _)| c)
 }
 
+/// Decode's answer to a Reserve: one page reserved for `wire`.
+fn reserved(gw: &mut Gateway, conn: u64, wire: u64, out: &mut Vec<GatewayAction>) {
+    let page = transfer::wire::WirePage { index: 3, epoch: 1 };
+    gw.message(
+        conn,
+        Message::Reserved {
+            req: wire,
+            pages: vec![page],
+        },
+        out,
+    );
+}
+
 /// The prefill connection a Prefill went to.
 fn prefill_of(out: &[GatewayAction]) -> Option<u64> {
     out.iter().find_map(|a| match a {
@@ -223,15 +236,7 @@ fn incident_replaced_request_reused_its_wire_id() {
     let (dconn, first) = reserve_of(&out).unwrap();
     assert_eq!(first, 1, "a first placement is known by the client's id");
     let mut out = Vec::new();
-    let page = transfer::wire::WirePage { index: 3, epoch: 1 };
-    gw.message(
-        dconn,
-        Message::Reserved {
-            req: 1,
-            pages: vec![page],
-        },
-        &mut out,
-    );
+    reserved(&mut gw, dconn, 1, &mut out);
     let pconn = prefill_of(&out).unwrap();
     let name = if pconn == 10 { "p0" } else { "p1" };
     let out = draining_reject(&mut gw, pconn, 1, name);
@@ -244,14 +249,7 @@ fn incident_replaced_request_reused_its_wire_id() {
     // the old decode's reservation answer is cancelled, the old prefill's
     // refusal ignored.
     let mut late = Vec::new();
-    gw.message(
-        dconn,
-        Message::Reserved {
-            req: 1,
-            pages: vec![page],
-        },
-        &mut late,
-    );
+    reserved(&mut gw, dconn, 1, &mut late);
     assert!(
         late.iter().all(|a| matches!(
             a,
@@ -283,14 +281,7 @@ fn incident_replaced_request_reused_its_wire_id() {
     // The new placement runs to its end under its wire id; the client
     // hears of it under its own.
     let mut out = Vec::new();
-    gw.message(
-        d2,
-        Message::Reserved {
-            req: wire,
-            pages: vec![page],
-        },
-        &mut out,
-    );
+    reserved(&mut gw, d2, wire, &mut out);
     assert!(prefill_of(&out).is_some());
     gw.message(
         d2,
@@ -352,15 +343,7 @@ fn a_node_lost_before_the_first_token_costs_the_request_nothing() {
     let out = submit(&mut gw, 1);
     let (dconn, _) = reserve_of(&out).unwrap();
     let mut out = Vec::new();
-    let page = transfer::wire::WirePage { index: 3, epoch: 1 };
-    gw.message(
-        dconn,
-        Message::Reserved {
-            req: 1,
-            pages: vec![page],
-        },
-        &mut out,
-    );
+    reserved(&mut gw, dconn, 1, &mut out);
     assert!(prefill_of(&out).is_some());
     // The decode node holding the reservation is lost mid-prefill.
     let mut out = Vec::new();
@@ -378,14 +361,7 @@ fn a_node_lost_before_the_first_token_costs_the_request_nothing() {
     // Streaming from the new decode node; then it is lost too: now the
     // client has tokens, and the request fails with the loss.
     let mut out = Vec::new();
-    gw.message(
-        d2,
-        Message::Reserved {
-            req: wire,
-            pages: vec![page],
-        },
-        &mut out,
-    );
+    reserved(&mut gw, d2, wire, &mut out);
     gw.message(
         d2,
         Message::Token {
@@ -427,15 +403,7 @@ fn a_peer_lost_report_before_the_first_token_places_the_request_again() {
     let out = submit(&mut gw, 1);
     let (dconn, _) = reserve_of(&out).unwrap();
     let mut out = Vec::new();
-    let page = transfer::wire::WirePage { index: 3, epoch: 1 };
-    gw.message(
-        dconn,
-        Message::Reserved {
-            req: 1,
-            pages: vec![page],
-        },
-        &mut out,
-    );
+    reserved(&mut gw, dconn, 1, &mut out);
     let pconn = prefill_of(&out).unwrap();
     let mut out = Vec::new();
     gw.message(
