@@ -2,18 +2,40 @@
 
 use std::fmt;
 
-/// Number of weights in one quantisation block (all quantised formats here).
+/// Weights in one activation block, and in one block of the 32-weight
+/// formats (Q4_0 … Q8_0). K-quants are super-blocks of [`QK_K`] = 8 × 32.
 pub const QK: usize = 32;
 
-/// Element type of a weight matrix, with the GGUF on-disk layout.
+/// Weights in one K-quant super-block (Q4_K, Q5_K, Q6_K).
+pub const QK_K: usize = 256;
+
+/// Element type of a weight matrix, with the GGUF on-disk layout (named as
+/// ggml names them).
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightType {
     /// 32 weights in 18 bytes: `f16 d`, 16 nibble bytes; `w = d * (q - 8)`.
     Q4_0,
     /// 32 weights in 20 bytes: `f16 d`, `f16 m`, 16 nibble bytes; `w = d * q + m`.
     Q4_1,
+    /// 32 weights in 22 bytes: `f16 d`, `u32 qh` (fifth bits), 16 nibble
+    /// bytes; `w = d * (q - 16)`.
+    Q5_0,
+    /// 32 weights in 24 bytes: `f16 d`, `f16 m`, `u32 qh`, 16 nibble bytes;
+    /// `w = d * q + m`.
+    Q5_1,
     /// 32 weights in 34 bytes: `f16 d`, 32 × `i8`; `w = d * q`.
     Q8_0,
+    /// 256 weights in 144 bytes: `f16 d`, `f16 dmin`, 12 bytes of packed
+    /// 6-bit scales and mins (one pair per 32 weights), 128 nibble bytes;
+    /// `w = d·sc·q − dmin·m`.
+    Q4_K,
+    /// 256 weights in 176 bytes: as Q4_K plus 32 bytes of fifth bits.
+    Q5_K,
+    /// 256 weights in 210 bytes: 128 bytes of low nibbles, 64 of high
+    /// 2-bit pairs, 16 `i8` scales (one per 16 weights), `f16 d`;
+    /// `w = d·sc·(q − 32)`.
+    Q6_K,
     /// Plain little-endian `f32`.
     F32,
     /// Plain little-endian IEEE half precision.
@@ -24,7 +46,12 @@ impl WeightType {
     /// Weights per block (1 for the unquantised types).
     pub const fn block_len(self) -> usize {
         match self {
-            WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q8_0 => QK,
+            WeightType::Q4_0
+            | WeightType::Q4_1
+            | WeightType::Q5_0
+            | WeightType::Q5_1
+            | WeightType::Q8_0 => QK,
+            WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => QK_K,
             WeightType::F32 | WeightType::F16 => 1,
         }
     }
@@ -34,7 +61,12 @@ impl WeightType {
         match self {
             WeightType::Q4_0 => 18,
             WeightType::Q4_1 => 20,
+            WeightType::Q5_0 => 22,
+            WeightType::Q5_1 => 24,
             WeightType::Q8_0 => 34,
+            WeightType::Q4_K => 144,
+            WeightType::Q5_K => 176,
+            WeightType::Q6_K => 210,
             WeightType::F32 => 4,
             WeightType::F16 => 2,
         }
@@ -42,8 +74,38 @@ impl WeightType {
 
     /// Whether the type is block-quantised (usable with [`crate::matmul`]).
     pub const fn is_quantized(self) -> bool {
-        matches!(self, WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q8_0)
+        !matches!(self, WeightType::F32 | WeightType::F16)
     }
+
+    /// ggml's name of the type.
+    pub const fn name(self) -> &'static str {
+        match self {
+            WeightType::Q4_0 => "Q4_0",
+            WeightType::Q4_1 => "Q4_1",
+            WeightType::Q5_0 => "Q5_0",
+            WeightType::Q5_1 => "Q5_1",
+            WeightType::Q8_0 => "Q8_0",
+            WeightType::Q4_K => "Q4_K",
+            WeightType::Q5_K => "Q5_K",
+            WeightType::Q6_K => "Q6_K",
+            WeightType::F32 => "F32",
+            WeightType::F16 => "F16",
+        }
+    }
+
+    /// Every type, quantised ones first.
+    pub const ALL: [WeightType; 10] = [
+        WeightType::Q4_0,
+        WeightType::Q4_1,
+        WeightType::Q5_0,
+        WeightType::Q5_1,
+        WeightType::Q8_0,
+        WeightType::Q4_K,
+        WeightType::Q5_K,
+        WeightType::Q6_K,
+        WeightType::F32,
+        WeightType::F16,
+    ];
 
     /// Bytes taken by one row of `cols` weights. `cols` must be a multiple of
     /// [`WeightType::block_len`].
@@ -179,37 +241,7 @@ pub fn dequantize_row(ty: WeightType, bytes: &[u8], out: &mut [f32]) {
         "dequantize_row: byte length does not match {} {ty:?} weights",
         out.len()
     );
-    let bb = ty.block_bytes();
     match ty {
-        WeightType::Q4_0 => {
-            for (blk, o) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(QK)) {
-                let d = f16_at(blk, 0);
-                for j in 0..16 {
-                    let b = blk[2 + j];
-                    o[j] = d * ((b & 0xF) as i32 - 8) as f32;
-                    o[j + 16] = d * ((b >> 4) as i32 - 8) as f32;
-                }
-            }
-        }
-        WeightType::Q4_1 => {
-            for (blk, o) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(QK)) {
-                let d = f16_at(blk, 0);
-                let m = f16_at(blk, 2);
-                for j in 0..16 {
-                    let b = blk[4 + j];
-                    o[j] = d * (b & 0xF) as f32 + m;
-                    o[j + 16] = d * (b >> 4) as f32 + m;
-                }
-            }
-        }
-        WeightType::Q8_0 => {
-            for (blk, o) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(QK)) {
-                let d = f16_at(blk, 0);
-                for j in 0..QK {
-                    o[j] = d * blk[2 + j] as i8 as f32;
-                }
-            }
-        }
         WeightType::F32 => {
             for (b, o) in bytes.chunks_exact(4).zip(out.iter_mut()) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -218,6 +250,11 @@ pub fn dequantize_row(ty: WeightType, bytes: &[u8], out: &mut [f32]) {
         WeightType::F16 => {
             for (b, o) in bytes.chunks_exact(2).zip(out.iter_mut()) {
                 *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        _ => {
+            for (b, o) in out.chunks_exact_mut(QK).enumerate() {
+                crate::blocks::dequantize_block(ty, bytes, b, o);
             }
         }
     }
@@ -269,6 +306,45 @@ pub fn quantize_row(ty: WeightType, x: &[f32], out: &mut Vec<u8>) {
                 }
             }
         }
+        WeightType::Q5_0 => {
+            for blk in x.chunks_exact(QK) {
+                let mut amax = 0.0f32;
+                let mut max = 0.0f32;
+                for &v in blk {
+                    if v.abs() > amax {
+                        amax = v.abs();
+                        max = v;
+                    }
+                }
+                let d = max / -16.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                // ggml truncates `x·id + 16.5` to i8, then caps at 31.
+                let q: Vec<u8> = blk
+                    .iter()
+                    .map(|&v| ((v * id + 16.5) as i8).min(31) as u8)
+                    .collect();
+                out.extend_from_slice(&h(d));
+                push_q5(&q, out);
+            }
+        }
+        WeightType::Q5_1 => {
+            for blk in x.chunks_exact(QK) {
+                let min = blk.iter().copied().fold(f32::INFINITY, f32::min);
+                let max = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = (max - min) / 31.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let q: Vec<u8> = blk
+                    .iter()
+                    .map(|&v| ((v - min) * id + 0.5) as i8 as u8)
+                    .collect();
+                out.extend_from_slice(&h(d));
+                out.extend_from_slice(&h(min));
+                push_q5(&q, out);
+            }
+        }
+        WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => {
+            crate::kquantize::quantize_row(ty, x, out);
+        }
         WeightType::Q8_0 => {
             for blk in x.chunks_exact(QK) {
                 let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
@@ -290,5 +366,18 @@ pub fn quantize_row(ty: WeightType, x: &[f32], out: &mut Vec<u8>) {
                 out.extend_from_slice(&h(v));
             }
         }
+    }
+}
+
+/// Packs 32 five-bit codes as Q5_0/Q5_1 store them: `u32` of fifth bits
+/// (bit `j` = weight `j`), then nibbles (low = weight `j`, high = `j + 16`).
+fn push_q5(q: &[u8], out: &mut Vec<u8>) {
+    let qh = q
+        .iter()
+        .enumerate()
+        .fold(0u32, |h, (j, &c)| h | (u32::from(c >> 4) & 1) << j);
+    out.extend_from_slice(&qh.to_le_bytes());
+    for j in 0..16 {
+        out.push((q[j] & 0x0F) | (q[j + 16] & 0x0F) << 4);
     }
 }

@@ -113,14 +113,16 @@
 #![warn(missing_docs)]
 
 pub mod attention;
+mod blocks;
 mod formats;
 mod kernels;
+mod kquantize;
 mod level;
 mod matmul;
 mod pool;
 mod quant;
 
-pub use formats::{dequantize_row, quantize_row, ShapeError, WeightMatrix, WeightType, QK};
+pub use formats::{dequantize_row, quantize_row, ShapeError, WeightMatrix, WeightType, QK, QK_K};
 pub use level::{KernelLevel, KERNEL_ENV};
 pub use matmul::{matmul, matmul_f32, matmul_f32_with_level, matmul_with_level, reference_dot};
 pub use pool::{default_threads, split_range, ThreadPool, THREADS_ENV};

@@ -7,7 +7,22 @@ use kernels::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const QTYPES: [WeightType; 3] = [WeightType::Q4_0, WeightType::Q4_1, WeightType::Q8_0];
+const QTYPES: [WeightType; 8] = [
+    WeightType::Q4_0,
+    WeightType::Q4_1,
+    WeightType::Q5_0,
+    WeightType::Q5_1,
+    WeightType::Q8_0,
+    WeightType::Q4_K,
+    WeightType::Q5_K,
+    WeightType::Q6_K,
+];
+
+/// `cols` if `ty` can have rows of that length, else the next multiple of
+/// its block (K-quant super-blocks are 256 weights).
+fn fit(ty: WeightType, cols: usize) -> usize {
+    cols.next_multiple_of(ty.block_len())
+}
 
 fn f16b(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_bits().to_le_bytes()
@@ -25,16 +40,40 @@ fn random_weights(rng: &mut StdRng, ty: WeightType, rows: usize, cols: usize) ->
             }
         }
         _ => {
-            for _ in 0..rows * cols / 32 {
+            let bytes = |rng: &mut StdRng, b: &mut Vec<u8>, k: usize| {
+                b.extend((0..k).map(|_| rng.gen::<u8>()));
+            };
+            for _ in 0..rows * cols / ty.block_len() {
                 let d: f32 = rng.gen_range(0.0005..0.05) * if rng.gen() { 1.0 } else { -1.0 };
-                b.extend_from_slice(&f16b(d));
+                let dk: f32 = rng.gen_range(0.00001..0.002);
                 match ty {
-                    WeightType::Q4_1 => {
-                        b.extend_from_slice(&f16b(rng.gen_range(-0.4..0.1)));
-                        b.extend((0..16).map(|_| rng.gen::<u8>()));
+                    WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q5_0 | WeightType::Q5_1 => {
+                        b.extend_from_slice(&f16b(d));
+                        if matches!(ty, WeightType::Q4_1 | WeightType::Q5_1) {
+                            b.extend_from_slice(&f16b(rng.gen_range(-0.4..0.1)));
+                        }
+                        let qh = if matches!(ty, WeightType::Q5_0 | WeightType::Q5_1) {
+                            4
+                        } else {
+                            0
+                        };
+                        bytes(rng, &mut b, qh + 16);
                     }
-                    WeightType::Q4_0 => b.extend((0..16).map(|_| rng.gen::<u8>())),
-                    _ => b.extend((0..32).map(|_| rng.gen::<u8>())),
+                    WeightType::Q8_0 => {
+                        b.extend_from_slice(&f16b(d));
+                        bytes(rng, &mut b, 32);
+                    }
+                    WeightType::Q4_K | WeightType::Q5_K => {
+                        b.extend_from_slice(&f16b(dk));
+                        b.extend_from_slice(&f16b(dk * rng.gen_range(0.0..4.0)));
+                        let qh = if ty == WeightType::Q5_K { 32 } else { 0 };
+                        bytes(rng, &mut b, 12 + qh + 128);
+                    }
+                    WeightType::Q6_K => {
+                        bytes(rng, &mut b, 128 + 64 + 16);
+                        b.extend_from_slice(&f16b(d / 64.0));
+                    }
+                    WeightType::F32 | WeightType::F16 => unreachable!(),
                 }
             }
         }
@@ -81,6 +120,7 @@ fn scalar_matches_dequantized_reference() {
     let pool = ThreadPool::new(1);
     for ty in QTYPES {
         for &(rows, cols) in &[(7, 32), (5, 96), (9, 576), (4, 1536)] {
+            let cols = fit(ty, cols);
             let wb = random_weights(&mut rng, ty, rows, cols);
             let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
             let n = 3;
@@ -136,7 +176,10 @@ fn levels_match_scalar_on_odd_shapes() {
     let ns: Vec<usize> = (1..=9).chain([33]).collect();
     for ty in QTYPES {
         for &rows in &[1usize, 3, 17, 33, 577] {
-            for &cols in &[32usize, 64, 96, 576, 1536] {
+            for &cols in &[32usize, 64, 96, 256, 576, 1536, 2304] {
+                if cols % ty.block_len() != 0 {
+                    continue;
+                }
                 let wb = random_weights(&mut rng, ty, rows, cols);
                 let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
                 for &n in &ns {
@@ -167,6 +210,7 @@ fn levels_match_scalar_on_long_rows() {
     let pool = ThreadPool::new(2);
     for ty in QTYPES {
         for &(rows, cols) in &[(40usize, 2080usize), (5, 4096)] {
+            let cols = fit(ty, cols);
             let wb = random_weights(&mut rng, ty, rows, cols);
             let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
             for n in [1usize, 2, 5] {
@@ -190,9 +234,9 @@ fn batch_invariance_is_bitwise() {
     for level in levels() {
         for ty in QTYPES {
             let (rows, cols) = if level == KernelLevel::Scalar {
-                (37, 576)
+                (37, fit(ty, 576))
             } else {
-                (577, 576)
+                (577, fit(ty, 576))
             };
             let wb = random_weights(&mut rng, ty, rows, cols);
             let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
@@ -350,8 +394,11 @@ fn matmul_f32_matches_reference_and_is_invariant() {
         WeightType::F16,
         WeightType::Q4_1,
         WeightType::Q8_0,
+        WeightType::Q5_0,
+        WeightType::Q4_K,
+        WeightType::Q6_K,
     ] {
-        let cols = if ty.is_quantized() { 96 } else { 77 };
+        let cols = if ty.is_quantized() { fit(ty, 96) } else { 77 };
         let rows = 19;
         let wb = random_weights(&mut rng, ty, rows, cols);
         let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
@@ -442,4 +489,96 @@ fn matmul_rejects_wrong_output_length() {
     let mut q = QuantizedActivations::new(1, 32);
     q.quantize(&[0.0; 32], 32);
     matmul_with_level(&pool, KernelLevel::Scalar, w, &q, &mut [0.0]);
+}
+
+/// The K-quant dequantisation (through the canonical 32-weight blocks)
+/// equals `gguf`'s reference, which is checked against the Python `gguf`
+/// package: bit for bit, on random super-blocks.
+#[test]
+fn k_quant_dequantisation_matches_the_gguf_reference() {
+    let mut rng = StdRng::seed_from_u64(11);
+    type Reference = fn(&[u8], &mut [f32]);
+    let cases: [(WeightType, Reference); 3] = [
+        (WeightType::Q4_K, gguf::kquants::dequantize_q4_k),
+        (WeightType::Q5_K, gguf::kquants::dequantize_q5_k),
+        (WeightType::Q6_K, gguf::kquants::dequantize_q6_k),
+    ];
+    for (ty, reference) in cases {
+        let wb = random_weights(&mut rng, ty, 16, 256);
+        let (mut got, mut want) = (vec![0.0f32; 256], vec![0.0f32; 256]);
+        for blk in wb.chunks_exact(ty.block_bytes()) {
+            dequantize_row(ty, blk, &mut got);
+            reference(blk, &mut want);
+            assert_bits_eq(&got, &want, ty.name());
+        }
+    }
+}
+
+/// Q5_0/Q5_1: the reference quantiser's codes dequantise to within half a
+/// step of the input (the fifth bit is packed and read back correctly).
+#[test]
+fn q5_quantise_round_trip() {
+    let mut rng = StdRng::seed_from_u64(12);
+    for ty in [WeightType::Q5_0, WeightType::Q5_1] {
+        let x: Vec<f32> = (0..32 * 40).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let mut b = Vec::new();
+        quantize_row(ty, &x, &mut b);
+        assert_eq!(b.len(), ty.row_bytes(x.len()));
+        let mut y = vec![0.0f32; x.len()];
+        dequantize_row(ty, &b, &mut y);
+        for (blk, (xs, ys)) in x.chunks(32).zip(y.chunks(32)).enumerate() {
+            // Q5_0: codes −16..15 of d = −max/16, so the end opposite the
+            // largest magnitude can be a whole step off; Q5_1: half a step.
+            let (lo, hi) = xs
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+            let (step, frac) = match ty {
+                WeightType::Q5_0 => (lo.abs().max(hi.abs()) / 16.0, 1.0),
+                _ => ((hi - lo) / 31.0, 0.5),
+            };
+            for (j, (a, b)) in xs.iter().zip(ys).enumerate() {
+                assert!(
+                    (a - b).abs() <= step * frac * 1.01 + 1e-3,
+                    "{ty:?} block {blk} weight {j}: {a} -> {b} (step {step})"
+                );
+            }
+        }
+    }
+}
+
+/// The reference quantisers write the blocks llama.cpp's `llama-quantize`
+/// wrote for the same weights, bit for bit (fixtures and how they were made:
+/// scripts/llama-quantize-fixtures.py). Eight rows of 256: gaussian,
+/// heavy-tailed, all positive, partly zero, tiny, an outlier, all negative,
+/// all zero.
+#[test]
+fn quantiser_matches_llama_quantize() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama-quantize");
+    let input: Vec<f32> = std::fs::read(dir.join("input.f32"))
+        .expect("fixture input.f32")
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(input.len(), 8 * 256);
+    for ty in [
+        WeightType::Q4_K,
+        WeightType::Q5_K,
+        WeightType::Q6_K,
+        WeightType::Q5_0,
+        WeightType::Q5_1,
+    ] {
+        let want = std::fs::read(dir.join(format!("{}.bin", ty.name()))).expect("fixture");
+        let rb = ty.row_bytes(256);
+        assert_eq!(want.len(), 8 * rb, "{ty:?} fixture size");
+        for (r, x) in input.chunks_exact(256).enumerate() {
+            let mut got = Vec::new();
+            quantize_row(ty, x, &mut got);
+            let want = &want[r * rb..(r + 1) * rb];
+            if got != want {
+                let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap();
+                panic!("{ty:?} row {r}: first difference at byte {at} of {rb}");
+            }
+        }
+    }
 }

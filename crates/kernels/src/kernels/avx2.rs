@@ -1,12 +1,26 @@
 //! AVX2 + FMA + F16C kernels: the AVX-512 design (see `avx512.rs`) with
 //! 8-row panels and `vpmaddubsw`/`vpmaddwd` instead of `vpdpbusd`.
 //!
-//! Q4 formats: the 8 `maddubs` products of a block (each pair sum bounded by
-//! 2·15·127 = 3810) are summed in i16 (≤ 30480, no saturation) and widened
-//! once with `madd(·, 1)`. Q8_0: `|w|` × `sign(x, w)` (pair sums ≤
-//! 2·128·127 = 32512), widened after every `maddubs`.
+//! Every format is expanded to 32-weight blocks of 8 rows ([`PBlock`]) in the
+//! canonical form of [`crate::blocks`], so the tile code is shared:
+//!
+//! * 4-bit codes (Q4_0, Q4_1, Q4_K): the 8 `maddubs` products of a block
+//!   (pair sums ≤ 2·15·127 = 3810) are summed in i16 (≤ 30480, no
+//!   saturation) and widened once with `madd(·, 1)`.
+//! * 5-bit codes (Q5_0, Q5_1, Q5_K): pair sums ≤ 2·31·127 = 7874, so each
+//!   half block (4 products, ≤ 31496) is widened on its own.
+//! * Q8_0: `|w|` × `sign(x, w)` (pair sums ≤ 2·128·127 = 32512), widened
+//!   after every `maddubs`.
+//! * Q6_K: `|q − 32|` × `sign(x, q − 32)` (pair sums ≤ 2·32·127 = 8128, 4 per
+//!   half: ≤ 32512); each half is widened by `madd` with its `i8` scale, so
+//!   the scales stay in the exact integer sum.
+//!
+//! K-quant super-blocks (8 blocks) are expanded together: their codes and
+//! fifth or high bits are transposed once and their packed scales decoded
+//! once per row.
 
 use super::{ActParts, OutPtr};
+use crate::blocks::scale_min_k4;
 use crate::formats::{WeightMatrix, WeightType, QK};
 use core::arch::x86_64::*;
 use std::mem::MaybeUninit;
@@ -20,16 +34,36 @@ const PF_PANELS: usize = 4;
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
+const Q5_0: u8 = 3;
+const Q5_1: u8 = 4;
+const Q4_K: u8 = 5;
+const Q5_K: u8 = 6;
+const Q6_K: u8 = 7;
+
+/// Formats whose codes are signed (`|w|` × `sign(x, w)`).
+const fn signed(f: u8) -> bool {
+    f == Q8_0 || f == Q6_K
+}
+/// Formats with a per-block minimum term.
+const fn has_min(f: u8) -> bool {
+    matches!(f, Q4_1 | Q5_1 | Q4_K | Q5_K)
+}
+/// Formats with 5-bit unsigned codes.
+const fn five_bit(f: u8) -> bool {
+    matches!(f, Q5_0 | Q5_1 | Q5_K)
+}
 
 #[derive(Clone, Copy)]
 #[repr(C, align(32))]
 struct PBlock {
     /// Unsigned weight codes (Q8_0: |q|), lane r = row r, columns 4g..4g+4.
     w: [__m256i; 8],
-    /// Q8_0 only: the signed codes (sign source for `vpsignb`).
+    /// Signed formats: the signed codes (sign source for `vpsignb`).
     ws: [__m256i; 8],
     dw: __m256,
     mw: __m256,
+    /// Q6_K: the two halves' scales, as i16 pairs (`madd` multipliers).
+    sc: [__m256i; 2],
 }
 
 /// # Safety
@@ -50,6 +84,16 @@ pub(crate) unsafe fn matmul_panels(
         WeightType::Q4_1 => unsafe { run::<Q4_1>(w, x, out, panels) },
         // SAFETY: as above.
         WeightType::Q8_0 => unsafe { run::<Q8_0>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q5_0 => unsafe { run::<Q5_0>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q5_1 => unsafe { run::<Q5_1>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q4_K => unsafe { run::<Q4_K>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q5_K => unsafe { run::<Q5_K>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q6_K => unsafe { run::<Q6_K>(w, x, out, panels) },
         WeightType::F32 | WeightType::F16 => unreachable!("not a quantised type"),
     }
 }
@@ -67,6 +111,8 @@ unsafe fn run<const F: u8>(
     let rb = w.row_bytes();
     let nb = w.cols / QK;
     let bb = w.ty.block_bytes();
+    // 32-weight blocks per stored block (8 for K-quant super-blocks).
+    let per = w.ty.block_len() / QK;
     let rows = w.rows;
     let mut buf = [MaybeUninit::<PBlock>::uninit(); KB];
     let bufp = buf.as_mut_ptr() as *mut PBlock;
@@ -103,8 +149,12 @@ unsafe fn run<const F: u8>(
                         _mm_prefetch::<_MM_HINT_T1>(a as *const i8);
                     }
                 }
-                // SAFETY: block c0+b exists in every (clamped) row.
-                unsafe { expand::<F>(base, &offs, (c0 + b) * bb, bufp.add(b)) };
+                if (c0 + b) % per == 0 {
+                    // SAFETY: stored block (c0+b)/per exists in every (clamped)
+                    // row; KB is a multiple of `per`, so its `per` slots are
+                    // inside this chunk's buffer.
+                    unsafe { expand::<F>(base, &offs, (c0 + b) / per * bb, bufp.add(b)) };
+                }
             }
             let ctx = TileCtx {
                 buf: bufp,
@@ -177,12 +227,103 @@ unsafe fn f16x8(base: *const u8, offs: &[usize; PANEL_ROWS], off: usize) -> __m2
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr() as *const __m128i) })
 }
 
+/// Expands stored block `boff` of every row into `dst`: one [`PBlock`] for
+/// the 32-weight formats, eight consecutive ones for a K-quant super-block.
+///
 /// # Safety
-/// The CPU must support the features enabled above; block `boff` must lie
-/// inside every row `base + offs[r]`, and `dst` must be valid for a write.
+/// The CPU must support the features enabled above; the stored block at
+/// `boff` must lie inside every row `base + offs[r]`, and `dst` must be valid
+/// for writing one (K-quants: eight) `PBlock`s.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn expand<const F: u8>(
+    base: *const u8,
+    offs: &[usize; PANEL_ROWS],
+    boff: usize,
+    dst: *mut PBlock,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match F {
+            Q4_K | Q5_K => expand_k4_k5::<F>(base, offs, boff, dst),
+            Q6_K => expand_q6_k(base, offs, boff, dst),
+            _ => expand32::<F>(base, offs, boff, dst),
+        }
+    }
+}
+
+/// The fifth bits of a Q5_0/Q5_1 block: byte `i` of lane `r` of result `g`
+/// is `0x10` if bit `4g + i` of row `r`'s `qh` is set.
+///
+/// # Safety
+/// The CPU must support AVX2; 4 bytes at `off` must be readable in every row.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_high_bits(base: *const u8, offs: &[usize; PANEL_ROWS], off: usize) -> [__m256i; 8] {
+    let mut qh = [0u32; PANEL_ROWS];
+    for k in 0..PANEL_ROWS {
+        // SAFETY: four bytes inside the block of row k.
+        qh[k] = unsafe { (base.add(offs[k] + off) as *const u32).read_unaligned() };
+    }
+    // SAFETY: reading a local array.
+    let v = unsafe { _mm256_loadu_si256(qh.as_ptr() as *const __m256i) };
+    let hi = _mm256_set1_epi8(0x10);
+    let mut out = [_mm256_setzero_si256(); 8];
+    for g in 0..8 {
+        // Byte g/2 of each dword, repeated 4 times, then its bits 4(g%2)..+4.
+        let k = (g / 2) as i8;
+        let ctrl = _mm256_setr_epi8(
+            k,
+            k,
+            k,
+            k,
+            k + 4,
+            k + 4,
+            k + 4,
+            k + 4,
+            k + 8,
+            k + 8,
+            k + 8,
+            k + 8,
+            k + 12,
+            k + 12,
+            k + 12,
+            k + 12,
+            k,
+            k,
+            k,
+            k,
+            k + 4,
+            k + 4,
+            k + 4,
+            k + 4,
+            k + 8,
+            k + 8,
+            k + 8,
+            k + 8,
+            k + 12,
+            k + 12,
+            k + 12,
+            k + 12,
+        );
+        let sh = 4 * (g % 2) as u32;
+        let bits = _mm256_set1_epi32(i32::from_le_bytes([
+            (1u32 << sh) as u8,
+            (1u32 << (sh + 1)) as u8,
+            (1u32 << (sh + 2)) as u8,
+            (1u32 << (sh + 3)) as u8,
+        ]));
+        let t = _mm256_and_si256(_mm256_shuffle_epi8(v, ctrl), bits);
+        out[g] = _mm256_and_si256(_mm256_cmpeq_epi8(t, bits), hi);
+    }
+    out
+}
+
+/// # Safety
+/// As [`expand`], for the 32-weight formats.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn expand32<const F: u8>(
     base: *const u8,
     offs: &[usize; PANEL_ROWS],
     boff: usize,
@@ -206,13 +347,27 @@ unsafe fn expand<const F: u8>(
             w[g] = _mm256_abs_epi8(ws[g]);
         }
     } else {
+        // Quants follow the scale, the minimum (Q4_1, Q5_1) and the fifth
+        // bits (Q5_0, Q5_1).
+        let qs_off = match F {
+            Q4_0 => 2,
+            Q4_1 => 4,
+            Q5_0 => 6,
+            _ => 8,
+        };
         let m4 = _mm256_set1_epi8(0x0F);
-        // SAFETY: inside block `boff` of each row (the quants follow the
-        // scale, and the minimum for Q4_1).
-        let t = unsafe { transpose4(base, offs, boff + if F == Q4_1 { 4 } else { 2 }) };
+        // SAFETY: inside block `boff` of each row.
+        let t = unsafe { transpose4(base, offs, boff + qs_off) };
         for q in 0..4 {
             w[q] = _mm256_and_si256(t[q], m4);
             w[4 + q] = _mm256_and_si256(_mm256_srli_epi16::<4>(t[q]), m4);
+        }
+        if five_bit(F) {
+            // SAFETY: the 4 bytes before the quants are `qh`.
+            let h = unsafe { q5_high_bits(base, offs, boff + qs_off - 4) };
+            for g in 0..8 {
+                w[g] = _mm256_or_si256(w[g], h[g]);
+            }
         }
     }
     // SAFETY: dst is a PBlock slot; plain data written without reading.
@@ -222,8 +377,164 @@ unsafe fn expand<const F: u8>(
         if F == Q8_0 {
             (*dst).ws = ws;
         }
-        if F == Q4_1 {
+        if has_min(F) {
             (*dst).mw = f16x8(base, offs, boff + 2);
+        }
+    }
+}
+
+/// # Safety
+/// As [`expand`], for Q4_K and Q5_K.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn expand_k4_k5<const F: u8>(
+    base: *const u8,
+    offs: &[usize; PANEL_ROWS],
+    boff: usize,
+    dst: *mut PBlock,
+) {
+    // SAFETY: every read below is inside the super-block `boff` of each row
+    // (Q4_K: d, dmin, scales[12], qs[128]; Q5_K: qh[32] before qs), and
+    // `dst` has room for the 8 blocks.
+    unsafe {
+        let d = f16x8(base, offs, boff);
+        let dmin = f16x8(base, offs, boff + 2);
+        let mut sc = [[0i32; PANEL_ROWS]; 8];
+        let mut mn = [[0i32; PANEL_ROWS]; 8];
+        for r in 0..PANEL_ROWS {
+            let s = std::slice::from_raw_parts(base.add(offs[r] + boff + 4), 12);
+            for j in 0..8 {
+                let (a, m) = scale_min_k4(s, j);
+                sc[j][r] = i32::from(a);
+                mn[j][r] = i32::from(m);
+            }
+        }
+        let qs_off = boff + if F == Q5_K { 48 } else { 16 };
+        let mut qt = [_mm256_setzero_si256(); 32];
+        for k in 0..8 {
+            qt[4 * k..4 * k + 4].copy_from_slice(&transpose4(base, offs, qs_off + 16 * k));
+        }
+        let mut ht = [_mm256_setzero_si256(); 8];
+        if F == Q5_K {
+            ht[..4].copy_from_slice(&transpose4(base, offs, boff + 16));
+            ht[4..].copy_from_slice(&transpose4(base, offs, boff + 32));
+        }
+        let m4 = _mm256_set1_epi8(0x0F);
+        let hi = _mm256_set1_epi8(0x10);
+        let neg = _mm256_set1_ps(-0.0);
+        for j in 0..8 {
+            // Sub-blocks 2c and 2c+1 are the low and high nibbles of the
+            // 32 bytes of chunk c.
+            let chunk = &qt[8 * (j / 2)..8 * (j / 2) + 8];
+            let bit = _mm256_set1_epi8((1u32 << j) as u8 as i8);
+            let mut w = [_mm256_setzero_si256(); 8];
+            for g in 0..8 {
+                let nib = if j % 2 == 0 {
+                    chunk[g]
+                } else {
+                    _mm256_srli_epi16::<4>(chunk[g])
+                };
+                w[g] = _mm256_and_si256(nib, m4);
+                if F == Q5_K {
+                    let h = _mm256_cmpeq_epi8(_mm256_and_si256(ht[g], bit), bit);
+                    w[g] = _mm256_or_si256(w[g], _mm256_and_si256(h, hi));
+                }
+            }
+            let scf = _mm256_cvtepi32_ps(_mm256_loadu_si256(sc[j].as_ptr() as *const __m256i));
+            let mnf = _mm256_cvtepi32_ps(_mm256_loadu_si256(mn[j].as_ptr() as *const __m256i));
+            let p = dst.add(j);
+            (*p).w = w;
+            // d·sc exactly; the minimum term negated (−(dmin·m)), as the
+            // scalar form.
+            (*p).dw = _mm256_mul_ps(d, scf);
+            (*p).mw = _mm256_xor_ps(_mm256_mul_ps(dmin, mnf), neg);
+        }
+    }
+}
+
+/// # Safety
+/// As [`expand`], for Q6_K.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn expand_q6_k(base: *const u8, offs: &[usize; PANEL_ROWS], boff: usize, dst: *mut PBlock) {
+    // SAFETY: every read below is inside the super-block `boff` of each row
+    // (ql[128], qh[64], scales[16], d), and `dst` has room for the 8 blocks.
+    unsafe {
+        let d = f16x8(base, offs, boff + 208);
+        let mut lt = [_mm256_setzero_si256(); 32];
+        for k in 0..8 {
+            lt[4 * k..4 * k + 4].copy_from_slice(&transpose4(base, offs, boff + 16 * k));
+        }
+        let mut ht = [_mm256_setzero_si256(); 16];
+        for k in 0..4 {
+            ht[4 * k..4 * k + 4].copy_from_slice(&transpose4(base, offs, boff + 128 + 16 * k));
+        }
+        let st = transpose4(base, offs, boff + 192);
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m2 = _mm256_set1_epi8(0x03);
+        let c32 = _mm256_set1_epi8(32);
+        for j in 0..8 {
+            let (half, run) = (j / 4, j % 4);
+            let nsh = _mm_cvtsi32_si128(4 * (run / 2) as i32);
+            let hsh = _mm_cvtsi32_si128(2 * run as i32);
+            let mut w = [_mm256_setzero_si256(); 8];
+            let mut ws = [_mm256_setzero_si256(); 8];
+            for g in 0..8 {
+                let l = lt[16 * half + 8 * (run % 2) + g];
+                let nib = _mm256_and_si256(_mm256_srl_epi16(l, nsh), m4);
+                let h = _mm256_and_si256(_mm256_srl_epi16(ht[8 * half + g], hsh), m2);
+                let q = _mm256_or_si256(nib, _mm256_slli_epi16::<4>(h));
+                ws[g] = _mm256_sub_epi8(q, c32);
+                w[g] = _mm256_abs_epi8(ws[g]);
+            }
+            // Scales 8·half + 2·run and the next one: byte k of each dword
+            // of st[k / 4], sign-extended into both i16 halves of the dword.
+            let mut scv = [_mm256_setzero_si256(); 2];
+            for (e, v) in scv.iter_mut().enumerate() {
+                let idx = 8 * half + 2 * run + e;
+                let k = (idx % 4) as i8;
+                let z = -128i8;
+                let ctrl = _mm256_setr_epi8(
+                    z,
+                    k,
+                    z,
+                    k,
+                    z,
+                    k + 4,
+                    z,
+                    k + 4,
+                    z,
+                    k + 8,
+                    z,
+                    k + 8,
+                    z,
+                    k + 12,
+                    z,
+                    k + 12,
+                    z,
+                    k,
+                    z,
+                    k,
+                    z,
+                    k + 4,
+                    z,
+                    k + 4,
+                    z,
+                    k + 8,
+                    z,
+                    k + 8,
+                    z,
+                    k + 12,
+                    z,
+                    k + 12,
+                );
+                *v = _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(st[idx / 4], ctrl));
+            }
+            let p = dst.add(j);
+            (*p).w = w;
+            (*p).ws = ws;
+            (*p).dw = d;
+            (*p).sc = scv;
         }
     }
 }
@@ -287,7 +598,7 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, ones));
                 }
             }
-        } else {
+        } else if F == Q4_0 || F == Q4_1 || F == Q4_K {
             let mut s16 = [_mm256_setzero_si256(); M];
             for g in 0..8 {
                 for t in 0..M {
@@ -300,19 +611,43 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
             for t in 0..M {
                 isum[t] = _mm256_madd_epi16(s16[t], ones);
             }
+        } else {
+            // Two halves of 4 products each, widened separately (5-bit
+            // codes) or with their own scale (Q6_K).
+            for h in 0..2 {
+                let mut s16 = [_mm256_setzero_si256(); M];
+                for g in 4 * h..4 * h + 4 {
+                    for t in 0..M {
+                        // SAFETY: as above.
+                        let a =
+                            unsafe { (qa[t].add(b * QK + 4 * g) as *const i32).read_unaligned() };
+                        let mut av = _mm256_set1_epi32(a);
+                        if signed(F) {
+                            av = _mm256_sign_epi8(av, pb.ws[g]);
+                        }
+                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(pb.w[g], av));
+                    }
+                }
+                let mul = if F == Q6_K { pb.sc[h] } else { ones };
+                for t in 0..M {
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], mul));
+                }
+            }
         }
         for t in 0..M {
             let k = bi[t] + b;
             let mut is = isum[t];
-            if F == Q4_0 {
+            if F == Q4_0 || F == Q5_0 {
+                // The codes' offset (8 or 16) times the activations' sum.
+                let off = if F == Q4_0 { 8 } else { 16 };
                 // SAFETY: k < n * nb.
-                is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * unsafe { *sump.add(k) }));
+                is = _mm256_sub_epi32(is, _mm256_set1_epi32(off * unsafe { *sump.add(k) }));
             }
             // SAFETY: k < n * nb.
             let da = unsafe { *dp.add(k) };
             let scale = _mm256_mul_ps(pb.dw, _mm256_set1_ps(da));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), scale, acc[t]);
-            if F == Q4_1 {
+            if has_min(F) {
                 // SAFETY: k < n * nb.
                 let sa = unsafe { *sp.add(k) };
                 acc[t] = _mm256_fmadd_ps(pb.mw, _mm256_set1_ps(sa), acc[t]);

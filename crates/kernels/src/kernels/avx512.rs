@@ -73,7 +73,10 @@ pub(crate) unsafe fn matmul_panels(
         WeightType::Q4_1 => unsafe { run::<Q4_1>(w, x, out, panels) },
         // SAFETY: as above.
         WeightType::Q8_0 => unsafe { run::<Q8_0>(w, x, out, panels) },
-        WeightType::F32 | WeightType::F16 => unreachable!("not a quantised type"),
+        _ => unreachable!(
+            "{}: no AVX-512 kernel (see kernels::level_for)",
+            w.ty.name()
+        ),
     }
 }
 

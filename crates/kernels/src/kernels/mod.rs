@@ -4,7 +4,7 @@
 // chains in SIMD code.
 #![allow(clippy::needless_range_loop)]
 
-use crate::formats::WeightMatrix;
+use crate::formats::{WeightMatrix, WeightType};
 use crate::level::KernelLevel;
 use std::ops::Range;
 
@@ -38,6 +38,22 @@ impl OutPtr {
     /// Accessor so closures capture the whole (Sync) wrapper, not the field.
     pub(crate) fn get(self) -> OutPtr {
         self
+    }
+}
+
+/// The level that runs `ty` when `level` is asked for. The AVX-512 kernels
+/// cover Q4_0, Q4_1 and Q8_0; the other quantised formats run the AVX2
+/// kernels on an AVX-512 machine (every AVX-512 level CPU has AVX2, and all
+/// levels compute the same canonical arithmetic, so results are unchanged).
+/// AVX-512 VNNI versions of them are not written: no machine this project
+/// runs on has AVX-512 to test them.
+pub(crate) fn level_for(level: KernelLevel, ty: WeightType) -> KernelLevel {
+    match (level, ty) {
+        #[cfg(target_arch = "x86_64")]
+        (KernelLevel::Avx512, WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q8_0) => level,
+        #[cfg(target_arch = "x86_64")]
+        (KernelLevel::Avx512, _) => KernelLevel::Avx2,
+        _ => level,
     }
 }
 
