@@ -4,6 +4,7 @@
 use half::f16;
 
 use crate::error::{GgufError, Result};
+use crate::kquants::QK_K;
 use crate::types::{type_block_size, GgmlType, QK};
 
 #[inline]
@@ -48,7 +49,12 @@ pub(crate) fn check_sizes(
 ///   `w[j + 16] = ((qs[j] >> 4) - 8) * d`.
 /// - Q4_1 (20 bytes): f16 `d`, f16 `m`, 16 bytes `qs`;
 ///   `w[j] = (qs[j] & 15) * d + m`, `w[j + 16] = (qs[j] >> 4) * d + m`.
+/// - Q5_0 (22 bytes): f16 `d`, u32 `qh`, 16 bytes `qs`; with
+///   `q[j] = (qs[j] & 15) | bit j of qh << 4` and `q[j + 16] = (qs[j] >> 4) |
+///   bit j + 16 of qh << 4`: `w = (q - 16) * d`.
+/// - Q5_1 (24 bytes): f16 `d`, f16 `m`, u32 `qh`, 16 bytes `qs`; `w = q * d + m`.
 /// - Q8_0 (34 bytes): f16 `d`, 32 × i8 `qs`; `w[j] = qs[j] * d`.
+/// - Q4_K, Q5_K, Q6_K: [`crate::kquants`].
 pub fn dequantize_row(t: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     check_sizes(t, out.len(), bytes.len(), "dequantize_row")?;
     match t {
@@ -93,6 +99,38 @@ pub fn dequantize_row(t: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> 
                 for (oj, &q) in o.iter_mut().zip(&blk[2..34]) {
                     *oj = (q as i8) as f32 * d;
                 }
+            }
+        }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let bb = type_block_size(t).1;
+            for (o, blk) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(bb)) {
+                let d = f16_at(blk, 0);
+                let h = bb - 20;
+                let qh = u32::from_le_bytes([blk[h], blk[h + 1], blk[h + 2], blk[h + 3]]);
+                let qs = &blk[h + 4..];
+                for j in 0..QK / 2 {
+                    let x0 = (qs[j] & 0x0F) | (((qh >> j) & 1) as u8) << 4;
+                    let x1 = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) as u8) << 4;
+                    if t == GgmlType::Q5_0 {
+                        o[j] = (x0 as i32 - 16) as f32 * d;
+                        o[j + QK / 2] = (x1 as i32 - 16) as f32 * d;
+                    } else {
+                        let m = f16_at(blk, 2);
+                        o[j] = x0 as f32 * d + m;
+                        o[j + QK / 2] = x1 as f32 * d + m;
+                    }
+                }
+            }
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+            let bb = type_block_size(t).1;
+            let f = match t {
+                GgmlType::Q4_K => crate::kquants::dequantize_q4_k,
+                GgmlType::Q5_K => crate::kquants::dequantize_q5_k,
+                _ => crate::kquants::dequantize_q6_k,
+            };
+            for (o, blk) in out.chunks_exact_mut(QK_K).zip(bytes.chunks_exact(bb)) {
+                f(blk, o);
             }
         }
     }

@@ -68,7 +68,7 @@ pub enum GgufError {
     BadAlignment(u64),
 
     /// A tensor uses a ggml type this crate does not read.
-    #[error("tensor {name:?} has unsupported ggml type {} (id {type_id}); supported: F32, F16, Q4_0, Q4_1, Q8_0", type_name.unwrap_or("unknown"))]
+    #[error("tensor {name:?} has unsupported ggml type {} (id {type_id}); supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K", type_name.unwrap_or("unknown"))]
     UnsupportedTensorType {
         name: String,
         type_id: u32,

@@ -2,7 +2,9 @@
 
 use std::fmt;
 
-/// Weights per block for the 32-weight block types (Q4_0, Q4_1, Q8_0).
+use crate::kquants::{Q4_K_BLOCK_BYTES, Q5_K_BLOCK_BYTES, Q6_K_BLOCK_BYTES, QK_K};
+
+/// Weights per block for the 32-weight block types (Q4_0 … Q8_0).
 pub const QK: usize = 32;
 /// Bytes of one Q4_0 block: f16 scale `d` + 16 bytes of nibbles.
 pub const Q4_0_BLOCK_BYTES: usize = 18;
@@ -10,11 +12,16 @@ pub const Q4_0_BLOCK_BYTES: usize = 18;
 pub const Q4_1_BLOCK_BYTES: usize = 20;
 /// Bytes of one Q8_0 block: f16 scale `d` + 32 signed bytes.
 pub const Q8_0_BLOCK_BYTES: usize = 34;
+/// Bytes of one Q5_0 block: f16 `d`, 4 bytes of fifth bits, 16 of nibbles.
+pub const Q5_0_BLOCK_BYTES: usize = 22;
+/// Bytes of one Q5_1 block: f16 `d`, f16 `m`, 4 bytes of fifth bits, 16 of nibbles.
+pub const Q5_1_BLOCK_BYTES: usize = 24;
 
 /// The ggml tensor types this crate reads.
 ///
 /// Any other type id in a file is rejected at open time with
 /// [`GgufError::UnsupportedTensorType`](crate::GgufError::UnsupportedTensorType).
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgmlType {
     /// 32-bit IEEE float, id 0.
@@ -25,18 +32,33 @@ pub enum GgmlType {
     Q4_0,
     /// 4-bit blocks of 32 with scale and minimum, id 3.
     Q4_1,
+    /// 5-bit symmetric blocks of 32, id 6.
+    Q5_0,
+    /// 5-bit blocks of 32 with scale and minimum, id 7.
+    Q5_1,
     /// 8-bit symmetric blocks of 32, id 8.
     Q8_0,
+    /// 4-bit super-blocks of 256 (scales and mins per 32), id 12.
+    Q4_K,
+    /// 5-bit super-blocks of 256, id 13.
+    Q5_K,
+    /// 6-bit super-blocks of 256 (an i8 scale per 16), id 14.
+    Q6_K,
 }
 
 impl GgmlType {
     /// All supported types.
-    pub const ALL: [GgmlType; 5] = [
+    pub const ALL: [GgmlType; 10] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
         GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
         GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
     ];
 
     /// The ggml type id written in GGUF files.
@@ -46,7 +68,12 @@ impl GgmlType {
             GgmlType::F16 => 1,
             GgmlType::Q4_0 => 2,
             GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
+            GgmlType::Q4_K => 12,
+            GgmlType::Q5_K => 13,
+            GgmlType::Q6_K => 14,
         }
     }
 
@@ -57,7 +84,12 @@ impl GgmlType {
             1 => Some(GgmlType::F16),
             2 => Some(GgmlType::Q4_0),
             3 => Some(GgmlType::Q4_1),
+            6 => Some(GgmlType::Q5_0),
+            7 => Some(GgmlType::Q5_1),
             8 => Some(GgmlType::Q8_0),
+            12 => Some(GgmlType::Q4_K),
+            13 => Some(GgmlType::Q5_K),
+            14 => Some(GgmlType::Q6_K),
             _ => None,
         }
     }
@@ -69,7 +101,12 @@ impl GgmlType {
             GgmlType::F16 => "F16",
             GgmlType::Q4_0 => "Q4_0",
             GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
+            GgmlType::Q5_1 => "Q5_1",
             GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q4_K => "Q4_K",
+            GgmlType::Q5_K => "Q5_K",
+            GgmlType::Q6_K => "Q6_K",
         }
     }
 
@@ -80,7 +117,7 @@ impl GgmlType {
 
     /// Whether the type is a block-quantised type.
     pub fn is_quantized(self) -> bool {
-        matches!(self, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+        !matches!(self, GgmlType::F32 | GgmlType::F16)
     }
 
     /// Bytes taken by `n_weights` weights, or `None` if `n_weights` is not a
@@ -102,14 +139,21 @@ impl fmt::Display for GgmlType {
 }
 
 /// `(weights_per_block, bytes_per_block)` of a type: F32 `(1, 4)`, F16
-/// `(1, 2)`, Q4_0 `(32, 18)`, Q4_1 `(32, 20)`, Q8_0 `(32, 34)`.
+/// `(1, 2)`, Q4_0 `(32, 18)`, Q4_1 `(32, 20)`, Q5_0 `(32, 22)`, Q5_1
+/// `(32, 24)`, Q8_0 `(32, 34)`, Q4_K `(256, 144)`, Q5_K `(256, 176)`, Q6_K
+/// `(256, 210)`.
 pub fn type_block_size(t: GgmlType) -> (usize, usize) {
     match t {
         GgmlType::F32 => (1, 4),
         GgmlType::F16 => (1, 2),
         GgmlType::Q4_0 => (QK, Q4_0_BLOCK_BYTES),
         GgmlType::Q4_1 => (QK, Q4_1_BLOCK_BYTES),
+        GgmlType::Q5_0 => (QK, Q5_0_BLOCK_BYTES),
+        GgmlType::Q5_1 => (QK, Q5_1_BLOCK_BYTES),
         GgmlType::Q8_0 => (QK, Q8_0_BLOCK_BYTES),
+        GgmlType::Q4_K => (QK_K, Q4_K_BLOCK_BYTES),
+        GgmlType::Q5_K => (QK_K, Q5_K_BLOCK_BYTES),
+        GgmlType::Q6_K => (QK_K, Q6_K_BLOCK_BYTES),
     }
 }
 

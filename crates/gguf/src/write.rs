@@ -320,6 +320,13 @@ pub fn quantize(t: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
         GgmlType::Q4_0 => quantize_row_q4_0(x),
         GgmlType::Q4_1 => quantize_row_q4_1(x),
         GgmlType::Q8_0 => quantize_row_q8_0(x),
+        // Their quantisers live with the kernels (`kernels::quantize_row`);
+        // add their bytes with `add_tensor`.
+        GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+            Err(GgufError::InvalidArgument(format!(
+                "the writer does not quantise {t}: quantise with kernels::quantize_row and add the bytes"
+            )))
+        }
     }
 }
 

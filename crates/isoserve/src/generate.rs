@@ -251,3 +251,57 @@ pub fn run_bench(
     );
     Ok(())
 }
+
+/// Tokens per forward step of [`write_logits`].
+const LOGITS_CHUNK_ROWS: usize = 256;
+
+/// `isoserve logits`: the logits at every position of `ids` (one sequence,
+/// KV in the pool as the server keeps it), written as little-endian f32
+/// `[ids.len()][vocab]` to `out`.
+pub fn write_logits(path: &Path, ids: &[u32], out: &Path, dtype: kv::DType) -> Result<()> {
+    let threads = kernels::ThreadPool::from_env();
+    let m = Model::load(path, threads).with_context(|| format!("cannot load model {}", path.display()))?;
+    let vocab = m.config.vocab;
+    if ids.is_empty() {
+        bail!("--ids: no token ids");
+    }
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        bail!("--ids: token id {bad} is outside the vocabulary of {vocab}");
+    }
+    let window = m.config.context_length;
+    if ids.len() > window {
+        bail!("--ids: {} tokens exceed the model's window of {window}", ids.len());
+    }
+    let shape = m.kv_shape(PAGE_SIZE_TOKENS, dtype)?;
+    let n_pages = ids.len().div_ceil(PAGE_SIZE_TOKENS);
+    let mut pool = kv::Pool::new(shape, n_pages as u64, kv::PoolOptions::default())?;
+    let owner = kv::Owner::new(kv::RequestId(1), TenantId(1));
+    let mut pages = Vec::new();
+    pool.alloc(owner, n_pages, &mut pages)?;
+    let mut scratch = model::Scratch::new(&m, LOGITS_CHUNK_ROWS);
+    let mut file = std::io::BufWriter::new(
+        std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?,
+    );
+    for (c, chunk) in ids.chunks(LOGITS_CHUNK_ROWS).enumerate() {
+        let rows: Vec<model::Row> = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, &token)| model::Row {
+                seq: 0,
+                pos: c * LOGITS_CHUNK_ROWS + i,
+                token,
+                logits: true,
+            })
+            .collect();
+        let seqs = [model::SeqCtx {
+            owner,
+            pages: &pages,
+        }];
+        m.forward(&mut pool, &seqs, &rows, &mut scratch)?;
+        for v in &scratch.logits[..chunk.len() * vocab] {
+            file.write_all(&v.to_le_bytes())?;
+        }
+    }
+    file.flush()?;
+    Ok(())
+}

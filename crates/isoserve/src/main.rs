@@ -111,6 +111,22 @@ enum Cmd {
         #[arg(long)]
         model: Option<PathBuf>,
     },
+    /// Write the model's logits at every position of a token sequence (f32,
+    /// little endian, [ids][vocab]) — for checking a model against another
+    /// implementation (scripts/compare-llama-cpp).
+    Logits {
+        /// Token ids, comma separated.
+        #[arg(long)]
+        ids: String,
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// How the KV pool stores keys and values.
+        #[arg(long, value_enum, default_value_t = args::KvDtypeArg::F16)]
+        kv_dtype: args::KvDtypeArg,
+    },
     /// Serve the OpenAI-compatible HTTP API (chat/completions, completions,
     /// models, health, metrics) with tenant-isolated KV, until SIGTERM or
     /// Ctrl-C.
@@ -231,6 +247,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let template = tokenizer::ChatTemplate::from_gguf(&file).ok();
             let ids = generate::prompt_ids(&tok, template.as_ref(), &text, chat)?;
             println!("{ids:?}");
+        }
+        Cmd::Logits {
+            ids,
+            out,
+            model,
+            kv_dtype,
+        } => {
+            let path = fetch::resolve_model(model.as_deref(), false)?;
+            let ids = ids
+                .split(',')
+                .map(|t| t.trim().parse::<u32>())
+                .collect::<Result<Vec<u32>, _>>()
+                .context("--ids: expected comma separated token ids")?;
+            generate::write_logits(&path, &ids, &out, kv_dtype.dtype())?;
         }
         Cmd::Serve(args) if args.disaggregated => disagg::run_supervised(args)?,
         Cmd::Serve(args) => serve::run(args)?,
