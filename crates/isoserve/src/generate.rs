@@ -260,7 +260,8 @@ const LOGITS_CHUNK_ROWS: usize = 256;
 /// `[ids.len()][vocab]` to `out`.
 pub fn write_logits(path: &Path, ids: &[u32], out: &Path, dtype: kv::DType) -> Result<()> {
     let threads = kernels::ThreadPool::from_env();
-    let m = Model::load(path, threads).with_context(|| format!("cannot load model {}", path.display()))?;
+    let m = Model::load(path, threads)
+        .with_context(|| format!("cannot load model {}", path.display()))?;
     let vocab = m.config.vocab;
     if ids.is_empty() {
         bail!("--ids: no token ids");
@@ -270,7 +271,10 @@ pub fn write_logits(path: &Path, ids: &[u32], out: &Path, dtype: kv::DType) -> R
     }
     let window = m.config.context_length;
     if ids.len() > window {
-        bail!("--ids: {} tokens exceed the model's window of {window}", ids.len());
+        bail!(
+            "--ids: {} tokens exceed the model's window of {window}",
+            ids.len()
+        );
     }
     let shape = m.kv_shape(PAGE_SIZE_TOKENS, dtype)?;
     let n_pages = ids.len().div_ceil(PAGE_SIZE_TOKENS);

@@ -20,6 +20,7 @@ const SHAPE: AttnShape = AttnShape {
     n_kv_head: 3,
     head_dim: 64,
     page_size: PAGE,
+    window: None,
 };
 const KVW: usize = 192;
 

@@ -5,8 +5,9 @@
 //! For every query row (a token at position `pos` of a sequence) and every
 //! query head `h` of KV group `g = h / (n_head / n_kv_head)`:
 //! `out = Σ_t softmax_t(q·k_t / √d) · v_t` over the positions `t ≤ pos` of
-//! the row's sequence, whose K/V rows live in pages ([`KvPage`]: `f32` or
-//! `f16`, token-major, `n_kv_head × head_dim` values per token).
+//! the row's sequence (with a sliding window `w`: `pos − w < t ≤ pos`), whose
+//! K/V rows live in pages ([`KvPage`]: `f32` or `f16`, token-major,
+//! `n_kv_head × head_dim` values per token).
 //!
 //! # How
 //!
@@ -41,6 +42,10 @@
 //! out = acc · (1 / l)
 //! ```
 //!
+//! With a sliding window, a row's tiles are cut at its first position
+//! (`[max(TILE·i, pos + 1 − w), …)`, fixed by its position), tiles and chunks
+//! wholly before it are skipped, and the merge starts at its first chunk.
+//!
 //! `exp` is this module's own (a Cephes-style polynomial with fma), so the
 //! scalar reference and the AVX2 build give the same bits.
 //!
@@ -52,7 +57,7 @@
 //!
 //! // One head of 8 dims, one page of 4 slots; the row at position 1 reads
 //! // slots 0 and 1.
-//! let shape = AttnShape { n_head: 1, n_kv_head: 1, head_dim: 8, page_size: 4 };
+//! let shape = AttnShape { n_head: 1, n_kv_head: 1, head_dim: 8, page_size: 4, window: None };
 //! let k = vec![0.0f32; 16];
 //! let v: Vec<f32> = (0..16).map(|i| (i / 8) as f32).collect(); // v_0 = 0, v_1 = 1
 //! let pages = [KvPage { k: KvRows::F32(&k), v: KvRows::F32(&v), slots: 2 }];
@@ -138,6 +143,9 @@ pub struct AttnShape {
     pub head_dim: usize,
     /// Token slots per page.
     pub page_size: usize,
+    /// Sliding window: a row at `pos` attends to the last `w` positions
+    /// only (`pos + 1 − w ..= pos`); `None`: to all of `0..=pos`.
+    pub window: Option<usize>,
 }
 
 impl AttnShape {
@@ -149,6 +157,13 @@ impl AttnShape {
     }
     fn chunks(&self, pos: usize) -> usize {
         pos / CHUNK_POSITIONS + 1
+    }
+    /// First position a row at `pos` attends to.
+    fn lo(&self, pos: usize) -> usize {
+        match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        }
     }
     /// Floats of one partial result: max, sum, accumulator.
     fn partial(&self) -> usize {
@@ -294,6 +309,13 @@ pub fn attention_with_level(
     }
     scratch.partials.clear();
     scratch.partials.resize(total, 0.0);
+    if shape.window.is_some() {
+        // Chunks wholly before a row's window are never run: they stay
+        // empty (m = −∞), and the merge skips them.
+        for p in scratch.partials.chunks_exact_mut(part) {
+            p[0] = f32::NEG_INFINITY;
+        }
+    }
     // Items: blocks of consecutive rows of one sequence × chunks, each
     // over every KV group (a page's K and V are read front to back by one
     // thread) — or one group each when that leaves fewer than four items
@@ -310,7 +332,12 @@ pub fn attention_with_level(
             .map(|r| shape.chunks(r.pos))
             .max()
             .unwrap_or(0);
-        for c in 0..chunks {
+        let c_lo = rows[b0..b1]
+            .iter()
+            .map(|r| shape.lo(r.pos) / CHUNK_POSITIONS)
+            .min()
+            .unwrap_or(0);
+        for c in c_lo..chunks {
             scratch.items.push(Item {
                 rows: (b0 as u32, b1 as u32),
                 groups: (0, shape.n_kv_head as u32),
@@ -380,6 +407,14 @@ pub fn attention_with_level(
 #[inline(always)]
 fn merge(parts: &[f32], hd: usize, out: &mut [f32]) {
     let part = hd + 2;
+    // Leading chunks wholly before a sliding window were never run (m =
+    // −∞): start at the first that was (every row attends to itself, so
+    // one exists; without a window it is the first).
+    let first = parts
+        .chunks_exact(part)
+        .position(|p| p[0] != f32::NEG_INFINITY)
+        .unwrap_or(0);
+    let parts = &parts[first * part..];
     let mut acc = [0.0f32; HEAD_DIM_MAX];
     let acc = &mut acc[..hd];
     acc.copy_from_slice(&parts[2..part]);
@@ -446,7 +481,13 @@ fn run_item(
     let seq = &pages[rows[block.start].pages.clone()];
     tile.k.resize(TILE * kvw, 0.0);
     tile.v.resize(TILE * kvw, 0.0);
-    let mut t0 = first;
+    // Tiles before every row's window are not read at all.
+    let lo_min = block
+        .clone()
+        .map(|r| shape.lo(rows[r].pos))
+        .min()
+        .unwrap_or(0);
+    let mut t0 = first.max(lo_min / TILE * TILE);
     while t0 < end {
         let t1 = (t0 + TILE).min(end);
         // Whole K/V rows of the tile, read front to back once (converted
@@ -465,11 +506,17 @@ fn run_item(
             }
             let (kr, vr) = (&tile.k_rows, &tile.v_rows);
             let qh = |r: usize, h: usize| &q[r * dim + h * hd..r * dim + (h + 1) * hd];
-            let tile_of = |n: usize| Tile { k: kr, v: vr, n };
+            // A row's keys in this tile: `skip..n` (skip > 0 only in the
+            // tile where its window starts).
+            let tile_of = |(skip, n): (usize, usize)| Tile {
+                k: &kr[skip..n],
+                v: &vr[skip..n],
+                n: n - skip,
+            };
             let pairs = level >= KernelLevel::Avx2 && hd.is_multiple_of(32);
             // One head over the tile alone (the reference, or AVX2's
             // one-head pass).
-            let single = |r: usize, h: usize, n: usize| match level {
+            let single = |r: usize, h: usize, n: (usize, usize)| match level {
                 #[cfg(target_arch = "x86_64")]
                 KernelLevel::Avx2 | KernelLevel::Avx512 => {
                     // SAFETY: the level was checked against the CPU
@@ -481,7 +528,7 @@ fn run_item(
             // Two (row, head) states over the same n keys in one pass: each
             // K and V load serves both, and per state the operations are
             // those of the one-head pass, so the bits are the same.
-            let double = |(r0, h0): (usize, usize), (r1, h1): (usize, usize), n: usize| {
+            let double = |(r0, h0): (usize, usize), (r1, h1): (usize, usize), n: (usize, usize)| {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `pairs` holds only with AVX2 checked against the
                 // CPU and hd % 32 == 0; two different states.
@@ -504,13 +551,14 @@ fn run_item(
             // A group of odd size leaves one head a row: it waits here for
             // the next row's, and the two go together when they cover the
             // same keys (full tiles; in a prompt, most of them).
-            let mut waiting: Option<(usize, usize, usize)> = None;
+            let mut waiting: Option<(usize, usize, (usize, usize))> = None;
             for r in block.clone() {
                 let pos = rows[r].pos;
-                if pos < t0 {
+                let lo = shape.lo(pos);
+                if pos < t0 || lo >= t1 {
                     continue;
                 }
-                let n = n.min(pos + 1 - t0);
+                let n = (lo.saturating_sub(t0), n.min(pos + 1 - t0));
                 let mut h = g * group;
                 while h < (g + 1) * group {
                     if !pairs {
@@ -661,8 +709,8 @@ fn gather_with(
 /// `k[t]` and `v[t]`.
 #[derive(Clone, Copy)]
 struct Tile<'a> {
-    k: &'a [*const f32; TILE],
-    v: &'a [*const f32; TILE],
+    k: &'a [*const f32],
+    v: &'a [*const f32],
     n: usize,
 }
 

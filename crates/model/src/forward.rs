@@ -13,7 +13,7 @@ use kernels::attention::{AttnRow, AttnScratch, AttnShape, KvPage, KvRows};
 use kernels::{QuantizedActivations, ThreadPool, WeightMatrix, WeightType};
 use kv::{DType, KvError, KvShape, LayerView, Owner, PageRef, Pool};
 
-use crate::config::Config;
+use crate::config::{Activation, Arch, Config, RopeStyle};
 use crate::ModelError;
 
 /// Rows per forward call (a limit on everything: the scheduler's token
@@ -45,10 +45,45 @@ struct Layer {
     k: Mat,
     v: Mat,
     o: Mat,
+    /// Qwen 2: biases added to Q, K and V.
+    qkv_bias: Option<[Vec<f32>; 3]>,
+    /// Qwen 3, Gemma 3: per-head RMSNorm weights of Q and K (`head_dim`).
+    qk_norm: Option<[Vec<f32>; 2]>,
+    /// Gemma 3: RMSNorm of the attention and MLP outputs before the
+    /// residual add.
+    post_norms: Option<[Vec<f32>; 2]>,
     ffn_norm: Vec<f32>,
     gate: Mat,
     up: Mat,
     down: Mat,
+}
+
+/// cos/sin of RoPE per (position, pair): `context_length × rope_dim/2` each.
+struct RopeTable {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// θ_i = pos · scale · base^(−2i/d) / factor_i, in f64 then rounded.
+    fn new(c: &Config, base: f32, factors: Option<&[f32]>) -> RopeTable {
+        let half = c.rope_dim / 2;
+        let mut cos = vec![0.0; c.context_length * half];
+        let mut sin = vec![0.0; c.context_length * half];
+        for pos in 0..c.context_length {
+            let p = pos as f64 * c.rope_freq_scale as f64;
+            for i in 0..half {
+                let mut freq = (base as f64).powf(-2.0 * i as f64 / c.rope_dim as f64);
+                if let Some(f) = factors {
+                    freq /= f[i] as f64;
+                }
+                let ang = p * freq;
+                cos[pos * half + i] = ang.cos() as f32;
+                sin[pos * half + i] = ang.sin() as f32;
+            }
+        }
+        RopeTable { cos, sin }
+    }
 }
 
 /// A loaded model: config, weights (zero-copy views of the mmapped GGUF),
@@ -60,9 +95,9 @@ pub struct Model {
     output: Mat,
     output_norm: Vec<f32>,
     layers: Vec<Layer>,
-    /// cos/sin per (position, pair), `context_length × rope_dim/2`.
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
+    rope: RopeTable,
+    /// The sliding-window layers' own table (Gemma 3), if their base differs.
+    rope_swa: Option<RopeTable>,
     threads: ThreadPool,
 }
 
@@ -98,6 +133,7 @@ pub struct Scratch {
     gate: Vec<f32>,
     up: Vec<f32>,
     qa_dim: QuantizedActivations,
+    qa_q: QuantizedActivations,
     qa_ffn: QuantizedActivations,
     /// The attention kernel's partial results and tiles.
     attn: AttnScratch,
@@ -113,14 +149,15 @@ impl Scratch {
             max_rows,
             x: vec![0.0; max_rows * c.dim],
             h: vec![0.0; max_rows * c.dim],
-            q: vec![0.0; max_rows * c.dim],
+            q: vec![0.0; max_rows * c.q_dim()],
             k: vec![0.0; max_rows * c.kv_dim()],
             v: vec![0.0; max_rows * c.kv_dim()],
-            att: vec![0.0; max_rows * c.dim],
+            att: vec![0.0; max_rows * c.q_dim()],
             o: vec![0.0; max_rows * c.dim],
             gate: vec![0.0; max_rows * c.ffn_dim],
             up: vec![0.0; max_rows * c.ffn_dim],
             qa_dim: QuantizedActivations::new(max_rows, c.dim),
+            qa_q: QuantizedActivations::new(max_rows, c.q_dim()),
             qa_ffn: QuantizedActivations::new(max_rows, c.ffn_dim),
             attn: AttnScratch::default(),
             logits: Vec::with_capacity(c.vocab),
@@ -194,15 +231,42 @@ impl Model {
             Ok(t.dequantize()?)
         };
         let c = &config;
+        let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
         let mut layers = Vec::with_capacity(c.n_layer);
         for l in 0..c.n_layer {
             let p = |s: &str| format!("blk.{l}.{s}.weight");
+            let b = |s: &str| format!("blk.{l}.{s}.bias");
+            let qkv_bias = if c.family == Arch::Qwen2 {
+                Some([
+                    vec(&b("attn_q"), qd)?,
+                    vec(&b("attn_k"), kvd)?,
+                    vec(&b("attn_v"), kvd)?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = if matches!(c.family, Arch::Qwen3 | Arch::Gemma3) {
+                Some([vec(&p("attn_q_norm"), hd)?, vec(&p("attn_k_norm"), hd)?])
+            } else {
+                None
+            };
+            let post_norms = if c.family == Arch::Gemma3 {
+                Some([
+                    vec(&p("post_attention_norm"), c.dim)?,
+                    vec(&p("post_ffw_norm"), c.dim)?,
+                ])
+            } else {
+                None
+            };
             layers.push(Layer {
                 attn_norm: vec(&p("attn_norm"), c.dim)?,
-                q: mat(&p("attn_q"), c.dim, c.dim)?,
-                k: mat(&p("attn_k"), c.kv_dim(), c.dim)?,
-                v: mat(&p("attn_v"), c.kv_dim(), c.dim)?,
-                o: mat(&p("attn_output"), c.dim, c.dim)?,
+                q: mat(&p("attn_q"), qd, c.dim)?,
+                k: mat(&p("attn_k"), kvd, c.dim)?,
+                v: mat(&p("attn_v"), kvd, c.dim)?,
+                o: mat(&p("attn_output"), c.dim, qd)?,
+                qkv_bias,
+                qk_norm,
+                post_norms,
                 ffn_norm: vec(&p("ffn_norm"), c.dim)?,
                 gate: mat(&p("ffn_gate"), c.ffn_dim, c.dim)?,
                 up: mat(&p("ffn_up"), c.ffn_dim, c.dim)?,
@@ -216,17 +280,22 @@ impl Model {
             embd
         };
         let output_norm = vec("output_norm.weight", c.dim)?;
-        let half = c.rope_dim / 2;
-        let mut rope_cos = vec![0.0; c.context_length * half];
-        let mut rope_sin = vec![0.0; c.context_length * half];
-        for pos in 0..c.context_length {
-            for i in 0..half {
-                let freq = (c.rope_base as f64).powf(-2.0 * i as f64 / c.rope_dim as f64);
-                let ang = pos as f64 * freq;
-                rope_cos[pos * half + i] = ang.cos() as f32;
-                rope_sin[pos * half + i] = ang.sin() as f32;
+        // Llama 3.1+: per-pair frequency divisors (`rope_freqs.weight`).
+        let factors = match file.tensor_info("rope_freqs.weight") {
+            Some(_) => {
+                let f = vec("rope_freqs.weight", c.rope_dim / 2)?;
+                if f.iter().any(|&v| !(v > 0.0 && v.is_finite())) {
+                    return Err(ModelError::Unsupported(
+                        "rope_freqs.weight holds a non-positive factor".into(),
+                    ));
+                }
+                Some(f)
             }
-        }
+            None => None,
+        };
+        let rope = RopeTable::new(c, c.rope_base, factors.as_deref());
+        let rope_swa = (c.swa_layers.iter().any(|&s| s) && c.rope_base_swa != c.rope_base)
+            .then(|| RopeTable::new(c, c.rope_base_swa, factors.as_deref()));
         Ok(Model {
             config,
             file,
@@ -234,8 +303,8 @@ impl Model {
             output,
             output_norm,
             layers,
-            rope_cos,
-            rope_sin,
+            rope,
+            rope_swa,
             threads,
         })
     }
@@ -313,7 +382,7 @@ impl Model {
                 )));
             }
         }
-        let (dim, kvd, ffn) = (c.dim, c.kv_dim(), c.ffn_dim);
+        let (dim, kvd, ffn, qd) = (c.dim, c.kv_dim(), c.ffn_dim, c.q_dim());
         // Embedding.
         let erb = self.embd.ty.row_bytes(dim);
         for (i, r) in rows.iter().enumerate() {
@@ -323,6 +392,11 @@ impl Model {
                 &self.embd.bytes[t * erb..(t + 1) * erb],
                 &mut s.x[i * dim..(i + 1) * dim],
             );
+        }
+        if let Some(e) = c.embed_scale {
+            for x in &mut s.x[..n * dim] {
+                *x *= e;
+            }
         }
         let plan = AttnPlan::new(seqs.len(), rows, ps);
         for (l, layer) in self.layers.iter().enumerate() {
@@ -334,12 +408,26 @@ impl Model {
                 &mut s.h[..n * dim],
             );
             s.qa_dim.quantize(&s.h[..n * dim], dim);
-            self.mm(layer.q, &s.qa_dim, &s.h[..n * dim], &mut s.q[..n * dim]);
+            self.mm(layer.q, &s.qa_dim, &s.h[..n * dim], &mut s.q[..n * qd]);
             self.mm(layer.k, &s.qa_dim, &s.h[..n * dim], &mut s.k[..n * kvd]);
             self.mm(layer.v, &s.qa_dim, &s.h[..n * dim], &mut s.v[..n * kvd]);
+            if let Some([bq, bk, bv]) = &layer.qkv_bias {
+                add_rows(&mut s.q[..n * qd], bq);
+                add_rows(&mut s.k[..n * kvd], bk);
+                add_rows(&mut s.v[..n * kvd], bv);
+            }
+            if let Some([nq, nk]) = &layer.qk_norm {
+                // Per head (rows of head_dim), in place.
+                rmsnorm_rows_in_place(&mut s.q[..n * qd], nq, c.rms_eps);
+                rmsnorm_rows_in_place(&mut s.k[..n * kvd], nk, c.rms_eps);
+            }
+            let rope = match &self.rope_swa {
+                Some(t) if c.window_of(l).is_some() => t,
+                _ => &self.rope,
+            };
             for (i, r) in rows.iter().enumerate() {
-                self.rope(&mut s.q[i * dim..(i + 1) * dim], r.pos, c.n_head);
-                self.rope(&mut s.k[i * kvd..(i + 1) * kvd], r.pos, c.n_kv_head);
+                self.rope(rope, &mut s.q[i * qd..(i + 1) * qd], r.pos, c.n_head);
+                self.rope(rope, &mut s.k[i * kvd..(i + 1) * kvd], r.pos, c.n_kv_head);
             }
             for (i, r) in rows.iter().enumerate() {
                 let seq = &seqs[r.seq];
@@ -357,15 +445,19 @@ impl Model {
                 seqs,
                 &plan,
                 l,
-                &s.q[..n * dim],
-                &mut s.att[..n * dim],
+                &s.q[..n * qd],
+                &mut s.att[..n * qd],
                 &mut s.attn,
             )?;
-            s.qa_dim.quantize(&s.att[..n * dim], dim);
-            self.mm(layer.o, &s.qa_dim, &s.att[..n * dim], &mut s.o[..n * dim]);
-            for (x, o) in s.x[..n * dim].iter_mut().zip(&s.o[..n * dim]) {
-                *x += o;
-            }
+            s.qa_q.quantize(&s.att[..n * qd], qd);
+            self.mm(layer.o, &s.qa_q, &s.att[..n * qd], &mut s.o[..n * dim]);
+            residual_add(
+                &mut s.x[..n * dim],
+                &s.o[..n * dim],
+                layer.post_norms.as_ref().map(|[a, _]| a.as_slice()),
+                c.rms_eps,
+                &mut s.h[..n * dim],
+            );
             // Feed-forward block.
             rmsnorm_rows(
                 &s.x[..n * dim],
@@ -381,8 +473,17 @@ impl Model {
                 &mut s.gate[..n * ffn],
             );
             self.mm(layer.up, &s.qa_dim, &s.h[..n * dim], &mut s.up[..n * ffn]);
-            for (g, u) in s.gate[..n * ffn].iter_mut().zip(&s.up[..n * ffn]) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
+            match c.activation {
+                Activation::Silu => {
+                    for (g, u) in s.gate[..n * ffn].iter_mut().zip(&s.up[..n * ffn]) {
+                        *g = *g / (1.0 + (-*g).exp()) * u;
+                    }
+                }
+                Activation::GeluTanh => {
+                    for (g, u) in s.gate[..n * ffn].iter_mut().zip(&s.up[..n * ffn]) {
+                        *g = gelu_tanh(*g) * u;
+                    }
+                }
             }
             s.qa_ffn.quantize(&s.gate[..n * ffn], ffn);
             self.mm(
@@ -391,9 +492,13 @@ impl Model {
                 &s.gate[..n * ffn],
                 &mut s.o[..n * dim],
             );
-            for (x, o) in s.x[..n * dim].iter_mut().zip(&s.o[..n * dim]) {
-                *x += o;
-            }
+            residual_add(
+                &mut s.x[..n * dim],
+                &s.o[..n * dim],
+                layer.post_norms.as_ref().map(|[_, f]| f.as_slice()),
+                c.rms_eps,
+                &mut s.h[..n * dim],
+            );
         }
         // Logits for the rows that want them.
         let mut m = 0;
@@ -414,6 +519,11 @@ impl Model {
         if m > 0 {
             s.qa_dim.quantize(&s.h[..m * dim], dim);
             self.mm(self.output, &s.qa_dim, &s.h[..m * dim], &mut s.logits);
+            if let Some(cap) = c.logit_softcap {
+                for v in &mut s.logits {
+                    *v = (*v / cap).tanh() * cap;
+                }
+            }
         }
         Ok(())
     }
@@ -426,19 +536,26 @@ impl Model {
         }
     }
 
-    /// RoPE on adjacent pairs (GGUF's llama convention: the converter
-    /// permuted Q and K so that pairs are (2i, 2i+1)).
-    fn rope(&self, x: &mut [f32], pos: usize, heads: usize) {
+    /// RoPE of each head of `x` at `pos`: on adjacent pairs (GGUF's llama
+    /// convention: the converter permuted Q and K so that pairs are
+    /// (2i, 2i+1)) or on halves (ggml's NEOX mode: (i, i + rope_dim/2)).
+    fn rope(&self, t: &RopeTable, x: &mut [f32], pos: usize, heads: usize) {
         let c = &self.config;
         let half = c.rope_dim / 2;
-        let cos = &self.rope_cos[pos * half..(pos + 1) * half];
-        let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+        let cos = &t.cos[pos * half..(pos + 1) * half];
+        let sin = &t.sin[pos * half..(pos + 1) * half];
         for h in 0..heads {
             let v = &mut x[h * c.head_dim..h * c.head_dim + c.rope_dim];
+            let (ia, ib): (fn(usize, usize) -> usize, fn(usize, usize) -> usize) =
+                match c.rope_style {
+                    RopeStyle::Adjacent => (|i, _| 2 * i, |i, _| 2 * i + 1),
+                    RopeStyle::Halves => (|i, _| i, |i, h| i + h),
+                };
             for i in 0..half {
-                let (a, b) = (v[2 * i], v[2 * i + 1]);
-                v[2 * i] = a * cos[i] - b * sin[i];
-                v[2 * i + 1] = a * sin[i] + b * cos[i];
+                let (ja, jb) = (ia(i, half), ib(i, half));
+                let (a, b) = (v[ja], v[jb]);
+                v[ja] = a * cos[i] - b * sin[i];
+                v[jb] = a * sin[i] + b * cos[i];
             }
         }
     }
@@ -481,6 +598,7 @@ impl Model {
             n_kv_head: c.n_kv_head,
             head_dim: c.head_dim,
             page_size: ps,
+            window: c.window_of(layer),
         };
         kernels::attention::attention(&self.threads, shape, &pages, arows, q, out, scratch);
         Ok(())
@@ -516,6 +634,49 @@ impl AttnPlan {
             })
             .collect();
         AttnPlan { need, rows, pages }
+    }
+}
+
+/// Adds `b` to each `b.len()`-long row of `x`.
+fn add_rows(x: &mut [f32], b: &[f32]) {
+    for row in x.chunks_exact_mut(b.len()) {
+        for (v, &bv) in row.iter_mut().zip(b) {
+            *v += bv;
+        }
+    }
+}
+
+/// GELU, tanh approximation (as ggml's `gelu` and PyTorch's
+/// `approximate="tanh"`).
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh())
+}
+
+/// `x += o`, or `x += rmsnorm(o, post)` (Gemma's post-norms; `tmp` holds
+/// the normed rows).
+fn residual_add(x: &mut [f32], o: &[f32], post: Option<&[f32]>, eps: f32, tmp: &mut [f32]) {
+    let add = match post {
+        Some(w) => {
+            rmsnorm_rows(o, w, eps, tmp);
+            &*tmp
+        }
+        None => o,
+    };
+    for (x, a) in x.iter_mut().zip(add) {
+        *x += a;
+    }
+}
+
+/// [`rmsnorm_rows`] of rows no longer than a head, in place (the same
+/// arithmetic, through a stack copy).
+fn rmsnorm_rows_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    let mut tmp = [0.0f32; kernels::attention::HEAD_DIM_MAX];
+    assert!(d <= tmp.len(), "per-head norm of {d} values");
+    for row in x.chunks_exact_mut(d) {
+        rmsnorm_rows(row, w, eps, &mut tmp[..d]);
+        row.copy_from_slice(&tmp[..d]);
     }
 }
 

@@ -176,7 +176,9 @@ fn naive(shape: AttnShape, pages: &Paged, store: Store, rows: &[AttnRow], q: &[f
             let at = |t: usize, d: usize, kv: usize| {
                 val(r.pages.start + t / ps, (t % ps) * kvw + g * hd + d, kv)
             };
-            let s: Vec<f64> = (0..=r.pos)
+            // Positions attended: the window's, else all up to pos.
+            let lo = shape.window.map_or(0, |w| (r.pos + 1).saturating_sub(w));
+            let s: Vec<f64> = (lo..=r.pos)
                 .map(|t| {
                     (0..hd).map(|d| f64::from(qv[d]) * at(t, d, 0)).sum::<f64>()
                         / (hd as f64).sqrt()
@@ -187,7 +189,7 @@ fn naive(shape: AttnShape, pages: &Paged, store: Store, rows: &[AttnRow], q: &[f
             let z: f64 = w.iter().sum();
             for d in 0..hd {
                 out[ri * dim + h * hd + d] =
-                    (0..=r.pos).map(|t| w[t] * at(t, d, 1)).sum::<f64>() / z;
+                    (lo..=r.pos).map(|t| w[t - lo] * at(t, d, 1)).sum::<f64>() / z;
             }
         }
     }
@@ -227,6 +229,7 @@ fn shape(n_head: usize, n_kv_head: usize, head_dim: usize, page_size: usize) -> 
         n_kv_head,
         head_dim,
         page_size,
+        window: None,
     }
 }
 
@@ -478,6 +481,78 @@ fn the_page_size_does_not_change_a_bit_k12() {
             match &want[i] {
                 None => want[i] = Some(got),
                 Some(w) => assert!(*w == got, "page size {ps}, {store:?}"),
+            }
+        }
+    }
+}
+
+/// Sliding windows (Gemma 3's local layers): a row attends to its last `w`
+/// positions only — against the f64 softmax over exactly those, with
+/// windows inside a tile, across tiles and chunks, wider than the sequence,
+/// and of one position; and every level, thread count and batch gives the
+/// same bits (K12).
+#[test]
+fn sliding_windows_attend_to_the_last_w_positions_only() {
+    let mut rng = StdRng::seed_from_u64(23);
+    for (base, window, lens) in [
+        (shape(4, 1, 32, 16), 512, vec![1300, 20]),
+        (shape(4, 1, 32, 16), 70, vec![700]),
+        (shape(9, 3, 64, 16), 5, vec![300]),
+        (shape(2, 2, 16, 7), 1, vec![90]),
+        (shape(2, 1, 16, 512), 300, vec![900]),
+        (shape(4, 1, 32, 16), 4096, vec![600]),
+    ] {
+        let sh = AttnShape {
+            window: Some(window),
+            ..base
+        };
+        let rows: Vec<(usize, usize)> = lens
+            .iter()
+            .enumerate()
+            .flat_map(|(s, &l)| [(s, 0), (s, l / 2), (s, l - 1)])
+            .chain((0..lens[0].min(20)).map(|p| (0, lens[0] - 20 + p)))
+            .chain([
+                (0, window.min(lens[0] - 1)),
+                (0, (window + 63).min(lens[0] - 1)),
+            ])
+            .collect();
+        let c = case(&mut rng, sh, &lens, rows);
+        let p = paged(&c.seqs, sh.kv_width(), sh.page_size);
+        let rows = attn_rows(&c, &p);
+        for store in stores(sh) {
+            let pages = p.pages(store);
+            let want = naive(sh, &p, store, &rows, &c.q);
+            let reference = bits(&run(KernelLevel::Scalar, 1, sh, &pages, &rows, &c.q));
+            for level in levels() {
+                for threads in [1, 2] {
+                    let got = run(level, threads, sh, &pages, &rows, &c.q);
+                    let err = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(&a, &b)| (f64::from(a) - b).abs())
+                        .fold(0.0, f64::max);
+                    assert!(err < 2e-5, "{sh:?} {store:?} {level:?}: max error {err}");
+                    assert!(
+                        bits(&got) == reference,
+                        "{sh:?} {store:?} {level:?} threads {threads}"
+                    );
+                }
+            }
+            // One row at a time gives the bits of the batch.
+            let dim = sh.n_head * sh.head_dim;
+            for (i, r) in rows.iter().enumerate() {
+                let one = run(
+                    KernelLevel::active(),
+                    2,
+                    sh,
+                    &pages,
+                    std::slice::from_ref(r),
+                    &c.q[i * dim..(i + 1) * dim],
+                );
+                assert!(
+                    bits(&one) == reference[i * dim..(i + 1) * dim],
+                    "{sh:?} row {i} alone"
+                );
             }
         }
     }
