@@ -1,4 +1,5 @@
-//! The byte-level BPE tokenizer.
+//! The tokenizer: byte-level BPE (`tokenizers`) or SentencePiece-style
+//! ([`crate::spm`]), chosen by `tokenizer.ggml.model`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -8,8 +9,10 @@ use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::AddedToken;
+use tokenizers::SplitDelimiterBehavior;
 
 use crate::error::{Result, TokenizerError};
 use crate::stream::StreamDecoder;
@@ -58,6 +61,14 @@ pub enum PreTokenizer {
     /// Every digit on its own, then GPT-2's regex (`"smollm"`, `"starcoder"`,
     /// `"refact"`).
     DigitsThenGpt2,
+    /// Llama 3's regex (`"llama-bpe"`, `"llama3"`): letters with one
+    /// leading non-letter, numbers of up to 3 digits, then byte-level.
+    Llama3,
+    /// Qwen 2's regex (`"qwen2"`): as Llama 3's with one digit at a time.
+    Qwen2,
+    /// None: a SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`)
+    /// tokenises whole pieces between special tokens.
+    SentencePiece,
 }
 
 impl PreTokenizer {
@@ -66,22 +77,52 @@ impl PreTokenizer {
         match name {
             None | Some("gpt2") | Some("default") => Ok(PreTokenizer::Gpt2),
             Some("smollm") | Some("starcoder") | Some("refact") => Ok(PreTokenizer::DigitsThenGpt2),
+            Some("llama-bpe") | Some("llama3") => Ok(PreTokenizer::Llama3),
+            Some("qwen2") => Ok(PreTokenizer::Qwen2),
             Some(other) => Err(TokenizerError::UnsupportedPreTokenizer(other.to_string())),
         }
     }
 
-    fn build(self) -> PreTokenizerWrapper {
+    fn build(self) -> Result<PreTokenizerWrapper> {
         // add_prefix_space = false, trim_offsets = true, use_regex = true.
         let byte_level = ByteLevel::new(false, true, true);
-        match self {
+        // The regex splits, then byte-level mapping without GPT-2's regex
+        // (as the models' own tokenizer.json files do).
+        let regex_then_bytes = |re: &str| -> Result<PreTokenizerWrapper> {
+            let split = Split::new(
+                SplitPattern::Regex(re.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(backend)?;
+            Ok(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                PreTokenizerWrapper::Split(split),
+                PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
+            ])))
+        };
+        Ok(match self {
+            PreTokenizer::Llama3 => regex_then_bytes(LLAMA3_REGEX)?,
+            PreTokenizer::Qwen2 => regex_then_bytes(QWEN2_REGEX)?,
             PreTokenizer::Gpt2 => PreTokenizerWrapper::ByteLevel(byte_level),
             PreTokenizer::DigitsThenGpt2 => PreTokenizerWrapper::Sequence(Sequence::new(vec![
                 PreTokenizerWrapper::Digits(Digits::new(true)),
                 PreTokenizerWrapper::ByteLevel(byte_level),
             ])),
-        }
+            PreTokenizer::SentencePiece => {
+                return Err(TokenizerError::UnsupportedModel(
+                    "a SentencePiece vocabulary has no BPE pre-tokenizer".into(),
+                ))
+            }
+        })
     }
 }
+
+/// Llama 3's pre-tokenizer regex (llama.cpp's `LLAMA3`, the model's
+/// tokenizer.json).
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen 2's pre-tokenizer regex (digits one by one).
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Texts of tokens that end generation when they are control tokens (the
 /// list llama.cpp uses to find end-of-generation tokens).
@@ -104,11 +145,25 @@ pub(crate) fn byte_chars() -> [char; 256] {
     gguf::write::gpt2_byte_chars()
 }
 
+/// How text becomes ids.
+enum Engine {
+    /// Byte-level BPE (`tokenizer.ggml.model = "gpt2"`).
+    Bpe {
+        /// Matches control tokens in the input text.
+        with_special: Box<tokenizers::Tokenizer>,
+        /// Encodes control-token text as ordinary text.
+        without_special: Box<tokenizers::Tokenizer>,
+    },
+    /// SentencePiece-style (`"llama"`), special tokens cut out first:
+    /// `(text, id, is_control)`, longest text first.
+    Spm {
+        spm: crate::spm::Spm,
+        specials: Vec<(String, u32, bool)>,
+    },
+}
+
 struct Inner {
-    /// Matches control tokens in the input text.
-    with_special: tokenizers::Tokenizer,
-    /// Encodes control-token text as ordinary text.
-    without_special: tokenizers::Tokenizer,
+    engine: Engine,
     tokens: Vec<String>,
     types: Vec<TokenType>,
     /// The bytes each token decodes to.
@@ -168,15 +223,24 @@ impl Tokenizer {
     /// `add_bos_token` are optional.
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
         let model = file.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
+        if model != "gpt2" && model != "llama" {
             return Err(TokenizerError::UnsupportedModel(model.to_string()));
         }
-        let pre = match file.get("tokenizer.ggml.pre") {
-            None => PreTokenizer::from_gguf_name(None)?,
-            Some(_) => PreTokenizer::from_gguf_name(Some(file.get_str("tokenizer.ggml.pre")?))?,
+        let spm = model == "llama";
+        let pre = if spm {
+            PreTokenizer::SentencePiece
+        } else {
+            match file.get("tokenizer.ggml.pre") {
+                None => PreTokenizer::from_gguf_name(None)?,
+                Some(_) => PreTokenizer::from_gguf_name(Some(file.get_str("tokenizer.ggml.pre")?))?,
+            }
         };
         let tokens = file.get_string_array("tokenizer.ggml.tokens")?;
-        let merges = file.get_string_array("tokenizer.ggml.merges")?;
+        let merges = if spm {
+            Vec::new()
+        } else {
+            file.get_string_array("tokenizer.ggml.merges")?
+        };
         let types = if file.contains_key("tokenizer.ggml.token_type") {
             let raw = file.get_i32_array("tokenizer.ggml.token_type")?;
             if raw.len() != tokens.len() {
@@ -211,8 +275,43 @@ impl Tokenizer {
         let add_bos = if file.contains_key("tokenizer.ggml.add_bos_token") {
             file.get_bool("tokenizer.ggml.add_bos_token")?
         } else {
-            false
+            // llama.cpp's default: SentencePiece vocabularies add BOS.
+            spm
         };
+        if spm {
+            let scores = if file.contains_key("tokenizer.ggml.scores") {
+                file.get_f32_array("tokenizer.ggml.scores")?
+            } else {
+                Vec::new()
+            };
+            if !scores.is_empty() && scores.len() != tokens.len() {
+                return Err(TokenizerError::InvalidVocab(format!(
+                    "{} scores for {} tokens",
+                    scores.len(),
+                    tokens.len()
+                )));
+            }
+            let add_space_prefix = if file.contains_key("tokenizer.ggml.add_space_prefix") {
+                file.get_bool("tokenizer.ggml.add_space_prefix")?
+            } else {
+                true
+            };
+            let unk = optional_id("tokenizer.ggml.unknown_token_id")?;
+            let engine = Engine::Spm {
+                spm: crate::spm::Spm::new(&tokens, &scores, unk, add_space_prefix),
+                specials: Vec::new(),
+            };
+            return Self::build_with(
+                engine,
+                tokens.iter().map(|s| s.to_string()).collect(),
+                types,
+                bos,
+                eos,
+                [eot, eom].into_iter().flatten().collect(),
+                add_bos,
+                pre,
+            );
+        }
         let split_merges = merges
             .iter()
             .enumerate()
@@ -297,12 +396,13 @@ impl Tokenizer {
             }
         }
         let vocab: Vocab = ids.iter().map(|(k, &v)| (k.clone(), v)).collect();
+        drop(ids);
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
             .map_err(backend)?;
         let mut with_special = tokenizers::Tokenizer::new(bpe);
-        with_special.with_pre_tokenizer(Some(pre.build()));
+        with_special.with_pre_tokenizer(Some(pre.build()?));
         let mut specials = Vec::new();
         let mut user_defined = Vec::new();
         for (t, ty) in tokens.iter().zip(&types) {
@@ -323,6 +423,58 @@ impl Tokenizer {
         with_special.add_tokens(&user_defined);
         let mut without_special = with_special.clone();
         without_special.set_encode_special_tokens(true);
+        let engine = Engine::Bpe {
+            with_special: Box::new(with_special),
+            without_special: Box::new(without_special),
+        };
+        Self::build_with(engine, tokens, types, bos, eos, extra_eos, add_bos, pre)
+    }
+
+    /// The tables every engine shares; SentencePiece's special-token list.
+    #[allow(clippy::too_many_arguments)]
+    fn build_with(
+        mut engine: Engine,
+        tokens: Vec<String>,
+        types: Vec<TokenType>,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        extra_eos: Vec<u32>,
+        add_bos: bool,
+        pre: PreTokenizer,
+    ) -> Result<Tokenizer> {
+        if tokens.len() != types.len() {
+            return Err(TokenizerError::InvalidVocab(
+                "token types do not match tokens".into(),
+            ));
+        }
+        let n = tokens.len();
+        for (what, id) in [("bos", bos), ("eos", eos)]
+            .into_iter()
+            .chain(extra_eos.iter().map(|&i| ("eot/eom", Some(i))))
+        {
+            if let Some(id) = id {
+                if id as usize >= n {
+                    return Err(TokenizerError::InvalidVocab(format!(
+                        "{what} token id {id} out of range for {n} tokens"
+                    )));
+                }
+            }
+        }
+        let ids: HashMap<String, u32> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let spm = matches!(engine, Engine::Spm { .. });
+        if let Engine::Spm { specials, .. } = &mut engine {
+            for (i, (t, ty)) in tokens.iter().zip(&types).enumerate() {
+                if !t.is_empty() && matches!(ty, TokenType::Control | TokenType::UserDefined) {
+                    specials.push((t.clone(), i as u32, *ty == TokenType::Control));
+                }
+            }
+            // Longer first, then by id (llama.cpp's order).
+            specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        }
 
         let char_bytes: HashMap<char, u8> = byte_chars()
             .iter()
@@ -336,8 +488,11 @@ impl Tokenizer {
                 TokenType::Control | TokenType::UserDefined => t.as_bytes().into(),
                 TokenType::Byte => match parse_byte_token(t) {
                     Some(b) => Box::from([b]),
+                    None if spm => t.as_bytes().into(),
                     None => byte_level_bytes(t, &char_bytes).into(),
                 },
+                // SentencePiece: `▁` stands for a space.
+                _ if spm => t.replace(crate::spm::SPACE, " ").into_bytes().into(),
                 _ => byte_level_bytes(t, &char_bytes).into(),
             })
             .collect();
@@ -355,8 +510,7 @@ impl Tokenizer {
 
         Ok(Tokenizer {
             inner: Arc::new(Inner {
-                with_special,
-                without_special,
+                engine,
                 tokens,
                 types,
                 bytes,
@@ -375,13 +529,21 @@ impl Tokenizer {
     /// as ordinary text. User-defined tokens are always matched. No BOS is
     /// added (see [`add_bos`](Self::add_bos)).
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
-        let tk = if parse_special {
-            &self.inner.with_special
-        } else {
-            &self.inner.without_special
-        };
-        let enc = tk.encode_fast(text, false).map_err(backend)?;
-        Ok(enc.get_ids().to_vec())
+        match &self.inner.engine {
+            Engine::Bpe {
+                with_special,
+                without_special,
+            } => {
+                let tk = if parse_special {
+                    with_special
+                } else {
+                    without_special
+                };
+                let enc = tk.encode_fast(text, false).map_err(backend)?;
+                Ok(enc.get_ids().to_vec())
+            }
+            Engine::Spm { spm, specials } => Ok(encode_spm(spm, specials, text, parse_special)),
+        }
     }
 
     /// The bytes token `id` decodes to (control tokens: their text).
@@ -485,4 +647,76 @@ impl Tokenizer {
     pub fn pre_tokenizer(&self) -> PreTokenizer {
         self.inner.pre
     }
+}
+
+/// A piece of text being cut at special tokens.
+enum Fragment<'a> {
+    Text(&'a str),
+    Token(u32),
+}
+
+/// SentencePiece encoding with llama.cpp's special-token partition: each
+/// special token in turn (longest first) is cut out of the text pieces
+/// that remain; control tokens only with `parse_special`.
+fn encode_spm(
+    spm: &crate::spm::Spm,
+    specials: &[(String, u32, bool)],
+    text: &str,
+    parse_special: bool,
+) -> Vec<u32> {
+    let mut frags = vec![Fragment::Text(text)];
+    for (sp, id, control) in specials {
+        if *control && !parse_special {
+            continue;
+        }
+        if !frags
+            .iter()
+            .any(|f| matches!(f, Fragment::Text(t) if t.contains(sp.as_str())))
+        {
+            continue;
+        }
+        let mut next = Vec::with_capacity(frags.len() + 2);
+        for f in frags {
+            match f {
+                Fragment::Text(mut t) => {
+                    while let Some(at) = t.find(sp.as_str()) {
+                        if at > 0 {
+                            next.push(Fragment::Text(&t[..at]));
+                        }
+                        next.push(Fragment::Token(*id));
+                        t = &t[at + sp.len()..];
+                    }
+                    if !t.is_empty() {
+                        next.push(Fragment::Text(t));
+                    }
+                }
+                tok => next.push(tok),
+            }
+        }
+        frags = next;
+    }
+    let mut out = Vec::new();
+    let mut prev_special = true;
+    for f in frags {
+        match f {
+            Fragment::Token(id) => {
+                out.push(id);
+                prev_special = true;
+            }
+            Fragment::Text(t) => {
+                // llama.cpp prefixes a space to text at the start and after
+                // a special token (when the vocabulary asks for it).
+                if spm.add_space_prefix() && prev_special {
+                    let mut s = String::with_capacity(t.len() + 1);
+                    s.push(' ');
+                    s.push_str(t);
+                    spm.encode_into(&s, &mut out);
+                } else {
+                    spm.encode_into(t, &mut out);
+                }
+                prev_special = false;
+            }
+        }
+    }
+    out
 }

@@ -10,11 +10,11 @@ pub enum TokenizerError {
     Gguf(#[from] gguf::GgufError),
 
     /// `tokenizer.ggml.model` is not a supported tokenizer family.
-    #[error("unsupported tokenizer model {0:?} (only \"gpt2\" byte-level BPE is supported)")]
+    #[error("unsupported tokenizer model {0:?} (supported: \"gpt2\" byte-level BPE, \"llama\" SentencePiece)")]
     UnsupportedModel(String),
 
     /// `tokenizer.ggml.pre` names a pre-tokenizer this crate does not know.
-    #[error("unsupported pre-tokenizer {0:?} (supported: \"smollm\", \"starcoder\", \"refact\", \"gpt2\", \"default\")")]
+    #[error("unsupported pre-tokenizer {0:?} (supported: \"llama-bpe\", \"qwen2\", \"smollm\", \"starcoder\", \"refact\", \"gpt2\", \"default\")")]
     UnsupportedPreTokenizer(String),
 
     /// The vocabulary arrays are inconsistent.

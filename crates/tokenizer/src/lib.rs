@@ -43,6 +43,7 @@ mod bpe;
 mod chat;
 mod error;
 mod prompt;
+pub mod spm;
 mod stream;
 
 pub use bpe::{PreTokenizer, TokenType, Tokenizer};
