@@ -196,19 +196,19 @@ fn bad_tokenizer_metadata_is_a_typed_error() {
         };
     check(
         &|w| {
-            w.add_kv("tokenizer.ggml.model", "llama");
+            w.add_kv("tokenizer.ggml.model", "bert");
         },
-        "spm model",
-        &|e| matches!(e, TokenizerError::UnsupportedModel(m) if m == "llama"),
+        "wordpiece model",
+        &|e| matches!(e, TokenizerError::UnsupportedModel(m) if m == "bert"),
     );
     check(
         &|w| {
-            w.add_kv("tokenizer.ggml.pre", "qwen2");
+            w.add_kv("tokenizer.ggml.pre", "deepseek-coder");
         },
         "unknown pre",
         &|e| {
-            matches!(e, TokenizerError::UnsupportedPreTokenizer(p) if p == "qwen2")
-                && e.to_string().contains("qwen2")
+            matches!(e, TokenizerError::UnsupportedPreTokenizer(p) if p == "deepseek-coder")
+                && e.to_string().contains("deepseek-coder")
         },
     );
     check(
