@@ -187,7 +187,9 @@ fn gateway_model(path: &Path) -> Result<GatewayModel> {
         gguf::GgufFile::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let config = model::Config::from_gguf(&f).context("unsupported model")?;
     let tokenizer = tokenizer::Tokenizer::from_gguf(&f).context("cannot build the tokenizer")?;
-    let template = tokenizer::ChatTemplate::from_gguf(&f).ok();
+    let template = tokenizer::ChatTemplate::from_gguf_or_builtin(&f)
+        .ok()
+        .map(|(t, _)| t);
     let fingerprint = f.fingerprint().context("cannot fingerprint the model")?;
     Ok(GatewayModel {
         id: path

@@ -30,7 +30,9 @@ pub fn load(path: &Path) -> Result<Loaded> {
     let model = Model::load(path, threads)
         .with_context(|| format!("cannot load model {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(model.gguf()).context("cannot build the tokenizer")?;
-    let template = ChatTemplate::from_gguf(model.gguf()).ok();
+    let template = ChatTemplate::from_gguf_or_builtin(model.gguf())
+        .ok()
+        .map(|(t, _)| t);
     Ok(Loaded {
         model,
         tokenizer,

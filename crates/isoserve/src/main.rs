@@ -244,7 +244,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot open model {}", path.display()))?;
             let tok =
                 tokenizer::Tokenizer::from_gguf(&file).context("cannot build the tokenizer")?;
-            let template = tokenizer::ChatTemplate::from_gguf(&file).ok();
+            let template = tokenizer::ChatTemplate::from_gguf_or_builtin(&file)
+                .ok()
+                .map(|(t, _)| t);
             let ids = generate::prompt_ids(&tok, template.as_ref(), &text, chat)?;
             println!("{ids:?}");
         }

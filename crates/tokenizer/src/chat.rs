@@ -89,7 +89,33 @@ fn token_text(file: &GgufFile, id_key: &str) -> Result<String> {
     }
 }
 
+/// Gemma's turn format (for Gemma files without a template): a system
+/// message opens the first user turn, `assistant` is `model`.
+pub const GEMMA_TEMPLATE: &str = "{%- if messages and messages[0]['role'] == 'system' -%}{%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set rest = messages[1:] -%}{%- else -%}{%- set prefix = '' -%}{%- set rest = messages -%}{%- endif -%}{%- for m in rest -%}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' }}{{ prefix if loop.first else '' }}{{ m['content'] }}{{ '<end_of_turn>\\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}";
+
+/// ChatML (llama.cpp's default for files without a template).
+pub const CHATML_TEMPLATE: &str = "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}{{ m['content'] }}{{ '<|im_end|>\\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}";
+
 impl ChatTemplate {
+    /// The file's template if it has one; otherwise a built-in one:
+    /// [`GEMMA_TEMPLATE`] when the vocabulary has Gemma's
+    /// `<start_of_turn>`/`<end_of_turn>`, else [`CHATML_TEMPLATE`] (as
+    /// llama.cpp's server). The second value says which was built in.
+    pub fn from_gguf_or_builtin(file: &GgufFile) -> Result<(ChatTemplate, Option<&'static str>)> {
+        if file.contains_key("tokenizer.chat_template") {
+            return Ok((Self::from_gguf(file)?, None));
+        }
+        let bos = token_text(file, "tokenizer.ggml.bos_token_id")?;
+        let eos = token_text(file, "tokenizer.ggml.eos_token_id")?;
+        let tokens = file.get_string_array("tokenizer.ggml.tokens")?;
+        let has = |t: &str| tokens.contains(&t);
+        if has("<start_of_turn>") && has("<end_of_turn>") {
+            Ok((Self::new(GEMMA_TEMPLATE, bos, eos)?, Some("gemma")))
+        } else {
+            Ok((Self::new(CHATML_TEMPLATE, bos, eos)?, Some("chatml")))
+        }
+    }
+
     /// The template in `tokenizer.chat_template`, with `bos_token` and
     /// `eos_token` the texts of `tokenizer.ggml.bos_token_id` /
     /// `eos_token_id` (empty when absent).

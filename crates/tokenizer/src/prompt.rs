@@ -70,7 +70,11 @@ pub fn encode_chat(
 fn with_bos(tok: &Tokenizer, ids: &mut Vec<u32>) {
     if tok.add_bos() {
         if let Some(b) = tok.bos_id() {
-            ids.insert(0, b);
+            // A template that writes `{{ bos_token }}` itself gets one BOS,
+            // not two.
+            if ids.first() != Some(&b) {
+                ids.insert(0, b);
+            }
         }
     }
 }
