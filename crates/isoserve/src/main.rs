@@ -32,6 +32,10 @@ enum Cmd {
     /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) into $ISOSERVE_HOME
     /// (default ~/.cache/isoserve) and verify its SHA-256.
     FetchModel {
+        /// Which model: smollm2-135m (the default) or gemma3-270m
+        /// (Gemma 3 270M, Q4_K_M; Gemma Terms of Use).
+        #[arg(default_value = "smollm2-135m")]
+        name: String,
         /// Re-hash an already cached file instead of trusting its marker.
         #[arg(long)]
         verify: bool,
@@ -184,8 +188,15 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Cmd::FetchModel { verify, quiet } => {
-            let path = fetch::fetch_default_model(verify, quiet)?;
+        Cmd::FetchModel {
+            name,
+            verify,
+            quiet,
+        } => {
+            let Some(m) = fetch::known_model(&name) else {
+                anyhow::bail!("unknown model {name:?} (known: {})", fetch::known_names());
+            };
+            let path = fetch::fetch_model(m, verify, quiet)?;
             println!("{}", path.display());
         }
         Cmd::Generate {
