@@ -254,29 +254,28 @@ pub fn run_bench(
     Ok(())
 }
 
-/// Tokens per forward step of [`write_logits`].
+/// Tokens per forward step of [`write_logits`] and [`perplexity`].
 const LOGITS_CHUNK_ROWS: usize = 256;
 
-/// `isoserve logits`: the logits at every position of `ids` (one sequence,
-/// KV in the pool as the server keeps it), written as little-endian f32
-/// `[ids.len()][vocab]` to `out`.
-pub fn write_logits(path: &Path, ids: &[u32], out: &Path, dtype: kv::DType) -> Result<()> {
-    let threads = kernels::ThreadPool::from_env();
-    let m = Model::load(path, threads)
-        .with_context(|| format!("cannot load model {}", path.display()))?;
+/// One sequence through the model (KV in a pool as the server keeps it),
+/// calling `each(position, logits)` for the positions `want` selects.
+fn sequence_logits(
+    m: &Model,
+    ids: &[u32],
+    dtype: kv::DType,
+    want: impl Fn(usize) -> bool,
+    mut each: impl FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<()> {
     let vocab = m.config.vocab;
     if ids.is_empty() {
-        bail!("--ids: no token ids");
+        bail!("no token ids");
     }
     if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-        bail!("--ids: token id {bad} is outside the vocabulary of {vocab}");
+        bail!("token id {bad} is outside the vocabulary of {vocab}");
     }
     let window = m.config.context_length;
     if ids.len() > window {
-        bail!(
-            "--ids: {} tokens exceed the model's window of {window}",
-            ids.len()
-        );
+        bail!("{} tokens exceed the model's window of {window}", ids.len());
     }
     let shape = m.kv_shape(PAGE_SIZE_TOKENS, dtype)?;
     let n_pages = ids.len().div_ceil(PAGE_SIZE_TOKENS);
@@ -284,10 +283,7 @@ pub fn write_logits(path: &Path, ids: &[u32], out: &Path, dtype: kv::DType) -> R
     let owner = kv::Owner::new(kv::RequestId(1), TenantId(1));
     let mut pages = Vec::new();
     pool.alloc(owner, n_pages, &mut pages)?;
-    let mut scratch = model::Scratch::new(&m, LOGITS_CHUNK_ROWS);
-    let mut file = std::io::BufWriter::new(
-        std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?,
-    );
+    let mut scratch = model::Scratch::new(m, LOGITS_CHUNK_ROWS);
     for (c, chunk) in ids.chunks(LOGITS_CHUNK_ROWS).enumerate() {
         let rows: Vec<model::Row> = chunk
             .iter()
@@ -296,7 +292,7 @@ pub fn write_logits(path: &Path, ids: &[u32], out: &Path, dtype: kv::DType) -> R
                 seq: 0,
                 pos: c * LOGITS_CHUNK_ROWS + i,
                 token,
-                logits: true,
+                logits: want(c * LOGITS_CHUNK_ROWS + i),
             })
             .collect();
         let seqs = [model::SeqCtx {
@@ -304,10 +300,93 @@ pub fn write_logits(path: &Path, ids: &[u32], out: &Path, dtype: kv::DType) -> R
             pages: &pages,
         }];
         m.forward(&mut pool, &seqs, &rows, &mut scratch)?;
-        for v in &scratch.logits[..chunk.len() * vocab] {
-            file.write_all(&v.to_le_bytes())?;
+        let mut k = 0;
+        for r in rows.iter().filter(|r| r.logits) {
+            each(r.pos, &scratch.logits[k * vocab..(k + 1) * vocab])?;
+            k += 1;
         }
     }
+    Ok(())
+}
+
+/// `isoserve logits`: the logits at the positions of `ids` from `from` on
+/// (one sequence), written as little-endian f32 `[positions][vocab]` to `out`.
+pub fn write_logits(
+    path: &Path,
+    ids: &[u32],
+    from: usize,
+    out: &Path,
+    dtype: kv::DType,
+) -> Result<()> {
+    let threads = kernels::ThreadPool::from_env();
+    let m = Model::load(path, threads)
+        .with_context(|| format!("cannot load model {}", path.display()))?;
+    let mut file = std::io::BufWriter::new(
+        std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?,
+    );
+    sequence_logits(
+        &m,
+        ids,
+        dtype,
+        |p| p >= from,
+        |_, logits| {
+            for v in logits {
+                file.write_all(&v.to_le_bytes())?;
+            }
+            Ok(())
+        },
+    )
+    .context("--ids")?;
     file.flush()?;
     Ok(())
+}
+
+/// Perplexity as llama.cpp's `llama-perplexity` computes it: the tokens
+/// cut into chunks of `ctx` (BOS, if the model adds one, in place of each
+/// chunk's first token), each chunk one sequence, the negative log
+/// likelihood of each token of a chunk's second half given what precedes
+/// it. Returns (perplexity, tokens scored, chunks).
+pub fn perplexity(
+    m: &Model,
+    tokens: &[u32],
+    bos: Option<u32>,
+    ctx: usize,
+    dtype: kv::DType,
+    mut progress: impl FnMut(usize, f64),
+) -> Result<(f64, usize, usize)> {
+    if ctx < 2 {
+        bail!("--ctx must be at least 2");
+    }
+    let chunks = tokens.len() / ctx;
+    if chunks == 0 {
+        bail!(
+            "the text has {} tokens, fewer than one chunk of {ctx}",
+            tokens.len()
+        );
+    }
+    let first = ctx / 2;
+    let (mut nll, mut count) = (0.0f64, 0usize);
+    for c in 0..chunks {
+        let mut ids = tokens[c * ctx..(c + 1) * ctx].to_vec();
+        if let Some(b) = bos {
+            ids[0] = b;
+        }
+        let next = &tokens[c * ctx..(c + 1) * ctx];
+        sequence_logits(
+            m,
+            &ids,
+            dtype,
+            |p| p >= first && p + 1 < ctx,
+            |p, logits| {
+                let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+                let z: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+                let target = next[p + 1] as usize;
+                nll += max + z.ln() - logits[target] as f64;
+                count += 1;
+                Ok(())
+            },
+        )?;
+        progress(c, (nll / count as f64).exp());
+    }
+    Ok(((nll / count as f64).exp(), count, chunks))
 }

@@ -125,9 +125,31 @@ enum Cmd {
         /// Output file.
         #[arg(long)]
         out: PathBuf,
+        /// Write only the positions from this one on.
+        #[arg(long, default_value_t = 0)]
+        from: usize,
         #[arg(long)]
         model: Option<PathBuf>,
         /// How the KV pool stores keys and values.
+        #[arg(long, value_enum, default_value_t = args::KvDtypeArg::F16)]
+        kv_dtype: args::KvDtypeArg,
+    },
+    /// Perplexity of a text file, computed as llama.cpp's llama-perplexity
+    /// does (chunks of --ctx tokens, BOS first, the second half of each
+    /// chunk scored).
+    Perplexity {
+        /// The text.
+        #[arg(long, short)]
+        file: PathBuf,
+        /// Tokens per chunk.
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Token ids to score instead of the file's own tokenisation (comma
+        /// separated, in a file; e.g. another implementation's).
+        #[arg(long)]
+        ids_file: Option<PathBuf>,
+        #[arg(long)]
+        model: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t = args::KvDtypeArg::F16)]
         kv_dtype: args::KvDtypeArg,
     },
@@ -261,9 +283,47 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let ids = generate::prompt_ids(&tok, template.as_ref(), &text, chat)?;
             println!("{ids:?}");
         }
+        Cmd::Perplexity {
+            file,
+            ctx,
+            ids_file,
+            model,
+            kv_dtype,
+        } => {
+            let path = fetch::resolve_model(model.as_deref(), false)?;
+            let loaded = generate::load(&path)?;
+            let tokens = match ids_file {
+                Some(f) => std::fs::read_to_string(&f)
+                    .with_context(|| format!("cannot read {}", f.display()))?
+                    .split(',')
+                    .map(|t| t.trim().parse::<u32>())
+                    .collect::<Result<Vec<u32>, _>>()
+                    .context("--ids-file: expected comma separated token ids")?,
+                None => {
+                    let text = std::fs::read_to_string(&file)
+                        .with_context(|| format!("cannot read {}", file.display()))?;
+                    tokenizer::encode_text(&loaded.tokenizer, &text)?
+                }
+            };
+            let bos = loaded
+                .tokenizer
+                .add_bos()
+                .then(|| loaded.tokenizer.bos_id())
+                .flatten();
+            let (ppl, scored, chunks) = generate::perplexity(
+                &loaded.model,
+                &tokens,
+                bos,
+                ctx,
+                kv_dtype.dtype(),
+                |c, p| eprintln!("chunk {}: running perplexity {p:.4}", c + 1),
+            )?;
+            println!("PPL = {ppl:.4} ({scored} tokens scored in {chunks} chunks of {ctx})");
+        }
         Cmd::Logits {
             ids,
             out,
+            from,
             model,
             kv_dtype,
         } => {
@@ -273,7 +333,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 .map(|t| t.trim().parse::<u32>())
                 .collect::<Result<Vec<u32>, _>>()
                 .context("--ids: expected comma separated token ids")?;
-            generate::write_logits(&path, &ids, &out, kv_dtype.dtype())?;
+            generate::write_logits(&path, &ids, from, &out, kv_dtype.dtype())?;
         }
         Cmd::Serve(args) if args.disaggregated => disagg::run_supervised(args)?,
         Cmd::Serve(args) => serve::run(args)?,
