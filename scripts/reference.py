@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Independent reference forward pass for LLaMA-family GGUF models.
+"""Independent reference forward pass for the GGUF architectures isoserve
+runs: llama (incl. Llama 3's rope_freqs), qwen2 (Q/K/V biases), qwen3
+(per-head Q/K RMSNorm) and gemma3 (embeddings × √dim, GeGLU, post-norms,
+Q/K norm, sliding-window layers with their own rope base).
 
 Reads the GGUF with the `gguf` package, dequantises every tensor with
 `gguf.quants.dequantize`, and runs the forward pass in numpy (float64 for
@@ -37,8 +40,18 @@ def main():
     dim = int(field(r, f"{arch}.embedding_length"))
     eps = float(field(r, f"{arch}.attention.layer_norm_rms_epsilon"))
     base = float(field(r, f"{arch}.rope.freq_base")) if f"{arch}.rope.freq_base" in r.fields else 10000.0
-    head_dim = dim // n_head
+    key_len = f"{arch}.attention.key_length"
+    head_dim = int(field(r, key_len)) if key_len in r.fields else dim // n_head
     tensors = {t.name: t for t in r.tensors}
+    gemma = arch == "gemma3"
+    # Gemma 3: sliding-window layers (all but every pattern-th), rope base
+    # 10000 there (llama.cpp's default for rope.freq_base_swa).
+    sw_key = f"{arch}.attention.sliding_window"
+    window = int(field(r, sw_key)) if gemma and sw_key in r.fields else None
+    pat_key = f"{arch}.attention.sliding_window_pattern"
+    pattern = int(field(r, pat_key)) if pat_key in r.fields else 6
+    swa = [window is not None and (l % pattern < pattern - 1) for l in range(n_layer)]
+    base_swa = float(field(r, f"{arch}.rope.freq_base_swa")) if f"{arch}.rope.freq_base_swa" in r.fields else 10000.0
 
     def w(name):
         t = tensors[name]
@@ -49,21 +62,33 @@ def main():
     n = len(ids)
     emb = w("token_embd.weight")
     x = emb[ids]
+    if gemma:
+        x = x * np.float32(np.sqrt(dim))
 
     def rmsnorm(v, g):
         return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * g
 
     pos = np.arange(n)[:, None]
-    inv = base ** (-np.arange(0, head_dim, 2) / head_dim)
-    ang = pos * inv[None, :]
-    cos, sin = np.cos(ang), np.sin(ang)
+    factors = w("rope_freqs.weight") if "rope_freqs.weight" in tensors else 1.0
 
-    def rope(t):  # t: (n, heads, head_dim); GGUF llama: adjacent pairs
-        a, b = t[..., 0::2], t[..., 1::2]
+    def tables(b):
+        inv = b ** (-np.arange(0, head_dim, 2) / head_dim) / factors
+        ang = pos * inv[None, :]
+        return np.cos(ang), np.sin(ang)
+
+    def rope(t, b):  # t: (n, heads, head_dim)
+        cos, sin = tables(b)
         c, s = cos[:, None, :], sin[:, None, :]
         out = np.empty_like(t)
-        out[..., 0::2] = a * c - b * s
-        out[..., 1::2] = a * s + b * c
+        if arch == "llama":  # GGUF llama: adjacent pairs
+            a, bb = t[..., 0::2], t[..., 1::2]
+            out[..., 0::2] = a * c - bb * s
+            out[..., 1::2] = a * s + bb * c
+        else:  # NEOX: halves
+            h = head_dim // 2
+            a, bb = t[..., :h], t[..., h:]
+            out[..., :h] = a * c - bb * s
+            out[..., h:] = a * s + bb * c
         return out
 
     def qa(v):  # optional activation quantisation, per row, blocks of 32
@@ -75,13 +100,28 @@ def main():
         q = np.clip(np.round(b * inv), -127, 127)
         return (q * d).reshape(v.shape).astype(np.float64)
 
-    mask = np.triu(np.full((n, n), -np.inf), 1)
+    causal = np.triu(np.full((n, n), -np.inf), 1)
+    # Sliding window: position i sees i - window < j <= i.
+    local = causal + (np.tril(np.full((n, n), -np.inf), -window) if window else 0)
+
+    def bias(name):
+        return w(name) if name in tensors else 0.0
+
+    def gelu(v):
+        return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))
+
     for l in range(n_layer):
         p = f"blk.{l}."
+        b = base_swa if swa[l] else base
         h = rmsnorm(x, w(p + "attn_norm.weight"))
-        q = rope((qa(h) @ w(p + "attn_q.weight").T).reshape(n, n_head, head_dim))
-        k = rope((qa(h) @ w(p + "attn_k.weight").T).reshape(n, n_kv, head_dim))
-        v = (qa(h) @ w(p + "attn_v.weight").T).reshape(n, n_kv, head_dim)
+        q = (qa(h) @ w(p + "attn_q.weight").T + bias(p + "attn_q.bias")).reshape(n, n_head, head_dim)
+        k = (qa(h) @ w(p + "attn_k.weight").T + bias(p + "attn_k.bias")).reshape(n, n_kv, head_dim)
+        v = (qa(h) @ w(p + "attn_v.weight").T + bias(p + "attn_v.bias")).reshape(n, n_kv, head_dim)
+        if p + "attn_q_norm.weight" in tensors:
+            q = rmsnorm(q, w(p + "attn_q_norm.weight"))
+            k = rmsnorm(k, w(p + "attn_k_norm.weight"))
+        q, k = rope(q, b), rope(k, b)
+        mask = local if swa[l] else causal
         att = np.empty((n, n_head, head_dim))
         for hd in range(n_head):
             kv = hd // (n_head // n_kv)
@@ -89,11 +129,18 @@ def main():
             s = np.exp(s - s.max(axis=1, keepdims=True))
             s /= s.sum(axis=1, keepdims=True)
             att[:, hd, :] = s @ v[:, kv, :]
-        x = x + qa(att.reshape(n, dim)) @ w(p + "attn_output.weight").T
+        o = qa(att.reshape(n, n_head * head_dim)) @ w(p + "attn_output.weight").T
+        if gemma:
+            o = rmsnorm(o, w(p + "post_attention_norm.weight"))
+        x = x + o
         h = rmsnorm(x, w(p + "ffn_norm.weight"))
         g = qa(h) @ w(p + "ffn_gate.weight").T
         u = qa(h) @ w(p + "ffn_up.weight").T
-        x = x + qa((g / (1 + np.exp(-g))) * u) @ w(p + "ffn_down.weight").T
+        act = gelu(g) if gemma else g / (1 + np.exp(-g))
+        o = qa(act * u) @ w(p + "ffn_down.weight").T
+        if gemma:
+            o = rmsnorm(o, w(p + "post_ffw_norm.weight"))
+        x = x + o
     x = rmsnorm(x, w("output_norm.weight"))
     out_w = w("output.weight") if "output.weight" in tensors else emb
     logits = qa(x) @ out_w.T

@@ -1,7 +1,8 @@
 // llama-logits: llama.cpp's own logits for a token sequence, or its
 // tokenisation of a text — the reference side of scripts/compare-llama-cpp.
 //
-//   llama-logits MODEL.gguf logits IDS_CSV OUT.bin   # f32 [n_ids][n_vocab]
+//   llama-logits MODEL.gguf logits IDS_CSV OUT.bin [FROM]
+//                                                    # f32 [n_ids - FROM][n_vocab]
 //   llama-logits MODEL.gguf tokenize TEXT_FILE       # ids, one line, comma separated
 //                                                    # (add_special = model default,
 //                                                    #  special tokens parsed)
@@ -52,6 +53,7 @@ int main(int argc, char ** argv) {
         while (std::getline(ss, tok, ',')) ids.push_back((llama_token) atoi(tok.c_str()));
     }
     const int n = (int) ids.size();
+    const int from = argc > 5 ? atoi(argv[5]) : 0;
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = n < 64 ? 64 : n + 8;
     cp.n_batch = cp.n_ctx;
@@ -66,13 +68,13 @@ int main(int argc, char ** argv) {
         batch.pos[i] = i;
         batch.n_seq_id[i] = 1;
         batch.seq_id[i][0] = 0;
-        batch.logits[i] = 1;
+        batch.logits[i] = i >= from;
     }
     batch.n_tokens = n;
     if (llama_decode(ctx, batch) != 0) { fprintf(stderr, "decode failed\n"); return 1; }
     const int n_vocab = llama_vocab_n_tokens(vocab);
     FILE * out = fopen(argv[4], "wb");
-    for (int i = 0; i < n; i++) fwrite(llama_get_logits_ith(ctx, i), sizeof(float), n_vocab, out);
+    for (int i = from; i < n; i++) fwrite(llama_get_logits_ith(ctx, i), sizeof(float), n_vocab, out);
     fclose(out);
     llama_batch_free(batch);
     llama_free(ctx);

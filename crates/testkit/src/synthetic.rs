@@ -2,6 +2,12 @@
 //! SmolLM2 file (same tensor names, metadata keys, tensor types and
 //! tokenizer/chat-template keys): fast tests of the loader, tokenizer,
 //! forward pass, engine and server without the real model.
+//!
+//! The same writer makes the other architectures' shapes ([`SyntheticConfig::arch`]:
+//! `qwen2` with Q/K/V biases, `qwen3` with Q/K norms, `gemma3` with its
+//! norms, head size and sliding-window layers; a Llama 3 `rope_freqs`
+//! tensor), with any tensor type the kernels quantise (K-quants through
+//! `kernels::quantize_row`, the blocks llama.cpp's quantiser writes).
 
 use std::path::Path;
 
@@ -39,6 +45,19 @@ pub struct SyntheticConfig {
     /// When false, an `output.weight` (type `matrix_type`) is written too;
     /// when true (as in the real file) the embeddings are tied.
     pub tied_embeddings: bool,
+    /// `general.architecture`: `llama`, `qwen2`, `qwen3` or `gemma3`.
+    pub arch: &'static str,
+    /// `attention.key_length`/`value_length` when set (Gemma's head size is
+    /// not `dim / n_heads`).
+    pub head_dim: Option<u32>,
+    /// Gemma 3: `attention.sliding_window`; every `sliding_window_pattern`-th
+    /// layer is global.
+    pub sliding_window: Option<u32>,
+    pub sliding_window_pattern: u32,
+    /// `tokenizer.ggml.pre` (`smollm`, `llama-bpe`, `qwen2`, ...).
+    pub pre: &'static str,
+    /// Llama 3.1+: a `rope_freqs.weight` tensor of frequency divisors.
+    pub rope_freqs: bool,
 }
 
 impl Default for SyntheticConfig {
@@ -55,6 +74,12 @@ impl Default for SyntheticConfig {
             matrix_type: GgmlType::Q4_1,
             embedding_type: GgmlType::Q8_0,
             tied_embeddings: true,
+            arch: "llama",
+            head_dim: None,
+            sliding_window: None,
+            sliding_window_pattern: 6,
+            pre: "smollm",
+            rope_freqs: false,
         }
     }
 }
@@ -135,8 +160,11 @@ fn check_config(cfg: &SyntheticConfig) -> Result<()> {
     if cfg.dim == 0 || cfg.dim % 32 != 0 || cfg.ffn_dim == 0 || cfg.ffn_dim % 32 != 0 {
         return bad("dim and ffn_dim must be non-zero multiples of 32");
     }
-    if cfg.dim % cfg.n_heads != 0 || (cfg.dim / cfg.n_heads) % 2 != 0 {
+    if cfg.head_dim.is_none() && (cfg.dim % cfg.n_heads != 0 || (cfg.dim / cfg.n_heads) % 2 != 0) {
         return bad("dim / n_heads must be an even integer");
+    }
+    if !["llama", "qwen2", "qwen3", "gemma3"].contains(&cfg.arch) {
+        return bad("arch must be llama, qwen2, qwen3 or gemma3");
     }
     if cfg.n_heads % cfg.n_kv_heads != 0 {
         return bad("n_kv_heads must divide n_heads");
@@ -152,28 +180,31 @@ pub fn synthetic_llama_writer(cfg: &SyntheticConfig, seed: u64) -> Result<GgufWr
     let n_vocab = tokens.len() as u64;
     let dim = u64::from(cfg.dim);
     let ffn = u64::from(cfg.ffn_dim);
-    let head_dim = cfg.dim / cfg.n_heads;
+    let head_dim = cfg.head_dim.unwrap_or(cfg.dim / cfg.n_heads);
     let kv_dim = u64::from(head_dim * cfg.n_kv_heads);
+    let q_dim = u64::from(head_dim * cfg.n_heads);
+    let a = cfg.arch;
+    let k = |key: &str| format!("{a}.{key}");
 
     let mut w = GgufWriter::new();
-    w.add_kv("general.architecture", "llama")
+    w.add_kv("general.architecture", a)
         .add_kv("general.type", "model")
-        .add_kv("general.name", "isoserve synthetic llama")
-        .add_kv("llama.block_count", cfg.n_layers)
-        .add_kv("llama.context_length", cfg.context_length)
-        .add_kv("llama.embedding_length", cfg.dim)
-        .add_kv("llama.feed_forward_length", cfg.ffn_dim)
-        .add_kv("llama.attention.head_count", cfg.n_heads)
-        .add_kv("llama.attention.head_count_kv", cfg.n_kv_heads)
-        .add_kv("llama.rope.freq_base", cfg.rope_freq_base)
-        .add_kv("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+        .add_kv("general.name", format!("isoserve synthetic {a}"))
+        .add_kv(k("block_count"), cfg.n_layers)
+        .add_kv(k("context_length"), cfg.context_length)
+        .add_kv(k("embedding_length"), cfg.dim)
+        .add_kv(k("feed_forward_length"), cfg.ffn_dim)
+        .add_kv(k("attention.head_count"), cfg.n_heads)
+        .add_kv(k("attention.head_count_kv"), cfg.n_kv_heads)
+        .add_kv(k("rope.freq_base"), cfg.rope_freq_base)
+        .add_kv(k("attention.layer_norm_rms_epsilon"), cfg.rms_eps)
         .add_kv("general.file_type", 3u32)
-        .add_kv("llama.vocab_size", n_vocab as u32)
-        .add_kv("llama.rope.dimension_count", head_dim)
+        .add_kv(k("vocab_size"), n_vocab as u32)
+        .add_kv(k("rope.dimension_count"), head_dim)
         .add_kv("tokenizer.ggml.add_space_prefix", false)
         .add_kv("tokenizer.ggml.add_bos_token", false)
         .add_kv("tokenizer.ggml.model", "gpt2")
-        .add_kv("tokenizer.ggml.pre", "smollm")
+        .add_kv("tokenizer.ggml.pre", cfg.pre)
         .add_kv("tokenizer.ggml.tokens", tokens)
         .add_kv("tokenizer.ggml.token_type", types)
         .add_kv("tokenizer.ggml.merges", merges)
@@ -183,11 +214,22 @@ pub fn synthetic_llama_writer(cfg: &SyntheticConfig, seed: u64) -> Result<GgufWr
         .add_kv("tokenizer.ggml.padding_token_id", 2u32)
         .add_kv("tokenizer.chat_template", SMOLLM2_CHAT_TEMPLATE)
         .add_kv("general.quantization_version", 2u32);
+    if let Some(hd) = cfg.head_dim {
+        w.add_kv(k("attention.key_length"), hd)
+            .add_kv(k("attention.value_length"), hd);
+    }
+    if let Some(sw) = cfg.sliding_window {
+        w.add_kv(k("attention.sliding_window"), sw).add_kv(
+            k("attention.sliding_window_pattern"),
+            cfg.sliding_window_pattern,
+        );
+    }
 
     let mut rng = Rng(seed);
     let count = |a: u64, b: u64| (a * b) as usize;
     let emb = rng.fill(count(dim, n_vocab), 1.0, 0.0);
-    w.add_tensor_f32(
+    add_matrix(
+        &mut w,
         "token_embd.weight",
         &[dim, n_vocab],
         cfg.embedding_type,
@@ -201,29 +243,92 @@ pub fn synthetic_llama_writer(cfg: &SyntheticConfig, seed: u64) -> Result<GgufWr
         let norm = rng.fill(dim as usize, 0.1, 1.0);
         w.add_tensor_f32(name("attn_norm"), &[dim], GgmlType::F32, &norm)?;
         let m = rng.fill(count(ffn, dim), scale(ffn), 0.0);
-        w.add_tensor_f32(name("ffn_down"), &[ffn, dim], mt, &m)?;
+        add_matrix(&mut w, name("ffn_down"), &[ffn, dim], mt, &m)?;
         let m = rng.fill(count(dim, ffn), scale(dim), 0.0);
-        w.add_tensor_f32(name("ffn_gate"), &[dim, ffn], mt, &m)?;
+        add_matrix(&mut w, name("ffn_gate"), &[dim, ffn], mt, &m)?;
         let m = rng.fill(count(dim, ffn), scale(dim), 0.0);
-        w.add_tensor_f32(name("ffn_up"), &[dim, ffn], mt, &m)?;
+        add_matrix(&mut w, name("ffn_up"), &[dim, ffn], mt, &m)?;
         let norm = rng.fill(dim as usize, 0.1, 1.0);
         w.add_tensor_f32(name("ffn_norm"), &[dim], GgmlType::F32, &norm)?;
         let m = rng.fill(count(dim, kv_dim), scale(dim), 0.0);
-        w.add_tensor_f32(name("attn_k"), &[dim, kv_dim], mt, &m)?;
-        let m = rng.fill(count(dim, dim), scale(dim), 0.0);
-        w.add_tensor_f32(name("attn_output"), &[dim, dim], mt, &m)?;
-        let m = rng.fill(count(dim, dim), scale(dim), 0.0);
-        w.add_tensor_f32(name("attn_q"), &[dim, dim], mt, &m)?;
+        add_matrix(&mut w, name("attn_k"), &[dim, kv_dim], mt, &m)?;
+        let m = rng.fill(count(q_dim, dim), scale(q_dim), 0.0);
+        add_matrix(&mut w, name("attn_output"), &[q_dim, dim], mt, &m)?;
+        let m = rng.fill(count(dim, q_dim), scale(dim), 0.0);
+        add_matrix(&mut w, name("attn_q"), &[dim, q_dim], mt, &m)?;
         let m = rng.fill(count(dim, kv_dim), scale(dim), 0.0);
-        w.add_tensor_f32(name("attn_v"), &[dim, kv_dim], mt, &m)?;
+        add_matrix(&mut w, name("attn_v"), &[dim, kv_dim], mt, &m)?;
+        if a == "qwen2" {
+            for (t, n) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
+                let b = rng.fill(n as usize, 0.5, 0.0);
+                w.add_tensor_f32(format!("blk.{l}.{t}.bias"), &[n], GgmlType::F32, &b)?;
+            }
+        }
+        if a == "qwen3" || a == "gemma3" {
+            for t in ["attn_q_norm", "attn_k_norm"] {
+                let n = rng.fill(head_dim as usize, 0.1, 1.0);
+                w.add_tensor_f32(name(t), &[u64::from(head_dim)], GgmlType::F32, &n)?;
+            }
+        }
+        if a == "gemma3" {
+            for t in ["post_attention_norm", "post_ffw_norm"] {
+                let n = rng.fill(dim as usize, 0.1, 1.0);
+                w.add_tensor_f32(name(t), &[dim], GgmlType::F32, &n)?;
+            }
+        }
+    }
+    if cfg.rope_freqs {
+        // Llama 3.1's shape: long wavelengths slowed down, short ones kept.
+        let half = head_dim as usize / 2;
+        let f: Vec<f32> = (0..half)
+            .map(|i| 1.0 + 7.0 * (i as f32 / half as f32))
+            .collect();
+        w.add_tensor_f32("rope_freqs.weight", &[half as u64], GgmlType::F32, &f)?;
     }
     let norm = rng.fill(dim as usize, 0.1, 1.0);
     w.add_tensor_f32("output_norm.weight", &[dim], GgmlType::F32, &norm)?;
     if !cfg.tied_embeddings {
         let m = rng.fill(count(dim, n_vocab), scale(dim), 0.0);
-        w.add_tensor_f32("output.weight", &[dim, n_vocab], mt, &m)?;
+        add_matrix(&mut w, "output.weight", &[dim, n_vocab], mt, &m)?;
     }
     Ok(w)
+}
+
+/// A matrix (GGUF dims `[cols, rows]`) of type `ty`: the writer's own
+/// quantisers for the types it has, `kernels::quantize_row` (llama.cpp's
+/// reference quantisers, bit for bit) for Q5_0/Q5_1 and the K-quants.
+fn add_matrix(
+    w: &mut GgufWriter,
+    name: impl Into<String>,
+    dims: &[u64],
+    ty: GgmlType,
+    values: &[f32],
+) -> Result<()> {
+    let name: String = name.into();
+    let kt = match ty {
+        GgmlType::Q5_0 => kernels::WeightType::Q5_0,
+        GgmlType::Q5_1 => kernels::WeightType::Q5_1,
+        GgmlType::Q4_K => kernels::WeightType::Q4_K,
+        GgmlType::Q5_K => kernels::WeightType::Q5_K,
+        GgmlType::Q6_K => kernels::WeightType::Q6_K,
+        _ => {
+            w.add_tensor_f32(name, dims, ty, values)?;
+            return Ok(());
+        }
+    };
+    let cols = dims[0] as usize;
+    if cols % kt.block_len() != 0 {
+        return Err(GgufError::InvalidArgument(format!(
+            "{name}: {cols} columns are not whole {} blocks",
+            kt.name()
+        )));
+    }
+    let mut bytes = Vec::with_capacity(values.len() / kt.block_len() * kt.block_bytes());
+    for row in values.chunks(cols) {
+        kernels::quantize_row(kt, row, &mut bytes);
+    }
+    w.add_tensor(name, dims, ty, bytes)?;
+    Ok(())
 }
 
 /// Writes a tiny LLaMA-architecture GGUF with random weights (deterministic
