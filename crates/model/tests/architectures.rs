@@ -11,7 +11,6 @@
 
 use std::path::PathBuf;
 
-use gguf::GgmlType;
 use kv::{DType, Owner, Pool, PoolOptions, RequestId, TenantId};
 use model::{Model, Row, Scratch, SeqCtx};
 use testkit::synthetic::{write_synthetic_llama, SyntheticConfig};
@@ -25,65 +24,7 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 fn cases() -> Vec<(&'static str, SyntheticConfig)> {
-    let base = SyntheticConfig {
-        n_layers: 3,
-        dim: 256,
-        n_heads: 4,
-        n_kv_heads: 2,
-        ffn_dim: 512,
-        context_length: 128,
-        ..SyntheticConfig::default()
-    };
-    vec![
-        (
-            "llama3",
-            SyntheticConfig {
-                rope_freq_base: 500_000.0,
-                matrix_type: GgmlType::Q4_K,
-                embedding_type: GgmlType::Q6_K,
-                tied_embeddings: false,
-                pre: "llama-bpe",
-                rope_freqs: true,
-                ..base.clone()
-            },
-        ),
-        (
-            "qwen2",
-            SyntheticConfig {
-                arch: "qwen2",
-                rope_freq_base: 1_000_000.0,
-                matrix_type: GgmlType::Q5_0,
-                pre: "qwen2",
-                ..base.clone()
-            },
-        ),
-        (
-            "qwen3",
-            SyntheticConfig {
-                arch: "qwen3",
-                n_kv_heads: 1,
-                matrix_type: GgmlType::Q5_K,
-                pre: "qwen2",
-                head_dim: Some(64),
-                ..base.clone()
-            },
-        ),
-        (
-            "gemma3",
-            SyntheticConfig {
-                arch: "gemma3",
-                n_heads: 2,
-                n_kv_heads: 1,
-                head_dim: Some(128),
-                matrix_type: GgmlType::Q4_K,
-                embedding_type: GgmlType::Q8_0,
-                rope_freq_base: 1_000_000.0,
-                sliding_window: Some(8),
-                sliding_window_pattern: 2,
-                ..base
-            },
-        ),
-    ]
+    testkit::synthetic::architecture_cases()
 }
 
 fn load(name: &str, cfg: &SyntheticConfig) -> (Model, PathBuf) {

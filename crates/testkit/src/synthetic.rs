@@ -343,3 +343,72 @@ pub fn write_synthetic_llama(
 ) -> Result<()> {
     synthetic_llama_writer(&cfg, seed)?.write(path)
 }
+
+/// One tiny model per architecture (3 layers, dim 256 so K-quant matrices
+/// fit): Llama 3 (`rope_freqs`, `llama-bpe`, Q4_K matrices, Q6_K
+/// embeddings, untied output), Qwen 2 (biases, Q5_0), Qwen 3 (Q/K norms,
+/// head size 64, Q5_K), Gemma 3 (head size 128 ≠ dim/heads, window 8 on
+/// every other layer, Q4_K). Used by model/tests/architectures.rs and, via
+/// `cargo run -p testkit --example write-tiny-models DIR`, by
+/// scripts/compare-llama-cpp.
+pub fn architecture_cases() -> Vec<(&'static str, SyntheticConfig)> {
+    let base = SyntheticConfig {
+        n_layers: 3,
+        dim: 256,
+        n_heads: 4,
+        n_kv_heads: 2,
+        ffn_dim: 512,
+        context_length: 128,
+        ..SyntheticConfig::default()
+    };
+    vec![
+        (
+            "llama3",
+            SyntheticConfig {
+                rope_freq_base: 500_000.0,
+                matrix_type: GgmlType::Q4_K,
+                embedding_type: GgmlType::Q6_K,
+                tied_embeddings: false,
+                pre: "llama-bpe",
+                rope_freqs: true,
+                ..base.clone()
+            },
+        ),
+        (
+            "qwen2",
+            SyntheticConfig {
+                arch: "qwen2",
+                rope_freq_base: 1_000_000.0,
+                matrix_type: GgmlType::Q5_0,
+                pre: "qwen2",
+                ..base.clone()
+            },
+        ),
+        (
+            "qwen3",
+            SyntheticConfig {
+                arch: "qwen3",
+                n_kv_heads: 1,
+                matrix_type: GgmlType::Q5_K,
+                pre: "qwen2",
+                head_dim: Some(64),
+                ..base.clone()
+            },
+        ),
+        (
+            "gemma3",
+            SyntheticConfig {
+                arch: "gemma3",
+                n_heads: 2,
+                n_kv_heads: 1,
+                head_dim: Some(128),
+                matrix_type: GgmlType::Q4_K,
+                embedding_type: GgmlType::Q8_0,
+                rope_freq_base: 1_000_000.0,
+                sliding_window: Some(8),
+                sliding_window_pattern: 2,
+                ..base
+            },
+        ),
+    ]
+}

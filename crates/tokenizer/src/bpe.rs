@@ -720,3 +720,36 @@ fn encode_spm(
     }
     out
 }
+
+#[cfg(test)]
+mod pre_tokenizer_tests {
+    use super::PreTokenizer;
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer as _};
+
+    /// The pieces a pre-tokenizer cuts `text` into (byte-level characters:
+    /// `Ġ` is a space).
+    fn split(p: PreTokenizer, text: &str) -> Vec<String> {
+        let mut s = PreTokenizedString::from(text);
+        p.build().unwrap().pre_tokenize(&mut s).unwrap();
+        s.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(piece, _, _)| piece.to_string())
+            .collect()
+    }
+
+    /// Llama 3 keeps numbers in groups of up to three digits and
+    /// contractions in any case; Qwen 2 splits every digit; both keep one
+    /// leading non-letter with a word and runs of newlines apart.
+    #[test]
+    fn llama3_and_qwen2_regexes_cut_as_their_tokenizers_do() {
+        let text = "12345 DON'T stop\n\n  x=1;";
+        assert_eq!(
+            split(PreTokenizer::Llama3, text),
+            ["123", "45", "ĠDON", "'T", "Ġstop", "ĊĊ", "Ġ", "Ġx", "=", "1", ";"]
+        );
+        assert_eq!(
+            split(PreTokenizer::Qwen2, text),
+            ["1", "2", "3", "4", "5", "ĠDON", "'T", "Ġstop", "ĊĊ", "Ġ", "Ġx", "=", "1", ";"]
+        );
+    }
+}
