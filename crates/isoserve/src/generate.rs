@@ -300,10 +300,8 @@ fn sequence_logits(
             pages: &pages,
         }];
         m.forward(&mut pool, &seqs, &rows, &mut scratch)?;
-        let mut k = 0;
-        for r in rows.iter().filter(|r| r.logits) {
+        for (k, r) in rows.iter().filter(|r| r.logits).enumerate() {
             each(r.pos, &scratch.logits[k * vocab..(k + 1) * vocab])?;
-            k += 1;
         }
     }
     Ok(())

@@ -84,10 +84,10 @@ fn logits(model_name: &str, fixture_file: &str) {
     std::fs::create_dir_all(&dir).unwrap();
     let (mut clear, mut worst) = (0, 0.0f32);
     for (k, seq) in fx["logits"].as_array().unwrap().iter().enumerate() {
-        let ids = ids(&seq["ids"]);
+        let seq_ids = ids(&seq["ids"]);
         let from = seq["from"].as_u64().unwrap() as usize;
         let out = dir.join(format!("{model_name}-{k}.bin"));
-        let csv: Vec<String> = ids.iter().map(u32::to_string).collect();
+        let csv: Vec<String> = seq_ids.iter().map(u32::to_string).collect();
         run_ok(isoserve().args([
             "logits",
             "--model",
@@ -105,7 +105,7 @@ fn logits(model_name: &str, fixture_file: &str) {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
-        let positions = ids.len() - from;
+        let positions = seq_ids.len() - from;
         assert_eq!(ours.len() % positions, 0);
         let vocab = ours.len() / positions;
         let top_ids = seq["top_ids"].as_array().unwrap();

@@ -546,13 +546,13 @@ impl Model {
         let sin = &t.sin[pos * half..(pos + 1) * half];
         for h in 0..heads {
             let v = &mut x[h * c.head_dim..h * c.head_dim + c.rope_dim];
-            let (ia, ib): (fn(usize, usize) -> usize, fn(usize, usize) -> usize) =
-                match c.rope_style {
-                    RopeStyle::Adjacent => (|i, _| 2 * i, |i, _| 2 * i + 1),
-                    RopeStyle::Halves => (|i, _| i, |i, h| i + h),
-                };
+            // Pair i is (step·i, step·i + off).
+            let (step, off) = match c.rope_style {
+                RopeStyle::Adjacent => (2, 1),
+                RopeStyle::Halves => (1, half),
+            };
             for i in 0..half {
-                let (ja, jb) = (ia(i, half), ib(i, half));
+                let (ja, jb) = (step * i, step * i + off);
                 let (a, b) = (v[ja], v[jb]);
                 v[ja] = a * cos[i] - b * sin[i];
                 v[jb] = a * sin[i] + b * cos[i];

@@ -157,7 +157,7 @@ enum Engine {
     /// SentencePiece-style (`"llama"`), special tokens cut out first:
     /// `(text, id, is_control)`, longest text first.
     Spm {
-        spm: crate::spm::Spm,
+        spm: Box<crate::spm::Spm>,
         specials: Vec<(String, u32, bool)>,
     },
 }
@@ -298,7 +298,12 @@ impl Tokenizer {
             };
             let unk = optional_id("tokenizer.ggml.unknown_token_id")?;
             let engine = Engine::Spm {
-                spm: crate::spm::Spm::new(&tokens, &scores, unk, add_space_prefix),
+                spm: Box::new(crate::spm::Spm::new(
+                    &tokens,
+                    &scores,
+                    unk,
+                    add_space_prefix,
+                )),
                 specials: Vec::new(),
             };
             return Self::build_with(
