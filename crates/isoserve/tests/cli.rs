@@ -88,3 +88,71 @@ fn bad_arguments_are_refused_by_the_parser() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+#[test]
+fn unknown_model_names_are_a_clear_error_listing_the_known_ones() {
+    let home = temp_home("unknown-name");
+    let out = isoserve()
+        .args(["fetch-model", "llama-9000b"])
+        .env("ISOSERVE_HOME", &home)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("isoserve: ")
+            && err.contains("llama-9000b")
+            && err.contains("smollm2-135m")
+            && err.contains("gemma3-270m"),
+        "{err}"
+    );
+    // A name that is neither a file nor a known model: the same list.
+    let out = isoserve()
+        .args(["generate", "--prompt", "hi", "--model", "gemma9"])
+        .env("ISOSERVE_HOME", &home)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("gemma9") && err.contains("gemma3-270m"),
+        "{err}"
+    );
+    assert!(
+        std::fs::read_dir(&home).unwrap().next().is_none(),
+        "nothing fetched"
+    );
+}
+
+#[test]
+fn bad_ids_for_logits_and_perplexity_are_clear_errors() {
+    let home = temp_home("bad-ids");
+    let out = isoserve()
+        .args(["logits", "--ids", "1,x,3", "--out"])
+        .arg(home.join("o.bin"))
+        .args(["--model", "/nonexistent/model.gguf"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("isoserve: ") && !err.contains("panicked"),
+        "{err}"
+    );
+    let out = isoserve()
+        .args([
+            "perplexity",
+            "-f",
+            "/nonexistent/text.txt",
+            "--model",
+            "/nonexistent/m.gguf",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("isoserve: ") && !err.contains("panicked"),
+        "{err}"
+    );
+}

@@ -11,6 +11,7 @@
 
 use std::path::PathBuf;
 
+use gguf::GgmlType;
 use kv::{DType, Owner, Pool, PoolOptions, RequestId, TenantId};
 use model::{Model, Row, Scratch, SeqCtx};
 use testkit::synthetic::{write_synthetic_llama, SyntheticConfig};
@@ -189,4 +190,36 @@ fn missing_architecture_tensors_are_named() {
         };
         assert!(err.contains(drop), "{name}: {err}");
     }
+}
+
+/// A Llama 3 `rope_freqs` divisor that is not positive is refused (it
+/// would make every angle infinite or negative).
+#[test]
+fn non_positive_rope_factors_are_refused() {
+    let (_, cfg) = cases().remove(0);
+    let mut w = testkit::synthetic::synthetic_llama_writer(&cfg, 7).unwrap();
+    let half = cfg.dim / cfg.n_heads / 2;
+    let mut f = vec![1.0f32; half as usize];
+    f[3] = 0.0;
+    // Replace the tensor: a second file with the bad factors under the
+    // same name is written by renaming the good one away.
+    w.add_tensor_f32("rope_freqs.weighX", &[u64::from(half)], GgmlType::F32, &f)
+        .unwrap();
+    let mut bytes = w.to_bytes().unwrap();
+    let swap = |bytes: &mut Vec<u8>, from: &str, to: &str| {
+        let at = bytes
+            .windows(from.len())
+            .position(|w| w == from.as_bytes())
+            .unwrap();
+        bytes[at..at + to.len()].copy_from_slice(to.as_bytes());
+    };
+    swap(&mut bytes, "rope_freqs.weight", "rope_freqs.weigh_");
+    swap(&mut bytes, "rope_freqs.weighX", "rope_freqs.weight");
+    let path = tmp("bad-rope-freqs.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let err = match Model::load(&path, kernels::ThreadPool::new(1)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("loaded with a zero rope factor"),
+    };
+    assert!(err.contains("rope_freqs"), "{err}");
 }
