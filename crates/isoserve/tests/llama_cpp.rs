@@ -180,6 +180,8 @@ fn greedy(model_name: &str, fixture_file: &str) {
             "--temperature",
             "0",
         ]));
+        // `generate` ends its output with one newline of its own.
+        let text = text.strip_suffix('\n').unwrap_or(&text).to_string();
         let want = g["text"].as_str().unwrap();
         if text == want {
             same += 1;
