@@ -176,6 +176,32 @@ impl ThreadPool {
         self.run(n_items, chunk, &f);
     }
 
+    /// Calls `f(k, chunk)` for every `chunk_len`-long chunk `k` of `data`
+    /// (the last may be shorter), in parallel; each chunk goes to exactly
+    /// one call. For element-wise work on a buffer the caller owns.
+    pub fn for_each_chunk_mut<T: Send, F: Fn(usize, &mut [T]) + Sync>(
+        &self,
+        data: &mut [T],
+        chunk_len: usize,
+        f: F,
+    ) {
+        assert!(chunk_len > 0, "for_each_chunk_mut: chunk_len 0");
+        let len = data.len();
+        let base = SendPtr(data.as_mut_ptr());
+        self.parallel_for(len.div_ceil(chunk_len), |ks| {
+            for k in ks {
+                let start = k * chunk_len;
+                let end = (start + chunk_len).min(len);
+                // SAFETY: `parallel_for` hands out every k exactly once, so
+                // the chunks are disjoint; `data` stays mutably borrowed for
+                // this whole call.
+                let chunk =
+                    unsafe { std::slice::from_raw_parts_mut(base.get().add(start), end - start) };
+                f(k, chunk);
+            }
+        });
+    }
+
     /// As [`ThreadPool::parallel_for`] with an explicit chunk size: `f` gets
     /// the ranges `k*chunk .. min((k+1)*chunk, n_items)` (`chunk` ≥ 1).
     pub fn parallel_for_chunked<F: Fn(Range<usize>) + Sync>(
@@ -433,5 +459,22 @@ mod tests {
                 assert_eq!(next, n);
             }
         }
+    }
+}
+
+/// A buffer's base pointer shared by the calls of one
+/// [`ThreadPool::for_each_chunk_mut`] (each writes a disjoint chunk).
+struct SendPtr<T>(*mut T);
+
+// SAFETY: only used to hand disjoint chunks of a `&mut [T]` (T: Send) to
+// the pool's threads for the duration of one call.
+unsafe impl<T: Send> Send for SendPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// Accessor, so closures capture the whole (Sync) wrapper.
+    fn get(&self) -> *mut T {
+        self.0
     }
 }

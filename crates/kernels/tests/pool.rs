@@ -213,3 +213,23 @@ fn borrows_caller_data_mutably_through_disjoint_chunks() {
             .all(|(i, v)| v.load(Ordering::Relaxed) == 2 * i));
     });
 }
+
+#[test]
+fn for_each_chunk_mut_visits_every_chunk_once() {
+    with_timeout(60, || {
+        let pool = ThreadPool::new(3);
+        for (len, chunk) in [(1000usize, 7usize), (1, 5), (0, 3), (64, 64), (65, 64)] {
+            let mut data: Vec<usize> = vec![0; len];
+            pool.for_each_chunk_mut(&mut data, chunk, |k, c| {
+                assert!(c.len() <= chunk && !c.is_empty());
+                for (j, v) in c.iter_mut().enumerate() {
+                    *v += k * chunk + j + 1;
+                }
+            });
+            assert!(
+                data.iter().enumerate().all(|(i, &v)| v == i + 1),
+                "{len}/{chunk}"
+            );
+        }
+    });
+}

@@ -473,18 +473,24 @@ impl Model {
                 &mut s.gate[..n * ffn],
             );
             self.mm(layer.up, &s.qa_dim, &s.h[..n * dim], &mut s.up[..n * ffn]);
-            match c.activation {
-                Activation::Silu => {
-                    for (g, u) in s.gate[..n * ffn].iter_mut().zip(&s.up[..n * ffn]) {
-                        *g = *g / (1.0 + (-*g).exp()) * u;
+            // Element-wise, so spread over the threads in any split.
+            let (act, up) = (c.activation, &s.up[..n * ffn]);
+            self.threads
+                .for_each_chunk_mut(&mut s.gate[..n * ffn], ACT_CHUNK, |k, gate| {
+                    let up = &up[k * ACT_CHUNK..k * ACT_CHUNK + gate.len()];
+                    match act {
+                        Activation::Silu => {
+                            for (g, u) in gate.iter_mut().zip(up) {
+                                *g = *g / (1.0 + (-*g).exp()) * u;
+                            }
+                        }
+                        Activation::GeluTanh => {
+                            for (g, u) in gate.iter_mut().zip(up) {
+                                *g = gelu_tanh(*g) * u;
+                            }
+                        }
                     }
-                }
-                Activation::GeluTanh => {
-                    for (g, u) in s.gate[..n * ffn].iter_mut().zip(&s.up[..n * ffn]) {
-                        *g = gelu_tanh(*g) * u;
-                    }
-                }
-            }
+                });
             s.qa_ffn.quantize(&s.gate[..n * ffn], ffn);
             self.mm(
                 layer.down,
@@ -648,10 +654,17 @@ fn add_rows(x: &mut [f32], b: &[f32]) {
 
 /// GELU, tanh approximation (as ggml's `gelu` and PyTorch's
 /// `approximate="tanh"`).
+///
+/// Computed as `x · σ(2u)`, which equals `½x(1 + tanh u)` exactly in real
+/// arithmetic and costs one `exp` instead of a `tanh`.
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh())
+    let u = SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x);
+    x / (1.0 + (-2.0 * u).exp())
 }
+
+/// Elements per task of the MLP's element-wise activation.
+const ACT_CHUNK: usize = 4096;
 
 /// `x += o`, or `x += rmsnorm(o, post)` (Gemma's post-norms; `tmp` holds
 /// the normed rows).
