@@ -273,14 +273,7 @@ pub fn quantize_row(ty: WeightType, x: &[f32], out: &mut Vec<u8>) {
         WeightType::Q4_0 => {
             for blk in x.chunks_exact(QK) {
                 // ggml: d = max / -8 where max is the value of largest magnitude.
-                let mut amax = 0.0f32;
-                let mut max = 0.0f32;
-                for &v in blk {
-                    if v.abs() > amax {
-                        amax = v.abs();
-                        max = v;
-                    }
-                }
+                let max = largest_magnitude(blk);
                 let d = max / -8.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 out.extend_from_slice(&h(d));
@@ -308,14 +301,7 @@ pub fn quantize_row(ty: WeightType, x: &[f32], out: &mut Vec<u8>) {
         }
         WeightType::Q5_0 => {
             for blk in x.chunks_exact(QK) {
-                let mut amax = 0.0f32;
-                let mut max = 0.0f32;
-                for &v in blk {
-                    if v.abs() > amax {
-                        amax = v.abs();
-                        max = v;
-                    }
-                }
+                let max = largest_magnitude(blk);
                 let d = max / -16.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 // ggml truncates `x·id + 16.5` to i8, then caps at 31.
@@ -367,6 +353,19 @@ pub fn quantize_row(ty: WeightType, x: &[f32], out: &mut Vec<u8>) {
             }
         }
     }
+}
+
+/// The value of largest magnitude (the first of equals), as ggml's
+/// symmetric quantisers pick it.
+fn largest_magnitude(blk: &[f32]) -> f32 {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in blk {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
 }
 
 /// Packs 32 five-bit codes as Q5_0/Q5_1 store them: `u32` of fifth bits

@@ -432,6 +432,23 @@ fn wait_for_job(sh: &Shared, seen: u64) -> u64 {
     }
 }
 
+/// A buffer's base pointer shared by the calls of one
+/// [`ThreadPool::for_each_chunk_mut`] (each writes a disjoint chunk).
+struct SendPtr<T>(*mut T);
+
+// SAFETY: only used to hand disjoint chunks of a `&mut [T]` (T: Send) to
+// the pool's threads for the duration of one call.
+unsafe impl<T: Send> Send for SendPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// Accessor, so closures capture the whole (Sync) wrapper.
+    fn get(&self) -> *mut T {
+        self.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -459,22 +476,5 @@ mod tests {
                 assert_eq!(next, n);
             }
         }
-    }
-}
-
-/// A buffer's base pointer shared by the calls of one
-/// [`ThreadPool::for_each_chunk_mut`] (each writes a disjoint chunk).
-struct SendPtr<T>(*mut T);
-
-// SAFETY: only used to hand disjoint chunks of a `&mut [T]` (T: Send) to
-// the pool's threads for the duration of one call.
-unsafe impl<T: Send> Send for SendPtr<T> {}
-// SAFETY: as above.
-unsafe impl<T: Send> Sync for SendPtr<T> {}
-
-impl<T> SendPtr<T> {
-    /// Accessor, so closures capture the whole (Sync) wrapper.
-    fn get(&self) -> *mut T {
-        self.0
     }
 }

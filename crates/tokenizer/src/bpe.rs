@@ -363,26 +363,7 @@ impl Tokenizer {
         if tokens.is_empty() {
             return Err(TokenizerError::InvalidVocab("no tokens".into()));
         }
-        if u32::try_from(tokens.len()).is_err() {
-            return Err(TokenizerError::InvalidVocab(format!(
-                "{} tokens do not fit u32 ids",
-                tokens.len()
-            )));
-        }
-        let n = tokens.len();
-        for (what, id) in [("bos", bos), ("eos", eos)]
-            .into_iter()
-            .chain(extra_eos.iter().map(|&i| ("eot/eom", Some(i))))
-        {
-            if let Some(id) = id {
-                if id as usize >= n {
-                    return Err(TokenizerError::InvalidVocab(format!(
-                        "{what} token id {id} out of range for {n} tokens"
-                    )));
-                }
-            }
-        }
-
+        // (Token count, special ids: checked in `build_with`.)
         // Later duplicates win, as in llama.cpp.
         let ids: HashMap<String, u32> = tokens
             .iter()
@@ -447,10 +428,19 @@ impl Tokenizer {
         add_bos: bool,
         pre: PreTokenizer,
     ) -> Result<Tokenizer> {
+        if tokens.is_empty() {
+            return Err(TokenizerError::InvalidVocab("no tokens".into()));
+        }
         if tokens.len() != types.len() {
             return Err(TokenizerError::InvalidVocab(
                 "token types do not match tokens".into(),
             ));
+        }
+        if u32::try_from(tokens.len()).is_err() {
+            return Err(TokenizerError::InvalidVocab(format!(
+                "{} tokens do not fit u32 ids",
+                tokens.len()
+            )));
         }
         let n = tokens.len();
         for (what, id) in [("bos", bos), ("eos", eos)]

@@ -252,6 +252,17 @@ unsafe fn expand<const F: u8>(
     }
 }
 
+/// A `vpshufb` control of 32 bytes: byte `i` of each 128-bit half is
+/// `f(i)` (`i` in 0..16).
+#[inline(always)]
+fn dword_bytes(f: impl Fn(usize) -> i8) -> [i8; 32] {
+    let mut c = [0i8; 32];
+    for (i, b) in c.iter_mut().enumerate() {
+        *b = f(i % 16);
+    }
+    c
+}
+
 /// The fifth bits of a Q5_0/Q5_1 block: byte `i` of lane `r` of result `g`
 /// is `0x10` if bit `4g + i` of row `r`'s `qh` is set.
 ///
@@ -272,40 +283,10 @@ unsafe fn q5_high_bits(base: *const u8, offs: &[usize; PANEL_ROWS], off: usize) 
     for g in 0..8 {
         // Byte g/2 of each dword, repeated 4 times, then its bits 4(g%2)..+4.
         let k = (g / 2) as i8;
-        let ctrl = _mm256_setr_epi8(
-            k,
-            k,
-            k,
-            k,
-            k + 4,
-            k + 4,
-            k + 4,
-            k + 4,
-            k + 8,
-            k + 8,
-            k + 8,
-            k + 8,
-            k + 12,
-            k + 12,
-            k + 12,
-            k + 12,
-            k,
-            k,
-            k,
-            k,
-            k + 4,
-            k + 4,
-            k + 4,
-            k + 4,
-            k + 8,
-            k + 8,
-            k + 8,
-            k + 8,
-            k + 12,
-            k + 12,
-            k + 12,
-            k + 12,
-        );
+        // SAFETY: reading a local array.
+        let ctrl = unsafe {
+            _mm256_loadu_si256(dword_bytes(|i| k + 4 * (i / 4) as i8).as_ptr() as *const __m256i)
+        };
         let sh = 4 * (g % 2) as u32;
         let bits = _mm256_set1_epi32(i32::from_le_bytes([
             (1u32 << sh) as u8,
@@ -494,39 +475,10 @@ unsafe fn expand_q6_k(base: *const u8, offs: &[usize; PANEL_ROWS], boff: usize, 
                 let idx = 8 * half + 2 * run + e;
                 let k = (idx % 4) as i8;
                 let z = -128i8;
-                let ctrl = _mm256_setr_epi8(
-                    z,
-                    k,
-                    z,
-                    k,
-                    z,
-                    k + 4,
-                    z,
-                    k + 4,
-                    z,
-                    k + 8,
-                    z,
-                    k + 8,
-                    z,
-                    k + 12,
-                    z,
-                    k + 12,
-                    z,
-                    k,
-                    z,
-                    k,
-                    z,
-                    k + 4,
-                    z,
-                    k + 4,
-                    z,
-                    k + 8,
-                    z,
-                    k + 8,
-                    z,
-                    k + 12,
-                    z,
-                    k + 12,
+                // (Inside the function's unsafe block: a local array.)
+                let ctrl = _mm256_loadu_si256(
+                    dword_bytes(|i| if i % 2 == 0 { z } else { k + 4 * (i / 4) as i8 }).as_ptr()
+                        as *const __m256i,
                 );
                 *v = _mm256_srai_epi16::<8>(_mm256_shuffle_epi8(st[idx / 4], ctrl));
             }
