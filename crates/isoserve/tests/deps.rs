@@ -44,7 +44,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("server", &["request", "tokenizer"]),
-    ("testkit", &["gguf", "kv", "transfer"]),
+    // testkit writes K-quant test models with the kernels' quantisers.
+    ("testkit", &["gguf", "kernels", "kv", "transfer"]),
     ("verify", &["testkit", "transfer"]),
     (
         "isoserve",
