@@ -11,8 +11,18 @@
 //! |-------|----|--------|-------|
 //! | Q4_0  | 18 | `f16 d`, 16 bytes: low nibble = weight `j`, high = `j + 16` | `d·(q − 8)` |
 //! | Q4_1  | 20 | `f16 d`, `f16 m`, 16 nibble bytes as above | `d·q + m` |
+//! | Q5_0  | 22 | `f16 d`, `u32` fifth bits, 16 nibble bytes | `d·(q − 16)` |
+//! | Q5_1  | 24 | `f16 d`, `f16 m`, `u32` fifth bits, 16 nibble bytes | `d·q + m` |
 //! | Q8_0  | 34 | `f16 d`, 32 × `i8` | `d·q` |
+//! | Q4_K / Q5_K / Q6_K | 144 / 176 / 210 per 256 | super-blocks: 8 sub-blocks with 6-bit scales and mins (Q6_K: 16 `i8` scales) | `d·sc·q − dmin·m` (Q6_K: `d·sc·(q − 32)`) |
 //! | F32 / F16 | 4 / 2 per weight | plain little-endian | |
+//!
+//! Every quantised format is one canonical form of 32-weight blocks
+//! (integer codes, a scale, an optional minimum, Q6_K's two half scales;
+//! see `blocks.rs`): dequantisation, the scalar kernel and every SIMD
+//! kernel compute the same thing from it. [`quantize_row`] writes the
+//! blocks ggml's reference quantisers (`llama-quantize` without an
+//! importance matrix) write, bit for bit.
 //!
 //! As in llama.cpp, activations are quantised per row into Q8 blocks of 32
 //! ([`QuantizedActivations`]: `d = max|x|/127`, `q = round(x/d)`, plus the
@@ -24,8 +34,9 @@
 //! # Kernel levels
 //!
 //! [`KernelLevel::Scalar`] (portable reference), [`KernelLevel::Avx2`]
-//! (AVX2 + FMA + F16C) and [`KernelLevel::Avx512`] (AVX-512 BW/VL + VNNI
-//! `vpdpbusd`). The level is chosen once per process by
+//! (AVX2 + FMA + F16C, every format) and [`KernelLevel::Avx512`] (AVX-512
+//! BW/VL + VNNI `vpdpbusd`, for Q4_0/Q4_1/Q8_0; the other formats run the
+//! AVX2 kernels at this level, with the same bits). The level is chosen once per process by
 //! [`KernelLevel::active`]: the best one the CPU supports, or the one named by
 //! the environment variable `ISOSERVE_KERNEL=scalar|avx2|avx512`. Tests and
 //! benchmarks call a level directly with [`matmul_with_level`].
@@ -53,9 +64,9 @@
 //! ```text
 //! acc = 0.0f32
 //! for b in 0..cols/32 (in order):
-//!     isum = Σ_j qw[j]·qx[j]                      // exact i32
+//!     isum = Σ_j qw[j]·qx[j]                      // exact i32 (Q6_K: per 16-half, times its scale)
 //!     acc  = fma(isum as f32, d_w[b] * d_x[b], acc)
-//!     acc  = fma(m_w[b], d_x[b]·Σ qx, acc)         // Q4_1 only
+//!     acc  = fma(m_w[b], d_x[b]·Σ qx, acc)         // formats with a minimum
 //! out = acc
 //! ```
 //!
