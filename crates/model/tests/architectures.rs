@@ -28,8 +28,11 @@ fn cases() -> Vec<(&'static str, SyntheticConfig)> {
     testkit::synthetic::architecture_cases()
 }
 
-fn load(name: &str, cfg: &SyntheticConfig) -> (Model, PathBuf) {
-    let path = tmp(&format!("{name}.gguf"));
+/// Writes and maps `tag-name.gguf`. Each test has its own tag: tests run
+/// in parallel threads, and rewriting a file another thread has mapped
+/// would pull its pages away (SIGBUS).
+fn load(tag: &str, name: &str, cfg: &SyntheticConfig) -> (Model, PathBuf) {
+    let path = tmp(&format!("{tag}-{name}.gguf"));
     write_synthetic_llama(&path, cfg.clone(), 7).unwrap();
     (
         Model::load(&path, kernels::ThreadPool::new(2)).unwrap(),
@@ -98,7 +101,7 @@ fn reference(path: &std::path::Path, ids: &[u32]) -> Vec<f32> {
 fn each_architecture_matches_the_numpy_reference() {
     let ids: Vec<u32> = (0..30).map(|i| 3 + (i * 37 + 11) % 270).collect();
     for (name, cfg) in cases() {
-        let (m, path) = load(name, &cfg);
+        let (m, path) = load("reference", name, &cfg);
         assert_eq!(m.config.arch, cfg.arch);
         let ours = logits(&m, &ids, 30);
         let theirs = reference(&path, &ids);
@@ -147,7 +150,7 @@ fn each_architecture_matches_the_numpy_reference() {
 fn each_architecture_is_batch_invariant() {
     let ids: Vec<u32> = (0..30).map(|i| 3 + (i * 53 + 5) % 270).collect();
     for (name, cfg) in cases() {
-        let (m, _) = load(name, &cfg);
+        let (m, _) = load("invariance", name, &cfg);
         let whole = logits(&m, &ids, 30);
         for chunk in [5, 1] {
             let other = logits(&m, &ids, chunk);
