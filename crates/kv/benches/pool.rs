@@ -129,5 +129,34 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// The operator console's snapshot (`Pool::map_into` and the grid the
+/// browser gets) at the default pool size: SmolLM2-135M, f16, the default
+/// 1 GiB budget, half the pages held by 64 requests of 8 tenants. This is
+/// what a console poll costs the engine thread (docs/console.md).
+fn console_snapshot(c: &mut Criterion) {
+    let shape = KvShape::new(30, 3, 64, 16, DType::F16).unwrap();
+    let pages = kv::pages_for_budget(&shape, 1 << 30);
+    let mut pool = Pool::new(shape, pages, PoolOptions::default()).unwrap();
+    let mut held = Vec::new();
+    for r in 0..64u64 {
+        let owner = Owner::new(RequestId(r + 1), TenantId(r % 8));
+        pool.alloc(owner, pages as usize / 128, &mut held).unwrap();
+    }
+    let mut map = request::console::PoolMap::default();
+    pool.map_into(&mut map);
+    let mut g = c.benchmark_group("console");
+    g.throughput(Throughput::Elements(pages));
+    g.bench_function(format!("map_into_{pages}_pages"), |b| {
+        b.iter(|| {
+            pool.map_into(&mut map);
+            black_box(map.len())
+        })
+    });
+    g.bench_function(format!("grid_{pages}_pages"), |b| {
+        b.iter(|| black_box(map.grid(request::console::GRID_CELLS_MAX)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench, console_snapshot);
 criterion_main!(benches);

@@ -1382,6 +1382,48 @@ impl Pool {
         }
     }
 
+    /// Every page's state, epoch, owner and written slots, for the
+    /// operator console ([`request::console::PoolMap`]), refilled in place
+    /// (nothing allocated once `out` has grown to the pool). O(pages): one
+    /// pass over the metadata, one watermark read per page (the last
+    /// layer's: a forward pass writes a token's layers in order, so the last
+    /// layer's count is the slots written in every layer). Reads only
+    /// metadata, never page memory: no prompt's K/V can reach the map.
+    pub fn map_into(&self, out: &mut request::console::PoolMap) {
+        use request::console::PageState;
+        out.clear();
+        out.page_size_tokens = self.shape.page_size as u32;
+        let layers = self.shape.layers;
+        let poisons = self.options.poison != Poison::Off;
+        for (i, m) in self.meta.iter().enumerate() {
+            let (state, who, request) = if !m.allocated() {
+                let state = if m.epoch > 0 && poisons {
+                    PageState::Poisoned
+                } else {
+                    PageState::Free
+                };
+                (state, u64::MAX, u64::MAX)
+            } else if m.shared {
+                (PageState::Cached, m.owner.scope.0, u64::MAX)
+            } else {
+                let state = if m.free_pending {
+                    PageState::ReleasePending
+                } else if m.leases > 0 {
+                    PageState::Leased
+                } else {
+                    PageState::Private
+                };
+                (state, m.owner.tenant.0, m.owner.request.0)
+            };
+            let written = if m.allocated() {
+                self.watermarks[i * layers + layers - 1]
+            } else {
+                0
+            };
+            out.push(state, m.epoch, who, request, written);
+        }
+    }
+
     /// Checks the pool's internal consistency (K1, K2, K4, K5 as state):
     /// the free list is a set of exactly the unallocated pages, each without
     /// owner or leases; allocated pages have an owner; lease and pending

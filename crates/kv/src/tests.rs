@@ -1001,3 +1001,72 @@ fn giving_back_frees_private_pages_and_last_references_only() {
     pool.lease(pages[1], a).unwrap();
     assert_eq!(pool.freed_by_giving_back(&[pages[1]]), 0);
 }
+
+#[test]
+fn console_map_shows_each_page_state_owner_and_fill() {
+    use request::console::PageState;
+    let mut p = pool(Faults::default());
+    let mut map = request::console::PoolMap::default();
+    p.map_into(&mut map);
+    assert_eq!(map.len(), 8);
+    assert!(map.state.iter().all(|&s| s == PageState::Free));
+    // Alice: one page half written, one published to her cache scope, one
+    // leased and then freed (pending), one freed (poisoned). Bob: one page.
+    let a = alloc(&mut p, ALICE, 4);
+    let b = alloc(&mut p, BOB, 1);
+    fill_page(&mut p, a[0], ALICE, 1.0, 2);
+    fill_page(&mut p, a[1], ALICE, 1.0, 4);
+    let cached = p.publish(a[1], ALICE, 99).unwrap().expect("published");
+    p.lease(a[2], ALICE).unwrap();
+    assert_eq!(p.free(a[2], ALICE).unwrap(), FreeOutcome::Deferred);
+    p.free(a[3], ALICE).unwrap();
+    p.map_into(&mut map);
+    let at = |h: PageRef| h.index as usize;
+    assert_eq!(map.state[at(a[0])], PageState::Private);
+    assert_eq!(map.who[at(a[0])], ALICE.tenant.0);
+    assert_eq!(map.request[at(a[0])], ALICE.request.0);
+    assert_eq!(map.written[at(a[0])], 2);
+    assert_eq!(map.epoch[at(a[0])], a[0].epoch);
+    assert_eq!(map.state[at(cached)], PageState::Cached);
+    assert_eq!(map.who[at(cached)], ALICE.scope.0);
+    assert_eq!(map.request[at(cached)], u64::MAX);
+    assert_eq!(map.written[at(cached)], 4);
+    assert_eq!(map.state[at(a[2])], PageState::ReleasePending);
+    assert_eq!(map.state[at(a[3])], PageState::Poisoned);
+    assert_eq!(map.who[at(a[3])], u64::MAX);
+    assert_eq!(map.written[at(a[3])], 0);
+    assert_eq!(map.state[at(b[0])], PageState::Private);
+    assert_eq!(map.who[at(b[0])], BOB.tenant.0);
+    let c = map.counts();
+    assert_eq!(
+        (c.free, c.poisoned, c.private, c.cached, c.release_pending),
+        (3, 1, 2, 1, 1)
+    );
+    // Pending release done: poisoned; a leased live page shows as leased.
+    assert_eq!(
+        p.release_lease(a[2], ALICE).unwrap(),
+        LeaseOutcome::ReleasedAndFreed
+    );
+    p.lease(b[0], BOB).unwrap();
+    p.map_into(&mut map);
+    assert_eq!(map.state[at(a[2])], PageState::Poisoned);
+    assert_eq!(map.state[at(b[0])], PageState::Leased);
+    assert_eq!(map.counts().poisoned, 2);
+}
+
+#[test]
+fn console_map_calls_free_pages_free_when_nothing_poisons_them() {
+    let mut p = Pool::new(
+        shape(),
+        2,
+        PoolOptions {
+            poison: Poison::Off,
+        },
+    )
+    .unwrap();
+    let h = alloc(&mut p, ALICE, 1);
+    p.free(h[0], ALICE).unwrap();
+    let mut map = request::console::PoolMap::default();
+    p.map_into(&mut map);
+    assert_eq!(map.state, vec![request::console::PageState::Free; 2]);
+}

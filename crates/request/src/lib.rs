@@ -18,6 +18,7 @@
 //! assert!(validate(&req, 11, 1000).is_ok());
 //! ```
 
+pub mod console;
 pub mod trace;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -443,6 +444,14 @@ pub trait Backend: Send + Sync {
     /// Prometheus library. May block briefly (the HTTP layer calls it off
     /// its async threads).
     fn metric_samples(&self) -> Vec<MetricSample> {
+        Vec::new()
+    }
+    /// What the operator console shows of each node serving the requests
+    /// (the unified engine: one; a PD gateway: its nodes'): pool maps,
+    /// safety counters, transfers in flight. Counts and states only. May
+    /// block briefly (a fresh map is asked of the pool's owner; a gateway
+    /// asks its nodes): the HTTP layer calls it off its async threads.
+    fn console_nodes(&self) -> Vec<console::NodeView> {
         Vec::new()
     }
 }
