@@ -211,6 +211,10 @@ pub struct Core<F: Forward = Runner> {
     waiting_count: Arc<AtomicU64>,
     local: EngineStats,
     shutdown: Option<bool>,
+    /// The pool map the operator console reads (refilled after a step
+    /// only while someone reads it).
+    console: Arc<crate::console::ConsoleCell>,
+    console_spare: request::console::PoolMap,
     /// The keyed hash of prefix-cache keys: a per-process random SipHash
     /// key, so no one can craft two prefixes with one key.
     prefix_keys: kv::PrefixKeys,
@@ -246,6 +250,8 @@ impl<F: Forward> Core<F> {
             stats,
             waiting_count,
             shutdown: None,
+            console: Arc::new(crate::console::ConsoleCell::new()),
+            console_spare: request::console::PoolMap::default(),
             prefix_keys: kv::PrefixKeys::random(),
             #[cfg(feature = "fault-incident")]
             global_scope: {
@@ -334,6 +340,8 @@ impl<F: Forward> Core<F> {
             Command::Shutdown { drain } => {
                 self.shutdown = Some(drain && self.shutdown != Some(false));
             }
+            // The console asked for a fresh pool map: `publish` follows.
+            Command::Wake => {}
         }
     }
 
@@ -365,6 +373,14 @@ impl<F: Forward> Core<F> {
             }
         }
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.local.clone();
+        if self.console.wanted() {
+            self.console.refresh(&self.pool, &mut self.console_spare);
+        }
+    }
+
+    /// The cell the console reads this core's pool map from.
+    pub fn console(&self) -> Arc<crate::console::ConsoleCell> {
+        self.console.clone()
     }
 
     /// `n` requests left the waiting queue (admitted, refused or cancelled):

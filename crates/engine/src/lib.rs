@@ -39,6 +39,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod console;
 pub mod core;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -219,11 +220,19 @@ impl Backend for Engine {
     fn shutdown(&self, drain: bool) {
         Engine::shutdown(self, drain)
     }
+    fn console_nodes(&self) -> Vec<request::console::NodeView> {
+        vec![self.console_view()]
+    }
 }
 
 pub(crate) enum Command {
     Submit(Box<Submitted>),
-    Shutdown { drain: bool },
+    Shutdown {
+        drain: bool,
+    },
+    /// Wakes an idle engine thread so it publishes (the console's fresh
+    /// pool map).
+    Wake,
 }
 
 pub(crate) struct Submitted {
@@ -251,6 +260,7 @@ pub struct Engine {
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     max_queue: usize,
+    console: Arc<console::ConsoleCell>,
 }
 
 impl Engine {
@@ -300,6 +310,7 @@ impl Engine {
             stats.clone(),
             waiting.clone(),
         );
+        let console = core.console();
         let thread = std::thread::Builder::new()
             .name("isoserve-engine".into())
             .spawn(move || core.run(rx))
@@ -315,6 +326,7 @@ impl Engine {
             stats,
             thread: Mutex::new(Some(thread)),
             max_queue: cfg.max_queue,
+            console,
         })
     }
 
@@ -374,6 +386,18 @@ impl Engine {
                 Err(RequestError::ShuttingDown)
             }
         }
+    }
+
+    /// What the operator console shows of this engine: its pool map (taken
+    /// by the engine thread after its current step; an idle thread is woken)
+    /// and the pool's safety counters. Blocks at most
+    /// [`console::FRESH_WAIT`].
+    pub fn console_view(&self) -> request::console::NodeView {
+        let snap = self.console.read(|| {
+            // A full queue means a busy thread, which publishes anyway.
+            let _ = self.tx.try_send(Command::Wake);
+        });
+        console::node_view("engine", "unified", &snap, &self.stats().pool, Vec::new())
     }
 
     /// A snapshot of occupancy and counters (updated every step).

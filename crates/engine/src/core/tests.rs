@@ -1191,3 +1191,65 @@ fn a_prefill_node_gives_prompt_chunks_to_the_least_served_tenant_first_k13() {
         .collect();
     assert_eq!(computed, [2, 1, 3]);
 }
+
+/// The console's map through a running engine thread: a request's pages
+/// show as its tenant's while it runs (held by a reader that stopped
+/// reading), and as poisoned once it is cancelled; an idle thread is woken
+/// for a fresh map.
+#[test]
+fn the_console_sees_a_requests_pages_while_it_runs_and_freed_after_cancel() {
+    use request::console::PageState;
+    let fwd = HashModel::new(1024, 300);
+    let cfg = EngineConfig {
+        page_size_tokens: PAGE_SIZE,
+        kv_pages: Some(128),
+        max_context: Some(512),
+        step_tokens: 64,
+        max_running: 4,
+        max_queue: 16,
+        prefix_cache: PrefixCache::Off,
+        ..EngineConfig::default()
+    };
+    let engine = crate::Engine::start_with(fwd, tokenizer(), cfg).unwrap();
+    let idle = engine.console_view();
+    assert_eq!(idle.grid.pages_total, 128);
+    assert_eq!(idle.counts.free, 128);
+    assert_eq!(idle.role, "unified");
+    assert!(idle.snapshot_us_last > 0.0, "a map was taken for the read");
+    // 8 prompt tokens + 400 to generate: 102 pages of 4 slots, all
+    // reserved at admission. The handle is never read: the request stalls
+    // once its event queue is full (256 events), holding its pages.
+    let prompt: Vec<u32> = (0..8).map(|i| byte_token(b'A' + i)).collect();
+    let h = engine
+        .submit(GenRequest::greedy(TenantId(7), prompt, 400))
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let busy = loop {
+        let v = engine.console_view();
+        if v.counts.private > 0 || t0.elapsed() > std::time::Duration::from_secs(10) {
+            break v;
+        }
+    };
+    assert_eq!(busy.counts.private, 102, "{busy:?}");
+    let mine: Vec<usize> = (0..128)
+        .filter(|&i| busy.grid.state.as_bytes()[i] == PageState::Private.code() as u8)
+        .collect();
+    assert!(mine.iter().all(|&i| busy.grid.who[i] == 7));
+    assert!(mine.iter().all(|&i| busy.grid.request[i] == h.id.0));
+    assert!(mine.iter().any(|&i| busy.grid.written[i] > 0));
+    assert!(busy.safety.iter().all(|c| c.value == 0));
+    h.cancel();
+    let t0 = std::time::Instant::now();
+    let after = loop {
+        let v = engine.console_view();
+        if v.counts.private == 0 || t0.elapsed() > std::time::Duration::from_secs(10) {
+            break v;
+        }
+    };
+    assert_eq!(after.counts.private, 0);
+    assert_eq!(after.counts.poisoned, 102);
+    assert!(mine
+        .iter()
+        .all(|&i| after.grid.state.as_bytes()[i] == b'p' && after.grid.who[i] == u64::MAX));
+    assert!(after.snapshot_us_max >= after.snapshot_us_last);
+}
