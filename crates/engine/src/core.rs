@@ -223,6 +223,12 @@ pub struct Core<F: Forward = Runner> {
     /// prefix-cache check must catch (tests/http/test_probe.py).
     #[cfg(feature = "fault-incident")]
     global_scope: bool,
+    /// `fault-incident` builds with `ISOSERVE_FAULT_STALE_READ=1`: after
+    /// freeing a request's pages, read one through its old handle — a
+    /// use-after-free the pool must refuse and count (`stale_handle`), for
+    /// the operator console's browser test (tests/http/test_console.py).
+    #[cfg(feature = "fault-incident")]
+    stale_read: bool,
 }
 
 impl<F: Forward> Core<F> {
@@ -260,6 +266,17 @@ impl<F: Forward> Core<F> {
                     tracing::error!(
                         "FAULT-INCIDENT BUILD: one prefix-cache scope for every tenant \
                          (ISOSERVE_FAULT_SHARED_CACHE=1); for testing isoserve probe only"
+                    );
+                }
+                on
+            },
+            #[cfg(feature = "fault-incident")]
+            stale_read: {
+                let on = std::env::var_os("ISOSERVE_FAULT_STALE_READ").is_some_and(|v| v == "1");
+                if on {
+                    tracing::error!(
+                        "FAULT-INCIDENT BUILD: every finished request's first page is read again \
+                         after its free (ISOSERVE_FAULT_STALE_READ=1); for testing only"
                     );
                 }
                 on
@@ -456,6 +473,13 @@ impl<F: Forward> Core<F> {
                 other => {
                     tracing::error!(request = a.id.0, ?other, "unexpected page release outcome")
                 }
+            }
+        }
+        #[cfg(feature = "fault-incident")]
+        if self.stale_read {
+            if let Some(&h) = a.pages.first() {
+                let read = self.pool.read_layer(h, a.owner, 0, 1).map(|_| ());
+                tracing::error!(request = a.id.0, ?read, "FAULT: read a freed page");
             }
         }
     }

@@ -5,7 +5,10 @@
 //! (the same samples as JSON), `GET /health` (liveness) and `GET /ready`
 //! (readiness: 503 while draining). Under `serve --disaggregated` the gateway's
 //! `/metrics` also shows every child's samples with a `node` label
-//! ([`WithNodeMetrics`]), so one scrape sees the whole set.
+//! ([`WithNodeMetrics`]), so one scrape sees the whole set. `GET /console`
+//! is the node's view for the operator console (its pool map, safety
+//! counters and transfers in flight: counts and states, no prompt, token
+//! or key), which the gateway's console gathers from every node.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -13,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pd::role::PdNode;
+use request::console::NodeView;
 use request::{Backend, EngineStats, GenRequest, MetricSample, RequestError, RequestHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -29,6 +33,12 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 const FETCH_TIMEOUT: Duration = Duration::from_millis(500);
 /// Largest samples document the gateway reads from a node.
 const FETCH_BYTES_MAX: u64 = 1 << 20;
+/// How long the gateway waits for one node's console view (the node
+/// thread takes a fresh map within 300 ms).
+const CONSOLE_FETCH_TIMEOUT: Duration = Duration::from_millis(1500);
+/// Largest console view read from a node (a grid has at most
+/// `GRID_CELLS_MAX` cells of ~60 bytes of JSON).
+const CONSOLE_BYTES_MAX: u64 = 4 << 20;
 
 /// Serves a node's metrics on `listener` until aborted: at most
 /// [`CONNECTIONS_MAX`] connections at once, one request each.
@@ -62,7 +72,19 @@ pub async fn serve(listener: TcpListener, node: Arc<PdNode>, transport: Arc<Tran
                 return;
             }
             let samples = || pd::node::node_samples(&node.stats(), &transport);
-            let (status, ctype, body) = if head.starts_with(b"GET /metrics ") {
+            let (status, ctype, body) = if head.starts_with(b"GET /console ") {
+                // Blocks up to 300 ms for a fresh map: off the async threads.
+                let n = node.clone();
+                let view = tokio::task::spawn_blocking(move || n.console_view()).await;
+                match view.map(|v| serde_json::to_string(&v)) {
+                    Ok(Ok(body)) => ("200 OK", "application/json", body),
+                    _ => (
+                        "500 Internal Server Error",
+                        "text/plain",
+                        "console view unavailable\n".to_string(),
+                    ),
+                }
+            } else if head.starts_with(b"GET /metrics ") {
                 (
                     "200 OK",
                     server::metrics::CONTENT_TYPE,
@@ -101,7 +123,7 @@ pub async fn serve(listener: TcpListener, node: Arc<PdNode>, transport: Arc<Tran
                 (
                     "404 Not Found",
                     "text/plain",
-                    "not found: GET /metrics, /samples, /health or /ready\n".to_string(),
+                    "not found: GET /metrics, /samples, /console, /health or /ready\n".to_string(),
                 )
             };
             let resp = format!(
@@ -114,16 +136,17 @@ pub async fn serve(listener: TcpListener, node: Arc<PdNode>, transport: Arc<Tran
     }
 }
 
-/// A node's samples from its metrics port (bounded in time and size).
-pub fn fetch(addr: SocketAddr) -> Result<Vec<MetricSample>, String> {
-    let mut s = TcpStream::connect_timeout(&addr, FETCH_TIMEOUT).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(FETCH_TIMEOUT))
-        .and_then(|()| s.set_write_timeout(Some(FETCH_TIMEOUT)))
+/// `GET path` on a node's metrics port: the body of a 200 (bounded in
+/// time and size).
+fn get(addr: SocketAddr, path: &str, timeout: Duration, max: u64) -> Result<Vec<u8>, String> {
+    let mut s = TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(timeout))
+        .and_then(|()| s.set_write_timeout(Some(timeout)))
         .map_err(|e| e.to_string())?;
-    s.write_all(b"GET /samples HTTP/1.0\r\n\r\n")
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
         .map_err(|e| e.to_string())?;
     let mut raw = Vec::new();
-    s.take(FETCH_BYTES_MAX)
+    s.take(max)
         .read_to_end(&mut raw)
         .map_err(|e| e.to_string())?;
     let at = raw
@@ -133,7 +156,20 @@ pub fn fetch(addr: SocketAddr) -> Result<Vec<MetricSample>, String> {
     if !raw.starts_with(b"HTTP/1.0 200") {
         return Err("not 200".into());
     }
-    serde_json::from_slice(&raw[at + 4..]).map_err(|e| e.to_string())
+    raw.drain(..at + 4);
+    Ok(raw)
+}
+
+/// A node's samples from its metrics port (bounded in time and size).
+pub fn fetch(addr: SocketAddr) -> Result<Vec<MetricSample>, String> {
+    let body = get(addr, "/samples", FETCH_TIMEOUT, FETCH_BYTES_MAX)?;
+    serde_json::from_slice(&body).map_err(|e| e.to_string())
+}
+
+/// A node's console view from its metrics port (bounded in time and size).
+pub fn fetch_console(addr: SocketAddr) -> Result<NodeView, String> {
+    let body = get(addr, "/console", CONSOLE_FETCH_TIMEOUT, CONSOLE_BYTES_MAX)?;
+    serde_json::from_slice(&body).map_err(|e| e.to_string())
 }
 
 /// A backend (the gateway) whose metrics also show its nodes' samples,
@@ -184,5 +220,38 @@ impl<B: Backend> Backend for WithNodeMetrics<B> {
             }
         }
         out
+    }
+    /// Every node's view, asked of all nodes at once (each bounded by
+    /// [`CONSOLE_FETCH_TIMEOUT`]); a node that does not answer is listed
+    /// as `unreachable` with an empty pool.
+    fn console_nodes(&self) -> Vec<NodeView> {
+        std::thread::scope(|sc| {
+            let asks: Vec<_> = self
+                .nodes
+                .iter()
+                .map(|(name, addr)| (name, sc.spawn(move || fetch_console(*addr))))
+                .collect();
+            asks.into_iter()
+                .map(|(name, ask)| match ask.join() {
+                    Ok(Ok(mut v)) => {
+                        v.name = name.clone();
+                        v
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(node = %name, "node console unavailable: {e}");
+                        NodeView {
+                            name: name.clone(),
+                            role: "unreachable".into(),
+                            ..NodeView::default()
+                        }
+                    }
+                    Err(_) => NodeView {
+                        name: name.clone(),
+                        role: "unreachable".into(),
+                        ..NodeView::default()
+                    },
+                })
+                .collect()
+        })
     }
 }

@@ -100,6 +100,8 @@ pub struct PdStats {
     /// state machine (which has no clock).
     pub transfer_seconds_total: f64,
     pub transfers_timed_total: u64,
+    /// Transfers in flight (kept only while the console reads them).
+    pub transfers: Vec<request::console::TransferView>,
 }
 
 /// A node's machine and batch core, joined by the shared glue.
@@ -117,6 +119,8 @@ pub struct PdNode {
     stats: Arc<Mutex<PdStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     drain: Arc<std::sync::atomic::AtomicBool>,
+    console: Arc<engine::console::ConsoleCell>,
+    name: String,
 }
 
 /// The KV layout a node advertises (must match its peer's exactly).
@@ -174,6 +178,7 @@ impl PdNode {
         #[cfg(feature = "fault-incident")]
         incident_pool(&mut pool);
         // The batch core, the glue's engine on either role.
+        let name = pd.node.clone();
         let engine = CoreEngine::new(Core::new(
             model,
             tokenizer,
@@ -214,6 +219,10 @@ impl PdNode {
                 Glue::Decode(node::Decode::new(machine, engine))
             }
         };
+        let console = match &glue {
+            Glue::Prefill(g) => g.engine.core.console(),
+            Glue::Decode(g) => g.engine.core.console(),
+        };
         let (tx, rx) = mpsc::sync_channel(pd.events_max);
         let drain = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let node = NodeLoop {
@@ -239,6 +248,8 @@ impl PdNode {
             stats,
             thread: Mutex::new(Some(thread)),
             drain,
+            console,
+            name,
         })
     }
 
@@ -262,6 +273,48 @@ impl PdNode {
 
     pub fn stats(&self) -> PdStats {
         self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// What the operator console shows of this node: its pool map (taken
+    /// by the node thread, which wakes at least every 250 ms), its pool's
+    /// and its transfer machine's safety counters, its transfers in flight.
+    /// Blocks at most [`engine::console::FRESH_WAIT`].
+    pub fn console_view(&self) -> request::console::NodeView {
+        use request::console::SafetyCounter;
+        let snap = self.console.read(|| {});
+        let s = self.stats();
+        let role = match self.role {
+            PdRole::Prefill => "prefill",
+            PdRole::Decode => "decode",
+        };
+        let mut v = engine::console::node_view(
+            &self.name,
+            role,
+            &snap,
+            &s.engine.pool,
+            s.transfers.clone(),
+        );
+        let mut push = |name: &str, value: u64| {
+            v.safety.push(SafetyCounter {
+                name: format!("transfer_{name}"),
+                value,
+            })
+        };
+        if let Some(d) = &s.decode {
+            push("checksum", d.checksum_failures_total);
+            push("canary", d.canary_failures_total);
+            push("fenced_pages", d.pages_fenced_total);
+            push("late_pages", d.pages_late_total);
+            push("duplicate_pages", d.duplicate_pages_total);
+            push("incomplete", d.incomplete_transfers_total);
+            push("protocol_errors", d.protocol_errors_total);
+            push("handshakes_refused", d.handshakes_refused_total);
+        }
+        if let Some(p) = &s.prefill {
+            push("protocol_errors", p.protocol_errors_total);
+            push("handshakes_refused", p.handshakes_refused_total);
+        }
+        v
     }
 
     /// Starts draining: new requests are refused as `draining` (the
@@ -610,7 +663,15 @@ impl NodeLoop {
         }
         engine.running = e.core.running();
         let (seconds, timed) = (e.transfer_seconds_total, e.transfers_timed_total);
+        let mut transfers = Vec::new();
+        if e.core.console().wanted() {
+            match &self.glue {
+                Glue::Prefill(g) => g.machine.transfers(&mut transfers),
+                Glue::Decode(g) => g.machine.transfers(&mut transfers),
+            }
+        }
         let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        s.transfers = transfers;
         s.engine = engine;
         s.transfer_seconds_total = seconds;
         s.transfers_timed_total = timed;

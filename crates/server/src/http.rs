@@ -45,9 +45,23 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize_route))
         .route("/health", get(health))
         .route("/metrics", get(metrics_api))
+        .merge(console_routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(st)
+}
+
+/// The operator console (`crate::console`): the page, its script and
+/// style, and the snapshot it polls — on the API port and the operations
+/// listener alike, the operator's key on both.
+fn console_routes() -> Router<Arc<AppState>> {
+    use crate::console;
+    Router::new()
+        .route("/console", get(console::page))
+        .route("/console/", get(console::page))
+        .route("/console/console.js", get(console::script))
+        .route("/console/console.css", get(console::style))
+        .route("/console/snapshot", get(console::snapshot_route))
 }
 
 /// The overflow lane's routes (see [`crate::door`]): `/health` as usual,
@@ -120,6 +134,7 @@ pub(crate) fn ops_router(st: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .merge(console_routes())
         .fallback(not_found)
         .with_state(st)
 }
@@ -313,6 +328,8 @@ struct Tracker {
     done: bool,
     /// The engine's count of pages allocated to the request, once admitted.
     pages: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// The tenant, once authenticated (its console counters).
+    tenant: Option<Arc<crate::tenants::Tenant>>,
 }
 
 impl Tracker {
@@ -329,6 +346,7 @@ impl Tracker {
             last_token: None,
             done: false,
             pages: None,
+            tenant: None,
         }
     }
 
@@ -350,6 +368,9 @@ impl Tracker {
         }
         self.last_token = Some(now);
         self.rec.output_tokens += 1;
+        if let Some(t) = &self.tenant {
+            t.activity.tokens_generated.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     fn write(&mut self, outcome: &'static str) {
@@ -383,6 +404,9 @@ impl Tracker {
 
     fn reject(&mut self, e: &ApiError) {
         self.st.metrics.rejection(e.reason);
+        if let Some(t) = &self.tenant {
+            t.activity.refused.fetch_add(1, Ordering::Relaxed);
+        }
         self.rec.error_kind = Some(e.reason.as_str());
         self.rec.error_code = e.code;
         self.write("rejected");
@@ -401,6 +425,14 @@ impl Tracker {
         m.tokens(d.usage.prompt_tokens, d.usage.completion_tokens);
         if let Some(t) = &self.rec.tenant {
             m.tenant_finished(t, &d.usage, d.queue_ms / 1e3);
+        }
+        if let Some(t) = &self.tenant {
+            let a = &t.activity;
+            a.prompt_tokens
+                .fetch_add(d.usage.prompt_tokens as u64, Ordering::Relaxed);
+            a.cached_tokens
+                .fetch_add(d.usage.cached_tokens as u64, Ordering::Relaxed);
+            a.finished.fetch_add(1, Ordering::Relaxed);
         }
         self.rec.cached_tokens = d.usage.cached_tokens;
         // The prompt as the client sent it (tokenised here), not as the
@@ -531,6 +563,7 @@ async fn admit(
         .authenticate(auth)
         .map_err(ApiError::unauthorized)?;
     tr.rec.tenant = Some(tenant.name.clone());
+    tr.tenant = Some(tenant.clone());
     let bytes = read_body(body, headers, st.cfg.max_body_bytes, st.cfg.body_timeout).await?;
     let params = match ep {
         Endpoint::Chat => api::parse_chat(&bytes)?,

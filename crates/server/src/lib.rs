@@ -49,6 +49,7 @@
 //! ```
 
 pub mod api;
+mod console;
 pub mod door;
 pub mod error;
 mod http;
@@ -165,6 +166,7 @@ pub(crate) struct AppState {
     pub cfg: ServerConfig,
     pub vocab: usize,
     pub started: u64,
+    pub console: console::ConsoleState,
     shutting_down: AtomicBool,
     inflight: AtomicUsize,
     inflight_changed: Notify,
@@ -251,6 +253,7 @@ impl Server {
                 cfg,
                 vocab,
                 started: unix_now(),
+                console: console::ConsoleState::default(),
                 shutting_down: AtomicBool::new(false),
                 inflight: AtomicUsize::new(0),
                 inflight_changed: Notify::new(),

@@ -104,6 +104,23 @@ pub struct Tenant {
     /// The lowest `priority` value its requests may carry (`None`: any).
     pub max_priority: Option<i32>,
     usage: Mutex<Usage>,
+    /// What the operator console shows of it (counts only).
+    pub activity: Activity,
+}
+
+/// A tenant's totals since start, for the operator console: counts only,
+/// updated as its requests stream and end.
+#[derive(Debug, Default)]
+pub struct Activity {
+    /// Tokens streamed to its clients.
+    pub tokens_generated: std::sync::atomic::AtomicU64,
+    /// Prompt tokens of its finished requests, and how many of them its
+    /// cache scope served (K11).
+    pub prompt_tokens: std::sync::atomic::AtomicU64,
+    pub cached_tokens: std::sync::atomic::AtomicU64,
+    pub finished: std::sync::atomic::AtomicU64,
+    /// Its requests refused (limits, bad parameters, a full queue, …).
+    pub refused: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -276,6 +293,7 @@ impl Tenants {
                 weight: 1,
                 max_priority: None,
                 usage: Mutex::new(Usage::default()),
+                activity: Activity::default(),
             })],
             anonymous: true,
             epoch: Instant::now(),
@@ -350,6 +368,7 @@ impl Tenants {
                 weight,
                 max_priority: s.max_priority,
                 usage: Mutex::new(Usage::default()),
+                activity: Activity::default(),
             }));
         }
         Ok(Tenants {
@@ -492,8 +511,8 @@ impl Tenants {
         let Some(op) = self.operator_key_hash else {
             return Ok(false);
         };
-        let key = bearer_key(authorization.ok_or(AuthError::Missing)?)?;
-        match ct_eq(&sha256(key), &op) {
+        let key = operator_key(authorization.ok_or(AuthError::Missing)?)?;
+        match ct_eq(&sha256(&key), &op) {
             1 => Ok(true),
             _ => Err(AuthError::Wrong),
         }
@@ -597,6 +616,36 @@ fn bearer_key(value: &[u8]) -> Result<&[u8], AuthError> {
         return Err(AuthError::TooLong);
     }
     Ok(key)
+}
+
+/// The key of `Authorization: Bearer KEY`, or of `Basic` credentials
+/// (any user name, the key as password): a browser opens the operator
+/// console with its own credentials prompt, which speaks only Basic.
+fn operator_key(value: &[u8]) -> Result<Vec<u8>, AuthError> {
+    use base64::Engine as _;
+    if value.len() < 6 || !value[..6].eq_ignore_ascii_case(b"basic ") {
+        return bearer_key(value).map(<[u8]>::to_vec);
+    }
+    let encoded = value[6..].trim_ascii();
+    // Base64 of `user:key`: 4/3 of the key's limit and room for a user.
+    if encoded.len() > (API_KEY_BYTES_MAX + 256) * 4 / 3 + 4 {
+        return Err(AuthError::TooLong);
+    }
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .map_err(|_| AuthError::Missing)?;
+    let at = decoded
+        .iter()
+        .position(|&b| b == b':')
+        .ok_or(AuthError::Missing)?;
+    let key = decoded[at + 1..].trim_ascii();
+    if key.is_empty() {
+        return Err(AuthError::Missing);
+    }
+    if key.len() > API_KEY_BYTES_MAX {
+        return Err(AuthError::TooLong);
+    }
+    Ok(key.to_vec())
 }
 
 /// Hex SHA-256 of a key, as the tenants file wants it.

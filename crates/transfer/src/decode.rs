@@ -266,6 +266,27 @@ impl DecodeNode {
         self.reqs.iter().map(|(&k, r)| (k, r.phase))
     }
 
+    /// Transfers in flight into this node (reserved or receiving), for the
+    /// operator console: pages checked in so far of the prompt's.
+    pub fn transfers(&self, out: &mut Vec<request::console::TransferView>) {
+        for (&req, r) in &self.reqs {
+            let phase = match r.phase {
+                DecodePhase::Waiting => "reserved",
+                DecodePhase::Receiving => "receiving",
+                DecodePhase::Decoding | DecodePhase::Draining => continue,
+            };
+            out.push(request::console::TransferView {
+                request: req,
+                tenant: r.owner.tenant.0,
+                from: r.prefill.clone(),
+                to: self.cfg.identity.node.clone(),
+                pages_done: r.received_count,
+                pages_total: r.received.len() as u32,
+                phase: phase.into(),
+            });
+        }
+    }
+
     /// The pages a request holds (reserved or being decoded into).
     pub fn pages_of(&self, req: u64) -> Option<&[PageRef]> {
         self.reqs.get(&req).map(|r| r.pages.as_slice())

@@ -246,6 +246,29 @@ impl PrefillNode {
         self.draining
     }
 
+    /// Transfers in flight out of this node (computed, sending, or waiting
+    /// for the last acknowledgement), for the operator console: pages
+    /// acknowledged so far of the prompt's.
+    pub fn transfers(&self, out: &mut Vec<request::console::TransferView>) {
+        for (&req, r) in &self.reqs {
+            let phase = match r.phase {
+                PrefillPhase::Ready => "ready",
+                PrefillPhase::Sending => "sending",
+                PrefillPhase::Closing => "closing",
+                PrefillPhase::Queued | PrefillPhase::Computing => continue,
+            };
+            out.push(request::console::TransferView {
+                request: req,
+                tenant: r.owner.tenant.0,
+                from: self.cfg.identity.node.clone(),
+                to: r.decode.clone(),
+                pages_done: r.acked,
+                pages_total: r.dst.len() as u32,
+                phase: phase.into(),
+            });
+        }
+    }
+
     pub fn requests(&self) -> usize {
         self.reqs.len()
     }
