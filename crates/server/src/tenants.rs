@@ -463,6 +463,23 @@ impl Tenants {
             return Ok(self.list[0].clone());
         }
         let key = bearer_key(authorization.ok_or(AuthError::Missing)?)?;
+        self.tenant_of_key(key)
+    }
+
+    /// The tenant whose key a `Bearer` or `Basic` credential carries (the
+    /// console tells a tenant's key from a wrong one by it).
+    pub fn tenant_of_credentials(
+        &self,
+        authorization: Option<&[u8]>,
+    ) -> Result<Arc<Tenant>, AuthError> {
+        if self.anonymous {
+            return Ok(self.list[0].clone());
+        }
+        let key = operator_key(authorization.ok_or(AuthError::Missing)?)?;
+        self.tenant_of_key(&key)
+    }
+
+    fn tenant_of_key(&self, key: &[u8]) -> Result<Arc<Tenant>, AuthError> {
         let h = sha256(key);
         // Compare with every tenant; select the match without branching on
         // secret data.

@@ -375,3 +375,296 @@ async fn errors_are_openai_shaped_and_counted() {
         1.0
     );
 }
+
+// ---- the operator console ------------------------------------------------
+
+const ALICE_KEY: &str = "sk-console-alice";
+const BOB_KEY: &str = "sk-console-bob";
+/// In a prompt and a cache salt: no console payload may carry it.
+const SECRET: &str = "kumquat-zebra-7731";
+
+fn console_tenants(operator: bool) -> Tenants {
+    let mut file = format!(
+        "[[tenant]]\nname = \"alice\"\napi_key_sha256 = \"{}\"\ncache_group = \"research\"\n\n\
+         [[tenant]]\nname = \"bob\"\napi_key_sha256 = \"{}\"\nweight = 2\n\n",
+        key_sha256_hex(ALICE_KEY),
+        key_sha256_hex(BOB_KEY)
+    );
+    if operator {
+        file += &format!(
+            "[operator]\napi_key_sha256 = \"{}\"\n",
+            key_sha256_hex(OPERATOR)
+        );
+    }
+    Tenants::from_toml(&file).expect("tenants")
+}
+
+async fn get_auth(app: &Router, path: &str, auth: Option<String>) -> (StatusCode, String, String) {
+    let mut b = Request::get(path);
+    if let Some(a) = auth {
+        b = b.header("authorization", a);
+    }
+    let resp = app
+        .clone()
+        .oneshot(b.body(Body::empty()).expect("req"))
+        .await
+        .expect("infallible");
+    let status = resp.status();
+    let challenge = resp
+        .headers()
+        .get("www-authenticate")
+        .map(|v| v.to_str().expect("ascii").to_string())
+        .unwrap_or_default();
+    let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20)
+        .await
+        .expect("body");
+    (
+        status,
+        challenge,
+        String::from_utf8(bytes.to_vec()).expect("utf-8"),
+    )
+}
+
+fn basic(user: &str, key: &str) -> String {
+    use base64::Engine as _;
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{key}"))
+    )
+}
+
+const CONSOLE_PATHS: [&str; 4] = [
+    "/console",
+    "/console/console.js",
+    "/console/console.css",
+    "/console/snapshot",
+];
+
+/// Pins: a tenant's key never opens the console (403), no key asks for
+/// credentials (401 with a Basic challenge), the operator's key opens it
+/// as a bearer token or as a browser's Basic credentials; without an
+/// `[operator]` section nobody does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_opens_for_the_operators_key_only() {
+    let (app, _) = router(console_tenants(true), |_| {});
+    for path in CONSOLE_PATHS {
+        let (s, challenge, body) = get_auth(&app, path, None).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
+        assert!(challenge.starts_with("Basic realm="), "{path}: {challenge}");
+        assert!(body.contains("\"error\""), "OpenAI-shaped: {body}");
+        for tenant in [
+            format!("Bearer {ALICE_KEY}"),
+            basic("alice", ALICE_KEY),
+            basic("operator", BOB_KEY),
+        ] {
+            let (s, _, body) = get_auth(&app, path, Some(tenant.clone())).await;
+            assert_eq!(s, StatusCode::FORBIDDEN, "{path} {tenant}: {body}");
+            assert!(body.contains("a tenant's key does not open it"), "{body}");
+        }
+        let (s, _, _) = get_auth(&app, path, Some("Bearer sk-nobody".into())).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
+        let (s, _, _) = get_auth(&app, path, Some(basic("x", "sk-nobody"))).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
+        let (s, _, _) = get_auth(&app, path, Some("Basic !!not-base64".into())).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
+        for op in [format!("Bearer {OPERATOR}"), basic("anyone", OPERATOR)] {
+            let (s, _, body) = get_auth(&app, path, Some(op)).await;
+            assert_eq!(s, StatusCode::OK, "{path}: {body}");
+            assert!(!body.is_empty());
+        }
+    }
+    let (app, _) = router(console_tenants(false), |_| {});
+    let (s, _, body) = get_auth(&app, "/console/snapshot", Some(basic("op", OPERATOR))).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+    assert!(body.contains("add an [operator] section"), "{body}");
+    let (s, _, body) = get_auth(&app, "/console", Some(format!("Bearer {BOB_KEY}"))).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+}
+
+/// Every string a JSON document holds, and its largest integer.
+fn strings_and_max(v: &Value, keys: &mut Vec<String>, out: &mut Vec<String>, max: &mut u64) {
+    match v {
+        Value::String(s) => out.push(s.clone()),
+        Value::Number(n) => *max = (*max).max(n.as_u64().unwrap_or(0)),
+        Value::Array(a) => a.iter().for_each(|x| strings_and_max(x, keys, out, max)),
+        Value::Object(o) => {
+            for (k, x) in o {
+                keys.push(k.clone());
+                strings_and_max(x, keys, out, max);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Pins: what the console sends is counts, states and names. A request
+/// with a secret in its prompt and its cache salt runs (and leaves cached
+/// pages in its salted scope, and in its group's): no page, script or
+/// snapshot carries the secret, a key, a key's hash, a token id sequence
+/// of the prompt or a scope's value; every string in a snapshot is a name
+/// or a word of the console's own vocabulary; the cached pages show under
+/// their group and as "salted".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_console_payload_carries_a_prompt_a_key_or_a_scope() {
+    let (app, tok) = router(console_tenants(true), |_| {});
+    let prompt = format!(
+        "The vault code is {SECRET}. Never tell anyone {SECRET}; repeat it to nobody, {SECRET}."
+    );
+    let ids = tok.encode(&prompt, true).expect("encode");
+    assert!(ids.len() > 32, "at least two pages to cache");
+    let op = Some(format!("Bearer {OPERATOR}"));
+    let mut payloads = Vec::new();
+    for path in &CONSOLE_PATHS[..3] {
+        payloads.push(get_auth(&app, path, op.clone()).await.2);
+    }
+    let run = |body: Value| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            call(
+                &app,
+                post_raw("/v1/completions", body.to_string(), Some(ALICE_KEY)),
+            )
+            .await
+        })
+    };
+    let salted = run(
+        json!({"prompt": prompt, "max_tokens": 64, "ignore_eos": true,
+                            "cache_salt": SECRET}),
+    );
+    let grouped = run(json!({"prompt": prompt, "max_tokens": 64, "ignore_eos": true}));
+    for _ in 0..4 {
+        payloads.push(get_auth(&app, "/console/snapshot", op.clone()).await.2);
+    }
+    for r in [salted, grouped] {
+        let (s, v) = r.await.expect("join");
+        assert_eq!(s, StatusCode::OK, "{v}");
+    }
+    wait_idle(&app).await;
+    let (s, _, last) = get_auth(&app, "/console/snapshot", op.clone()).await;
+    assert_eq!(s, StatusCode::OK);
+    payloads.push(last.clone());
+
+    let id_runs: Vec<String> = ids
+        .windows(3)
+        .map(|w| format!("{},{},{}", w[0], w[1], w[2]))
+        .collect();
+    for p in &payloads {
+        for needle in [SECRET, "kumquat", ALICE_KEY, BOB_KEY, OPERATOR] {
+            assert!(!p.contains(needle), "{needle} in a console payload");
+        }
+        for key in [ALICE_KEY, BOB_KEY, OPERATOR] {
+            assert!(!p.contains(&key_sha256_hex(key)), "a key hash in a payload");
+        }
+        for run in &id_runs {
+            assert!(
+                !p.contains(run.as_str()),
+                "prompt token ids {run} in a payload"
+            );
+        }
+    }
+    let v: Value = serde_json::from_str(&last).expect("json");
+    let node = &v["nodes"][0];
+    let labels = v["labels"].as_array().expect("labels");
+    let label_of = |name: &str| labels.iter().position(|l| l["name"] == name);
+    let state = node["state"].as_str().expect("state");
+    let cached: Vec<i64> = state
+        .char_indices()
+        .filter(|&(_, c)| c == 'c')
+        .map(|(i, _)| node["label"][i].as_i64().expect("label"))
+        .collect();
+    let group = label_of("group research").expect("group label") as i64;
+    let salted = label_of("salted scope").expect("salted label") as i64;
+    assert!(cached.contains(&group), "{cached:?}");
+    assert!(cached.contains(&salted), "{cached:?}");
+    assert_eq!(v["tenants"][0]["name"], "alice");
+    assert_eq!(v["tenants"][0]["finished"], 2);
+    assert_eq!(v["tenants"][0]["tokens_generated"], 128);
+    assert_eq!(v["tenants"][1]["finished"], 0);
+
+    let allowed_words = [
+        "alice",
+        "bob",
+        "group research",
+        "salted scope",
+        "unknown",
+        "tenant",
+        "group",
+        "salted",
+        "engine",
+        "unified",
+        "disaggregated",
+        MODEL_ID,
+    ];
+    let counters: Vec<String> = request::console::pool_safety(&request::PoolStats::default())
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    let allowed_keys = [
+        "t_ms",
+        "model",
+        "uptime_s",
+        "mode",
+        "labels",
+        "name",
+        "kind",
+        "tenants",
+        "label",
+        "weight",
+        "in_flight",
+        "running",
+        "queued",
+        "preempted",
+        "tokens_generated",
+        "tokens_per_s",
+        "share",
+        "weight_share",
+        "prompt_tokens",
+        "cached_tokens",
+        "cache_hit_rate",
+        "finished",
+        "refused",
+        "pages",
+        "nodes",
+        "role",
+        "pages_total",
+        "pages_per_cell",
+        "page_size_tokens",
+        "state",
+        "epoch",
+        "request",
+        "written",
+        "counts",
+        "free",
+        "poisoned",
+        "cached",
+        "private",
+        "leased",
+        "release_pending",
+        "transfers",
+        "snapshot_us_last",
+        "snapshot_us_max",
+        "map_age_ms",
+        "safety",
+        "node",
+        "value",
+        "history",
+        "moved",
+        "history_t_ms",
+    ];
+    for p in &payloads[3..] {
+        let v: Value = serde_json::from_str(p).expect("json");
+        let (mut keys, mut strings, mut max) = (Vec::new(), Vec::new(), 0u64);
+        strings_and_max(&v, &mut keys, &mut strings, &mut max);
+        for k in &keys {
+            assert!(allowed_keys.contains(&k.as_str()), "unexpected field {k}");
+        }
+        for s in &strings {
+            let ok = allowed_words.contains(&s.as_str())
+                || counters.contains(s)
+                || s.chars().all(|c| ".pcolr".contains(c));
+            assert!(ok, "unexpected string {s:?} in a snapshot");
+        }
+        // Derived cache scopes have the top bit set: none may show.
+        assert!(max < 1 << 63, "a scope value in a snapshot: {max}");
+    }
+}
