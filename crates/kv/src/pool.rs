@@ -1392,6 +1392,7 @@ impl Pool {
     pub fn map_into(&self, out: &mut request::console::PoolMap) {
         use request::console::PageState;
         out.clear();
+        out.reserve(self.meta.len());
         out.page_size_tokens = self.shape.page_size as u32;
         let layers = self.shape.layers;
         let poisons = self.options.poison != Poison::Off;

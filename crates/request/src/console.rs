@@ -127,6 +127,15 @@ impl PoolMap {
         self.written.clear();
     }
 
+    /// Room for `pages` pages in every column (one allocation each).
+    pub fn reserve(&mut self, pages: usize) {
+        self.state.reserve(pages);
+        self.epoch.reserve(pages);
+        self.who.reserve(pages);
+        self.request.reserve(pages);
+        self.written.reserve(pages);
+    }
+
     pub fn push(&mut self, state: PageState, epoch: u64, who: u64, request: u64, written: u16) {
         self.state.push(state);
         self.epoch.push(epoch);

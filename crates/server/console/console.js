@@ -58,13 +58,27 @@
     return svg;
   }
 
+  const safetyBoxes = new Map();
+  function safetyBox(node) {
+    let box = safetyBoxes.get(node);
+    if (!box) {
+      const group = el('div', 'safety-node');
+      group.dataset.node = node;
+      box = el('div', 'tiles');
+      group.append(el('h3', '', node), box);
+      $('safety').append(group);
+      safetyBoxes.set(node, box);
+    }
+    return box;
+  }
+
   function drawSafety(rows) {
-    const box = $('safety');
     for (const r of rows) {
+      const box = safetyBox(r.node);
       const key = r.node + '/' + r.name;
       let t = tiles.get(key);
       if (!t) {
-        t = { root: el('div', 'tile'), name: el('div', 'name', `${r.name} · ${r.node}`),
+        t = { root: el('div', 'tile'), name: el('div', 'name', r.name),
           value: el('div', 'value'), spark: null, last: r.value };
         t.root.dataset.counter = r.name;
         t.root.dataset.node = r.node;
@@ -164,7 +178,7 @@
       cell.style.color = colour(label);
       const first = i * n.pages_per_cell;
       const who = label < 0 ? '' : ` · ${labels[label].name}`;
-      const req = n.request[i] >= 0 ? ` · request ${n.request[i]}` : '';
+      const req = n.request[i] !== null ? ` · request ${n.request[i]}` : '';
       const fill = s === '.' || s === 'p' ? '' : ` · ${n.written[i]}/${n.page_size_tokens} slots written`;
       cell.title = (n.pages_per_cell > 1 ? `pages ${first}–${first + n.pages_per_cell - 1}` : `page ${first}`) +
         ` · ${STATES[s] || s}${who}${req} · epoch ${n.epoch[i]}${fill}`;
@@ -185,7 +199,7 @@
       t.append(head);
       for (const x of n.transfers) {
         const row = el('tr');
-        row.dataset.request = String(x.request);
+        row.dataset.request = x.request;
         const pages = el('td');
         const bar = el('span', 'bar');
         const fill = el('i');

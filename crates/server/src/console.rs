@@ -255,8 +255,9 @@ pub(crate) struct NodeOut {
     pub epoch: Vec<u64>,
     /// Index into [`Snapshot::labels`], or -1 (free pages).
     pub label: Vec<i32>,
-    /// The owning request's number on its node, or -1.
-    pub request: Vec<i64>,
+    /// The owning request's id on its node (decimal: PD ids are 64-bit,
+    /// beyond a JavaScript number's integers), or null.
+    pub request: Vec<Option<String>>,
     pub written: Vec<u16>,
     pub counts: request::console::StateCounts,
     pub transfers: Vec<TransferOut>,
@@ -267,7 +268,8 @@ pub(crate) struct NodeOut {
 
 #[derive(Debug, Serialize)]
 pub(crate) struct TransferOut {
-    pub request: u64,
+    /// Decimal, as a cell's `request`.
+    pub request: String,
     pub tenant: String,
     pub from: String,
     pub to: String,
@@ -406,7 +408,7 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
             request: g
                 .request
                 .iter()
-                .map(|&r| if r == u64::MAX { -1 } else { r as i64 })
+                .map(|&r| (r != u64::MAX).then(|| r.to_string()))
                 .collect(),
             state: g.state,
             epoch: g.epoch,
@@ -417,7 +419,7 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
                 .transfers
                 .into_iter()
                 .map(|t: TransferView| TransferOut {
-                    request: t.request,
+                    request: t.request.to_string(),
                     tenant: labels.of_tenant(t.tenant),
                     from: t.from,
                     to: t.to,
