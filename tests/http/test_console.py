@@ -259,3 +259,36 @@ def test_console_disaggregated_shows_both_nodes_and_transfers(tmp_root):
         assert "quick brown fox" not in text and ALICE_KEY not in text
     finally:
         s.terminate()
+
+
+def test_console_of_a_standalone_gateway_gathers_the_nodes_named_to_it(tmp_root):
+    from test_disaggregated import Gateway, Node
+    p = Node("prefill", tmp_root, "pf-a")
+    d = Node("decode", tmp_root, "dc-a")
+    gw = None
+    try:
+        metrics = lambda n: n.metrics_url.removeprefix("http://").removesuffix("/metrics")
+        gw = Gateway(p.addr, d.addr, tmp_root, "gw-console",
+                     extra=["--tenants", str(tenants_file(tmp_root)),
+                            "--node-metrics", f"pf-a={metrics(p)}",
+                            "--node-metrics", f"dc-a={metrics(d)}",
+                            "--node-metrics", "gone=127.0.0.1:1"])
+        snap = snapshot(gw)
+        roles = {n["name"]: n["role"] for n in snap["nodes"]}
+        # A node that does not answer is listed, not hidden.
+        assert roles == {"pf-a": "prefill", "dc-a": "decode", "gone": "unreachable"}, roles
+        r = requests.post(gw.url("/v1/completions"), timeout=60,
+                          headers={"Authorization": f"Bearer {BOB_KEY}"},
+                          json={"prompt": "Hello there, how are you today? " * 4,
+                                "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        snap = snapshot(gw)
+        bob = [t for t in snap["tenants"] if t["name"] == "bob"][0]
+        assert bob["finished"] == 1 and bob["tokens_generated"] == 8, bob
+        decode = [n for n in snap["nodes"] if n["name"] == "dc-a"][0]
+        # The request's pages are freed (poisoned) on decode.
+        assert decode["counts"]["private"] == 0 and decode["counts"]["poisoned"] > 0, decode["counts"]
+    finally:
+        for x in (gw, p, d):
+            if x is not None:
+                x.terminate()

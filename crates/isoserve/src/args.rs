@@ -384,12 +384,35 @@ pub struct GatewayArgs {
     /// the minimum over this, the model and every node's limit).
     #[arg(long)]
     pub max_context: Option<usize>,
+    /// A node's metrics listener as NAME=HOST:PORT (repeat for each node):
+    /// its samples join the gateway's `/metrics` with a `node` label, and
+    /// its pool and transfers the operator console. Default: none.
+    #[arg(long, value_name = "NAME=HOST:PORT", value_parser = parse_node_metrics)]
+    pub node_metrics: Vec<(String, std::net::SocketAddr)>,
     #[command(flatten)]
     pub tls: TransferTlsArgs,
     #[command(flatten)]
     pub otlp: OtlpArgs,
     #[command(flatten)]
     pub http: HttpArgs,
+}
+
+/// `--node-metrics NAME=HOST:PORT`: the name and the (first) address
+/// HOST:PORT resolves to.
+fn parse_node_metrics(v: &str) -> Result<(String, std::net::SocketAddr), String> {
+    use std::net::ToSocketAddrs;
+    let (name, addr) = v
+        .split_once('=')
+        .ok_or_else(|| format!("`{v}`: expected NAME=HOST:PORT"))?;
+    if name.is_empty() || name.len() > 64 {
+        return Err(format!("`{v}`: the node name must be 1 to 64 bytes"));
+    }
+    let resolved = addr
+        .to_socket_addrs()
+        .map_err(|e| format!("`{addr}`: {e}"))?
+        .next()
+        .ok_or_else(|| format!("`{addr}` resolves to no address"))?;
+    Ok((name.to_string(), resolved))
 }
 
 /// The engine configuration of `serve`, `prefill` and `decode`.

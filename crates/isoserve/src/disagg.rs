@@ -319,7 +319,7 @@ pub fn run_gateway(args: GatewayArgs) -> Result<()> {
         &args.http,
         tenants,
         reqlog,
-        Vec::new(),
+        args.node_metrics.clone(),
         telemetry.clone(),
         serve::shutdown_signal(),
     ))?;
