@@ -118,6 +118,22 @@ def test_console_shows_a_requests_pages_in_its_tenants_colour_and_frees_them(tmp
             assert page.locator(".node .cell").count() == snapshot(s)["nodes"][0]["pages_total"]
             alice = swatch_colour(page, "alice")
             assert alice != swatch_colour(page, "bob")
+            # Bob's finished request leaves its full pages cached in his
+            # scope (K11) and the rest freed (poisoned).
+            r = requests.post(s.url("/v1/completions"), timeout=60,
+                              headers={"Authorization": f"Bearer {BOB_KEY}"},
+                              json={"prompt": "The lighthouse stood on the rocks. " * 8,
+                                    "max_tokens": 40, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            page.wait_for_function(
+                '() => document.querySelectorAll(\'.cell[data-label="bob"][data-state="cached"]\')'
+                '.length > 0 && document.querySelectorAll(\'.cell[data-state="poisoned"]\').length > 0',
+                timeout=5_000)
+            bob_cached = page.locator('.cell[data-label="bob"][data-state="cached"]').count()
+            # Every full page of what was computed: the prompt and the
+            # answer but its last token (never fed back).
+            u = r.json()["usage"]
+            assert bob_cached == (u["prompt_tokens"] + u["completion_tokens"] - 1) // 16, bob_cached
 
             body = {"prompt": "Write a very long story about a lighthouse keeper.",
                     "max_tokens": 1500, "ignore_eos": True, "stream": True}
@@ -150,6 +166,8 @@ def test_console_shows_a_requests_pages_in_its_tenants_colour_and_frees_them(tmp
                 timeout=5_000, polling=50)
             freed_s = time.monotonic() - t0
             assert cells(page, "unified", "", "poisoned") >= 1500 // 16
+            # Bob's cached pages stay cached.
+            assert page.locator('.cell[data-label="bob"][data-state="cached"]').count() == bob_cached
             # Cancelling trips no check.
             assert page.locator(".tile.moved").count() == 0
             assert tile(page, "stale_handle", "engine").get_attribute("data-value") == "0"
