@@ -46,6 +46,9 @@ pub struct ConsoleCell {
     /// Milliseconds after `start` until which the map is wanted.
     wanted_until_ms: AtomicU64,
     latest: Mutex<MapSnapshot>,
+    /// A wake-up is on its way to the owner (at most one at a time, so
+    /// readers never fill the owner's command queue).
+    wake_pending: std::sync::atomic::AtomicBool,
 }
 
 impl Default for ConsoleCell {
@@ -67,7 +70,19 @@ impl ConsoleCell {
                 fill_us_last: 0.0,
                 fill_us_max: 0.0,
             }),
+            wake_pending: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Claims the one wake-up a reader may have in flight; `false`: one is
+    /// on its way already.
+    pub fn claim_wake(&self) -> bool {
+        !self.wake_pending.swap(true, Ordering::AcqRel)
+    }
+
+    /// The owner took the wake-up (or the reader could not send it).
+    pub fn wake_done(&self) {
+        self.wake_pending.store(false, Ordering::Release);
     }
 
     fn now_ms(&self) -> u64 {
@@ -209,5 +224,14 @@ mod tests {
         assert!(woke);
         assert_eq!(s.version, 0);
         assert!(t0.elapsed() >= FRESH_WAIT && t0.elapsed() < FRESH_WAIT * 4);
+    }
+
+    #[test]
+    fn readers_have_one_wake_up_in_flight_at_most() {
+        let cell = ConsoleCell::new();
+        assert!(cell.claim_wake());
+        assert!(!cell.claim_wake(), "a second reader sends none");
+        cell.wake_done();
+        assert!(cell.claim_wake());
     }
 }

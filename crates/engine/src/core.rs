@@ -358,7 +358,7 @@ impl<F: Forward> Core<F> {
                 self.shutdown = Some(drain && self.shutdown != Some(false));
             }
             // The console asked for a fresh pool map: `publish` follows.
-            Command::Wake => {}
+            Command::Wake => self.console.wake_done(),
         }
     }
 

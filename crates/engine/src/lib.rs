@@ -296,7 +296,8 @@ impl Engine {
         if cfg.poison == Poison::Off {
             tracing::warn!("freed KV pages will not be poisoned (--kv-poison off)");
         }
-        let (tx, rx) = mpsc::sync_channel(cfg.max_queue);
+        // One slot beyond the queue's limit: the console's wake-up.
+        let (tx, rx) = mpsc::sync_channel(cfg.max_queue + 1);
         let stats = Arc::new(Mutex::new(EngineStats::new(pool.stats())));
         let waiting = Arc::new(AtomicU64::new(0));
         let vocab = fwd.vocab();
@@ -394,8 +395,12 @@ impl Engine {
     /// [`console::FRESH_WAIT`].
     pub fn console_view(&self) -> request::console::NodeView {
         let snap = self.console.read(|| {
-            // A full queue means a busy thread, which publishes anyway.
-            let _ = self.tx.try_send(Command::Wake);
+            // One wake-up in flight at most; the channel has a slot for it
+            // beyond `max_queue`, so it never takes a request's place. A
+            // full channel means a busy thread, which publishes anyway.
+            if self.console.claim_wake() && self.tx.try_send(Command::Wake).is_err() {
+                self.console.wake_done();
+            }
         });
         console::node_view("engine", "unified", &snap, &self.stats().pool, Vec::new())
     }
