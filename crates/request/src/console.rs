@@ -263,29 +263,14 @@ pub struct NodeView {
 /// The pool's safety counters by name (every refusal of something unsafe;
 /// not out-of-pages, which is back-pressure).
 pub fn pool_safety(p: &crate::PoolStats) -> Vec<SafetyCounter> {
-    [
-        ("stale_handle", p.refused_stale_handle),
-        ("foreign_owner", p.refused_foreign_owner),
-        ("unwritten_read", p.refused_unwritten_read),
-        ("double_free", p.refused_double_free),
-        ("release_pending", p.refused_release_pending),
-        ("out_of_range", p.refused_out_of_range),
-        ("write_gap", p.refused_write_gap),
-        ("already_written", p.refused_already_written),
-        ("lease_limit", p.refused_lease_limit),
-        ("canary", p.canary_mismatch),
-        ("checksum", p.checksum_mismatch),
-        ("shared_write", p.refused_shared_write),
-        ("foreign_scope", p.refused_foreign_scope),
-        ("ref_underflow", p.refused_ref_underflow),
-        ("unpublishable", p.refused_unpublishable),
-    ]
-    .into_iter()
-    .map(|(name, value)| SafetyCounter {
-        name: name.into(),
-        value,
-    })
-    .collect()
+    p.refusals()
+        .into_iter()
+        .filter(|&(name, _)| name != "out_of_pages")
+        .map(|(name, value)| SafetyCounter {
+            name: name.into(),
+            value,
+        })
+        .collect()
 }
 
 #[cfg(test)]

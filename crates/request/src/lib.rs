@@ -655,6 +655,30 @@ impl PoolStats {
             + self.refused_unpublishable
     }
 
+    /// Every refusal by kind (`/metrics`' `kind` label and the console's
+    /// names): each a safety check firing, but `out_of_pages`
+    /// (back-pressure).
+    pub fn refusals(&self) -> [(&'static str, u64); 16] {
+        [
+            ("stale_handle", self.refused_stale_handle),
+            ("foreign_owner", self.refused_foreign_owner),
+            ("unwritten_read", self.refused_unwritten_read),
+            ("double_free", self.refused_double_free),
+            ("release_pending", self.refused_release_pending),
+            ("out_of_range", self.refused_out_of_range),
+            ("write_gap", self.refused_write_gap),
+            ("already_written", self.refused_already_written),
+            ("out_of_pages", self.refused_out_of_pages),
+            ("lease_limit", self.refused_lease_limit),
+            ("canary_mismatch", self.canary_mismatch),
+            ("checksum_mismatch", self.checksum_mismatch),
+            ("shared_write", self.refused_shared_write),
+            ("foreign_scope", self.refused_foreign_scope),
+            ("ref_underflow", self.refused_ref_underflow),
+            ("unpublishable", self.refused_unpublishable),
+        ]
+    }
+
     /// `(name, value)` for every field, for exporters.
     pub fn fields(&self) -> [(&'static str, u64); 28] {
         [

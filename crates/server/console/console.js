@@ -222,6 +222,7 @@
     drawSafety(snap.safety);
     drawTenants(snap);
     for (const n of snap.nodes) drawNode(n, snap.labels);
+    $('no-nodes').hidden = snap.nodes.length > 0;
     document.body.dataset.updated = String(Date.now());
   }
 

@@ -210,24 +210,7 @@ impl Collector for EngineCollector {
                     None,
                     MetricType::Counter,
                 )?;
-                for (kind, v) in [
-                    ("stale_handle", p.refused_stale_handle),
-                    ("foreign_owner", p.refused_foreign_owner),
-                    ("unwritten_read", p.refused_unwritten_read),
-                    ("double_free", p.refused_double_free),
-                    ("release_pending", p.refused_release_pending),
-                    ("out_of_range", p.refused_out_of_range),
-                    ("write_gap", p.refused_write_gap),
-                    ("already_written", p.refused_already_written),
-                    ("out_of_pages", p.refused_out_of_pages),
-                    ("lease_limit", p.refused_lease_limit),
-                    ("canary_mismatch", p.canary_mismatch),
-                    ("checksum_mismatch", p.checksum_mismatch),
-                    ("shared_write", p.refused_shared_write),
-                    ("foreign_scope", p.refused_foreign_scope),
-                    ("ref_underflow", p.refused_ref_underflow),
-                    ("unpublishable", p.refused_unpublishable),
-                ] {
+                for (kind, v) in p.refusals() {
                     let labels = [("kind", kind)];
                     ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
                 }
