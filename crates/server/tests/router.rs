@@ -58,6 +58,25 @@ fn router_with_window(
     (server.router(), tok)
 }
 
+/// The API router and the operations listener's (`--metrics-port`), over
+/// one server.
+fn api_and_ops(tenants: Tenants) -> (Router, Router) {
+    let path = model_path(256);
+    let model = model::Model::load(&path, kernels::ThreadPool::new(1)).expect("load");
+    let tok = tokenizer::Tokenizer::from_gguf(model.gguf()).expect("tokenizer");
+    let engine =
+        engine::Engine::start(model, tok.clone(), engine::EngineConfig::default()).expect("start");
+    let server = Server::new(
+        engine,
+        tok,
+        None,
+        tenants,
+        None,
+        ServerConfig::new(MODEL_ID),
+    );
+    (server.router(), server.ops_router())
+}
+
 fn post(path: &str, body: Value) -> Request<Body> {
     post_raw(path, body.to_string(), None)
 }
@@ -446,9 +465,10 @@ const CONSOLE_PATHS: [&str; 4] = [
 /// `[operator]` section nobody does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_opens_for_the_operators_key_only() {
-    let (app, _) = router(console_tenants(true), |_| {});
-    for path in CONSOLE_PATHS {
-        let (s, challenge, body) = get_auth(&app, path, None).await;
+    let (api, ops) = api_and_ops(console_tenants(true));
+    // The same rule on the API port and the operations listener.
+    for (app, path) in CONSOLE_PATHS.iter().flat_map(|&p| [(&api, p), (&ops, p)]) {
+        let (s, challenge, body) = get_auth(app, path, None).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
         assert!(challenge.starts_with("Basic realm="), "{path}: {challenge}");
         assert!(body.contains("\"error\""), "OpenAI-shaped: {body}");
@@ -457,18 +477,18 @@ async fn the_console_opens_for_the_operators_key_only() {
             basic("alice", ALICE_KEY),
             basic("operator", BOB_KEY),
         ] {
-            let (s, _, body) = get_auth(&app, path, Some(tenant.clone())).await;
+            let (s, _, body) = get_auth(app, path, Some(tenant.clone())).await;
             assert_eq!(s, StatusCode::FORBIDDEN, "{path} {tenant}: {body}");
             assert!(body.contains("a tenant's key does not open it"), "{body}");
         }
-        let (s, _, _) = get_auth(&app, path, Some("Bearer sk-nobody".into())).await;
+        let (s, _, _) = get_auth(app, path, Some("Bearer sk-nobody".into())).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
-        let (s, _, _) = get_auth(&app, path, Some(basic("x", "sk-nobody"))).await;
+        let (s, _, _) = get_auth(app, path, Some(basic("x", "sk-nobody"))).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
-        let (s, _, _) = get_auth(&app, path, Some("Basic !!not-base64".into())).await;
+        let (s, _, _) = get_auth(app, path, Some("Basic !!not-base64".into())).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED, "{path}");
         for op in [format!("Bearer {OPERATOR}"), basic("anyone", OPERATOR)] {
-            let (s, _, body) = get_auth(&app, path, Some(op)).await;
+            let (s, _, body) = get_auth(app, path, Some(op)).await;
             assert_eq!(s, StatusCode::OK, "{path}: {body}");
             assert!(!body.is_empty());
         }
