@@ -30,7 +30,7 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use request::console::{NodeView, PageState, TransferView};
+use request::console::{NodeView, PageState, TransferView, GRID_CELLS_MAX};
 use serde::Serialize;
 
 use crate::error::ApiError;
@@ -373,6 +373,36 @@ impl Labels {
     }
 }
 
+/// A grid whose columns agree: a node's view crossed a socket, so a cell
+/// the page would index must exist in every column, and a state is one of
+/// the known letters (anything else shows as free). Truncates to the
+/// shortest column and to [`GRID_CELLS_MAX`] cells.
+fn consistent(mut g: request::console::PoolGrid) -> request::console::PoolGrid {
+    let known: Vec<char> = PageState::ALL.iter().map(|s| s.code()).collect();
+    let state: String = g
+        .state
+        .chars()
+        .map(|c| if known.contains(&c) { c } else { '.' })
+        .collect();
+    let n = [
+        state.len(),
+        g.epoch.len(),
+        g.who.len(),
+        g.request.len(),
+        g.written.len(),
+    ]
+    .into_iter()
+    .min()
+    .unwrap_or(0)
+    .min(GRID_CELLS_MAX);
+    g.state = state[..n].to_string();
+    g.epoch.truncate(n);
+    g.who.truncate(n);
+    g.request.truncate(n);
+    g.written.truncate(n);
+    g
+}
+
 pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
     let now_ms = st.console.start.elapsed().as_millis() as u64;
     let mut labels = Labels::new(st);
@@ -385,7 +415,7 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
         for c in &n.safety {
             safety_now.push((n.name.clone(), c.name.clone(), c.value));
         }
-        let g = n.grid;
+        let g = consistent(n.grid);
         let per = u64::from(g.pages_per_cell.max(1));
         let label: Vec<i32> = g
             .state
@@ -567,5 +597,30 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
         safety,
         history_t_ms: history.iter().map(|s| s.t_ms).collect(),
         snapshot_us_max: us_max,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nodes_grid_with_ragged_columns_or_strange_states_is_made_consistent() {
+        let g = request::console::PoolGrid {
+            pages_total: 5,
+            pages_per_cell: 1,
+            page_size_tokens: 16,
+            state: "o?\u{e9}cl".into(),
+            epoch: vec![1, 2, 3, 4, 5],
+            who: vec![7, 7, 7],
+            request: vec![1, 2, 3, 4],
+            written: vec![3, 3, 3, 3, 3],
+        };
+        let c = consistent(g);
+        assert_eq!(c.state, "o..");
+        assert_eq!(
+            (c.epoch.len(), c.who.len(), c.request.len(), c.written.len()),
+            (3, 3, 3, 3)
+        );
     }
 }
