@@ -7,7 +7,10 @@
 //! it after every step — O(pages) over the metadata, ~20 µs at the default
 //! pool (`cargo bench -p kv --bench pool -- console`) — and swaps it in
 //! under a lock held only for the swap. Nobody watching, it costs nothing.
-//! The time each refill took is kept: the console shows what it cost.
+//! A pool of more than [`MAP_SLICE_PAGES`] pages is taken a slice per step
+//! (so no step waits more than one slice, ~60 µs, whatever the pool's size)
+//! and whole when the owner is idle. The longest time a step waited for the
+//! map is kept: the console shows what it cost.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,6 +25,33 @@ pub const WANTED_FOR: Duration = Duration::from_secs(3);
 /// the latest there is).
 pub const FRESH_WAIT: Duration = Duration::from_millis(300);
 
+/// Pages the owner maps per step at most (a larger pool's map spans
+/// several steps: each page's state is of the step that mapped it).
+pub const MAP_SLICE_PAGES: usize = 8192;
+
+/// The owner's map in progress.
+#[derive(Debug, Default)]
+pub struct MapWork {
+    map: PoolMap,
+    /// Pages mapped so far (0: none; a new map starts).
+    cursor: usize,
+    /// The longest step spent on this map so far (µs).
+    step_us_max: f64,
+    /// When this map's first slice was taken.
+    started: Option<Instant>,
+}
+
+impl MapWork {
+    /// A map is half taken (its next slice is due).
+    pub fn in_progress(&self) -> bool {
+        self.cursor > 0
+    }
+}
+
+/// A map in progress older than this starts over (the console stopped
+/// reading in between: its slices would be of very different moments).
+const MAP_STALE: Duration = Duration::from_secs(1);
+
 /// A map younger than this is served without waiting.
 const FRESH_ENOUGH: Duration = Duration::from_millis(50);
 
@@ -33,8 +63,9 @@ pub struct MapSnapshot {
     pub taken: Instant,
     /// Refills so far (0: none yet).
     pub version: u64,
-    /// Time the owner spent on the last refill and the longest one
-    /// (microseconds).
+    /// The longest time one step of the owner spent on the last map, and
+    /// the longest since start (microseconds): what the console held a
+    /// step up by.
     pub fill_us_last: f64,
     pub fill_us_max: f64,
 }
@@ -125,24 +156,47 @@ impl ConsoleCell {
         self.latest()
     }
 
-    /// The owner's side: refills `spare` from the pool and swaps it in.
-    /// `spare` gets the previous map's buffers back when no reader holds
-    /// them (no allocation in the steady state).
-    pub fn refresh(&self, pool: &kv::Pool, spare: &mut PoolMap) {
+    /// The owner's side, after a step: maps the next slice of the pool
+    /// (all of it when `whole`: an idle owner holds no step up) and, once
+    /// the map is complete, swaps it in. The previous map's buffers come
+    /// back when no reader holds them (no allocation in the steady state).
+    pub fn refresh(&self, pool: &kv::Pool, work: &mut MapWork, whole: bool) {
         let t0 = Instant::now();
-        pool.map_into(spare);
-        let fresh = Arc::new(std::mem::take(spare));
+        let pages = pool.pages_total() as usize;
+        if work.started.is_some_and(|t| t.elapsed() > MAP_STALE) {
+            work.cursor = 0;
+        }
+        if work.cursor == 0 {
+            work.started = Some(t0);
+            work.map.clear();
+            work.map.reserve(pages);
+            work.step_us_max = 0.0;
+        }
+        let end = if whole {
+            pages
+        } else {
+            (work.cursor + MAP_SLICE_PAGES).min(pages)
+        };
+        pool.map_range_into(&mut work.map, work.cursor..end);
+        work.cursor = end;
+        if end < pages {
+            work.step_us_max = work.step_us_max.max(t0.elapsed().as_secs_f64() * 1e6);
+            return;
+        }
+        work.cursor = 0;
+        debug_assert_eq!(work.map.len(), pages);
+        let fresh = Arc::new(std::mem::take(&mut work.map));
         let old = {
             let mut l = self.latest.lock().unwrap_or_else(|e| e.into_inner());
-            let fill_us = t0.elapsed().as_secs_f64() * 1e6;
+            let step_us = work.step_us_max.max(t0.elapsed().as_secs_f64() * 1e6);
             l.version += 1;
             l.taken = Instant::now();
-            l.fill_us_last = fill_us;
-            l.fill_us_max = l.fill_us_max.max(fill_us);
+            l.fill_us_last = step_us;
+            l.fill_us_max = l.fill_us_max.max(step_us);
             std::mem::replace(&mut l.map, fresh)
         };
         if let Ok(buffers) = Arc::try_unwrap(old) {
-            *spare = buffers;
+            work.map = buffers;
         }
     }
 }
@@ -184,7 +238,7 @@ mod tests {
     fn a_read_gets_a_map_taken_after_it_asked() {
         let cell = Arc::new(ConsoleCell::new());
         let mut p = pool();
-        let mut spare = PoolMap::default();
+        let mut work = MapWork::default();
         assert!(!cell.wanted());
         let mut held = Vec::new();
         p.alloc(Owner::new(RequestId(1), TenantId(3)), 2, &mut held)
@@ -199,7 +253,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert!(cell.wanted());
-        cell.refresh(&p, &mut spare);
+        cell.refresh(&p, &mut work, false);
         let s = reader.join().unwrap();
         assert_eq!(s.version, 1);
         assert_eq!(s.map.len(), 6);
@@ -208,8 +262,8 @@ mod tests {
         assert!(s.fill_us_max >= s.fill_us_last && s.fill_us_last > 0.0);
         // A young map is served at once; the buffers come back as spare.
         drop(s);
-        cell.refresh(&p, &mut spare);
-        assert_eq!(spare.len(), 6, "the previous map's buffers are reused");
+        cell.refresh(&p, &mut work, false);
+        assert_eq!(work.map.len(), 6, "the previous map's buffers are reused");
         let s = cell.read(|| panic!("no wake for a fresh map"));
         assert_eq!(s.version, 2);
         assert_eq!(s.map.state[0], PageState::Private);
@@ -233,5 +287,33 @@ mod tests {
         assert!(!cell.claim_wake(), "a second reader sends none");
         cell.wake_done();
         assert!(cell.claim_wake());
+    }
+
+    #[test]
+    fn a_large_pool_is_mapped_a_slice_per_step_or_whole_when_idle() {
+        let shape = KvShape::new(1, 1, 32, 4, DType::F32).unwrap();
+        let pages = 2 * MAP_SLICE_PAGES as u64 + 5;
+        let mut p = Pool::new(shape, pages, PoolOptions::default()).unwrap();
+        let mut held = Vec::new();
+        p.alloc(Owner::new(RequestId(1), TenantId(3)), 4, &mut held)
+            .unwrap();
+        let cell = ConsoleCell::new();
+        let mut work = MapWork::default();
+        // Busy: three steps, the map swapped in at the third only.
+        cell.refresh(&p, &mut work, false);
+        cell.refresh(&p, &mut work, false);
+        assert_eq!(cell.latest().version, 0);
+        assert_eq!(work.map.len(), 2 * MAP_SLICE_PAGES);
+        cell.refresh(&p, &mut work, false);
+        let s = cell.latest();
+        assert_eq!((s.version, s.map.len()), (1, pages as usize));
+        assert_eq!(s.map.counts().private, 4);
+        let mut whole = PoolMap::default();
+        p.map_into(&mut whole);
+        assert_eq!(*s.map, whole);
+        // Idle: whole at once.
+        cell.refresh(&p, &mut work, true);
+        assert_eq!(cell.latest().version, 2);
+        assert_eq!(*cell.latest().map, whole);
     }
 }

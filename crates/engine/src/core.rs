@@ -214,7 +214,11 @@ pub struct Core<F: Forward = Runner> {
     /// The pool map the operator console reads (refilled after a step
     /// only while someone reads it).
     console: Arc<crate::console::ConsoleCell>,
-    console_spare: request::console::PoolMap,
+    console_work: crate::console::MapWork,
+    /// The unified loop maps a large pool a slice at a time even when
+    /// idle, polling for commands between slices; a PD node's loop (which
+    /// wakes only every 250 ms when idle) maps it whole when idle.
+    console_slices_when_idle: bool,
     /// The keyed hash of prefix-cache keys: a per-process random SipHash
     /// key, so no one can craft two prefixes with one key.
     prefix_keys: kv::PrefixKeys,
@@ -257,7 +261,8 @@ impl<F: Forward> Core<F> {
             waiting_count,
             shutdown: None,
             console: Arc::new(crate::console::ConsoleCell::new()),
-            console_spare: request::console::PoolMap::default(),
+            console_work: crate::console::MapWork::default(),
+            console_slices_when_idle: false,
             prefix_keys: kv::PrefixKeys::random(),
             #[cfg(feature = "fault-incident")]
             global_scope: {
@@ -285,15 +290,23 @@ impl<F: Forward> Core<F> {
     }
 
     pub(crate) fn run(mut self, rx: Receiver<Command>) {
+        self.console_slices_when_idle = true;
         loop {
-            // Intake: block when idle, otherwise take what is there.
+            // Intake: block when idle, otherwise take what is there. A
+            // console map half taken is finished first, a slice per turn,
+            // with commands taken between slices (no request waits for
+            // more than a slice).
             if self.running.is_empty() && !self.has_work() {
                 if self.shutdown.is_some() {
                     break;
                 }
-                match rx.recv() {
-                    Ok(cmd) => self.command(cmd),
-                    Err(_) => break,
+                // (Only while wanted: a map nobody reads any more is not
+                // finished, and the thread blocks.)
+                if !(self.console_work.in_progress() && self.console.wanted()) {
+                    match rx.recv() {
+                        Ok(cmd) => self.command(cmd),
+                        Err(_) => break,
+                    }
                 }
             }
             loop {
@@ -391,7 +404,11 @@ impl<F: Forward> Core<F> {
         }
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.local.clone();
         if self.console.wanted() {
-            self.console.refresh(&self.pool, &mut self.console_spare);
+            // A PD node's idle loop: no step to hold up, the whole map.
+            let whole =
+                !self.console_slices_when_idle && self.running.is_empty() && !self.has_work();
+            self.console
+                .refresh(&self.pool, &mut self.console_work, whole);
         }
     }
 

@@ -1390,13 +1390,27 @@ impl Pool {
     /// layer's count is the slots written in every layer). Reads only
     /// metadata, never page memory: no prompt's K/V can reach the map.
     pub fn map_into(&self, out: &mut request::console::PoolMap) {
-        use request::console::PageState;
         out.clear();
         out.reserve(self.meta.len());
+        self.map_range_into(out, 0..self.meta.len());
+    }
+
+    /// [`Pool::map_into`] for the pages `range` (clamped to the pool),
+    /// appended to `out`: a large pool's map can be taken a slice per
+    /// engine step (`engine::console`), so no step waits for all of it.
+    pub fn map_range_into(
+        &self,
+        out: &mut request::console::PoolMap,
+        range: std::ops::Range<usize>,
+    ) {
+        use request::console::PageState;
         out.page_size_tokens = self.shape.page_size as u32;
         let layers = self.shape.layers;
         let poisons = self.options.poison != Poison::Off;
-        for (i, m) in self.meta.iter().enumerate() {
+        let end = range.end.min(self.meta.len());
+        let start = range.start.min(end);
+        for (i, m) in self.meta[start..end].iter().enumerate() {
+            let i = start + i;
             let (state, who, request) = if !m.allocated() {
                 let state = if m.epoch > 0 && poisons {
                     PageState::Poisoned

@@ -1070,3 +1070,21 @@ fn console_map_calls_free_pages_free_when_nothing_poisons_them() {
     p.map_into(&mut map);
     assert_eq!(map.state, vec![request::console::PageState::Free; 2]);
 }
+
+#[test]
+fn console_map_in_slices_is_the_whole_map() {
+    let mut p = pool(Faults::default());
+    let a = alloc(&mut p, ALICE, 3);
+    fill_page(&mut p, a[1], ALICE, 1.0, 3);
+    p.free(a[2], ALICE).unwrap();
+    let mut whole = request::console::PoolMap::default();
+    p.map_into(&mut whole);
+    let mut sliced = request::console::PoolMap::default();
+    for start in (0..8).step_by(3) {
+        p.map_range_into(&mut sliced, start..start + 3);
+    }
+    assert_eq!(sliced, whole);
+    // Out of range: clamped, nothing appended.
+    p.map_range_into(&mut sliced, 8..100);
+    assert_eq!(sliced.len(), 8);
+}

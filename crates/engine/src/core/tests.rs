@@ -1253,3 +1253,41 @@ fn the_console_sees_a_requests_pages_while_it_runs_and_freed_after_cancel() {
         .all(|&i| after.grid.state.as_bytes()[i] == b'p' && after.grid.who[i] == u64::MAX));
     assert!(after.snapshot_us_max >= after.snapshot_us_last);
 }
+
+/// An idle engine thread maps a pool larger than one slice a slice at a
+/// time, taking commands between slices, and a read still gets it whole.
+#[test]
+fn the_console_gets_a_large_pool_whole_from_an_idle_engine_in_slices() {
+    let pages = 2 * crate::console::MAP_SLICE_PAGES as u64 + 5;
+    let cfg = EngineConfig {
+        page_size_tokens: PAGE_SIZE,
+        kv_pages: Some(pages),
+        max_context: Some(64),
+        step_tokens: 64,
+        max_running: 4,
+        max_queue: 16,
+        prefix_cache: PrefixCache::Off,
+        ..EngineConfig::default()
+    };
+    let engine = crate::Engine::start_with(HashModel::new(64, 300), tokenizer(), cfg).unwrap();
+    let v = engine.console_view();
+    assert_eq!(v.grid.pages_total, pages);
+    assert_eq!(v.counts.free, pages);
+    // A request submitted meanwhile runs as usual.
+    let prompt: Vec<u32> = (0..8).map(|i| byte_token(b'A' + i)).collect();
+    let mut h = engine
+        .submit(GenRequest::greedy(TenantId(7), prompt, 4))
+        .unwrap();
+    let mut tokens = 0;
+    while let Some(ev) = h.blocking_next() {
+        match ev {
+            Event::Token(_) => tokens += 1,
+            Event::Done(_) => break,
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(tokens, 4);
+    let v = engine.console_view();
+    assert_eq!(v.counts.free + v.counts.poisoned, pages);
+    assert_eq!(v.counts.poisoned, 3);
+}
