@@ -560,9 +560,23 @@ async fn no_console_payload_carries_a_prompt_a_key_or_a_scope() {
         assert_eq!(s, StatusCode::OK, "{v}");
     }
     wait_idle(&app).await;
-    let (s, _, last) = get_auth(&app, "/console/snapshot", op.clone()).await;
-    assert_eq!(s, StatusCode::OK);
-    payloads.push(last.clone());
+    // A map taken while they ran may still be young enough to be served:
+    // ask until one shows no page held (bounded).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let last = loop {
+        let (s, _, last) = get_auth(&app, "/console/snapshot", op.clone()).await;
+        assert_eq!(s, StatusCode::OK);
+        let v: Value = serde_json::from_str(&last).expect("json");
+        let idle = !v["nodes"][0]["state"]
+            .as_str()
+            .expect("state")
+            .contains(['o', 'l', 'r']);
+        payloads.push(last.clone());
+        if idle || Instant::now() > deadline {
+            break last;
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    };
 
     let id_runs: Vec<String> = ids
         .windows(3)
