@@ -18,6 +18,16 @@ const QTYPES: [WeightType; 8] = [
     WeightType::Q6_K,
 ];
 
+/// A format added to `WeightType::ALL` is tested here too.
+#[test]
+fn qtypes_are_every_quantised_type() {
+    let all: Vec<WeightType> = WeightType::ALL
+        .into_iter()
+        .filter(|t| t.is_quantized())
+        .collect();
+    assert_eq!(QTYPES.to_vec(), all);
+}
+
 /// `cols` if `ty` can have rows of that length, else the next multiple of
 /// its block (K-quant super-blocks are 256 weights).
 fn fit(ty: WeightType, cols: usize) -> usize {
