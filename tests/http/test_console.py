@@ -152,6 +152,8 @@ def test_console_shows_a_requests_pages_in_its_tenants_colour_and_frees_them(tmp
             assert mine.count() >= 1500 // 16, mine.count()
             colours = set(mine.evaluate_all("cs => cs.map(c => getComputedStyle(c).backgroundColor)"))
             assert colours == {alice}, colours
+            # The tenant's held pages, counted over the pool, are its cells.
+            assert page.locator('tr[data-tenant="alice"] .pages').text_content() == str(mine.count())
             title = mine.first.get_attribute("title")
             assert "alice" in title and "request" in title and "epoch" in title, title
             page.wait_for_function(

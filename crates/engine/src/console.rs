@@ -215,6 +215,7 @@ pub fn node_view(
         role: role.into(),
         grid: snap.map.grid(request::console::GRID_CELLS_MAX),
         counts: snap.map.counts(),
+        held: snap.map.held_by_tenant(),
         safety: request::console::pool_safety(pool),
         transfers,
         snapshot_us_last: snap.fill_us_last,

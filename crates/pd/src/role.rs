@@ -282,18 +282,13 @@ impl PdNode {
     pub fn console_view(&self) -> request::console::NodeView {
         use request::console::SafetyCounter;
         let snap = self.console.read(|| {});
-        let s = self.stats();
+        let mut s = self.stats();
+        let transfers = std::mem::take(&mut s.transfers);
         let role = match self.role {
             PdRole::Prefill => "prefill",
             PdRole::Decode => "decode",
         };
-        let mut v = engine::console::node_view(
-            &self.name,
-            role,
-            &snap,
-            &s.engine.pool,
-            s.transfers.clone(),
-        );
+        let mut v = engine::console::node_view(&self.name, role, &snap, &s.engine.pool, transfers);
         let mut push = |name: &str, value: u64| {
             v.safety.push(SafetyCounter {
                 name: format!("transfer_{name}"),

@@ -70,15 +70,18 @@ impl PageState {
         }
     }
 
-    pub const fn name(self) -> &'static str {
-        match self {
-            PageState::Free => "free",
-            PageState::Poisoned => "poisoned",
-            PageState::Cached => "cached",
-            PageState::Private => "private",
-            PageState::Leased => "leased",
-            PageState::ReleasePending => "release_pending",
-        }
+    /// The state of a grid letter ([`PageState::code`]), if it is one.
+    pub fn from_code(c: char) -> Option<PageState> {
+        PageState::ALL.into_iter().find(|s| s.code() == c)
+    }
+
+    /// Held by a request or a transfer (a tenant's pages): private,
+    /// leased or pending release.
+    pub const fn is_held(self) -> bool {
+        matches!(
+            self,
+            PageState::Private | PageState::Leased | PageState::ReleasePending
+        )
     }
 }
 
@@ -167,6 +170,20 @@ impl PoolMap {
         c
     }
 
+    /// Pages each tenant holds ([`PageState::is_held`]), by tenant id in
+    /// ascending order: exact, where a grid of grouped pages is not.
+    pub fn held_by_tenant(&self) -> Vec<TenantPages> {
+        let mut by: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
+        for (s, &w) in self.state.iter().zip(&self.who) {
+            if s.is_held() {
+                *by.entry(w).or_default() += 1;
+            }
+        }
+        by.into_iter()
+            .map(|(tenant, pages)| TenantPages { tenant, pages })
+            .collect()
+    }
+
     /// The map in at most `cells_max` cells (at least one page a cell):
     /// each cell shows the page of highest [`PageState`] precedence in its
     /// group (the first such), so a leased or pending page is never hidden
@@ -218,6 +235,13 @@ pub struct PoolGrid {
     pub written: Vec<u16>,
 }
 
+/// Pages a tenant holds on a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantPages {
+    pub tenant: u64,
+    pub pages: u64,
+}
+
 /// One transfer a node has in flight.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransferView {
@@ -249,6 +273,9 @@ pub struct NodeView {
     pub role: String,
     pub grid: PoolGrid,
     pub counts: StateCounts,
+    /// Pages each tenant holds (counted over every page, not the grid).
+    #[serde(default)]
+    pub held: Vec<TenantPages>,
     pub safety: Vec<SafetyCounter>,
     pub transfers: Vec<TransferView>,
     /// How long the pool's owner spent taking the last map, and the
@@ -318,6 +345,42 @@ mod tests {
         assert_eq!(g.pages_per_cell, 3);
         assert_eq!(g.state.len(), 13_334);
         assert_eq!(g.pages_total, 40_001);
+    }
+
+    #[test]
+    fn held_pages_are_counted_per_tenant_over_every_page() {
+        use PageState::*;
+        let mut m = PoolMap::new(16);
+        for (s, w) in [
+            (Private, 7),
+            (Leased, 7),
+            (ReleasePending, 9),
+            (Cached, 7),
+            (Free, 7),
+        ] {
+            m.push(s, 1, w, 1, 0);
+        }
+        let held = m.held_by_tenant();
+        assert_eq!(
+            held,
+            vec![
+                TenantPages {
+                    tenant: 7,
+                    pages: 2
+                },
+                TenantPages {
+                    tenant: 9,
+                    pages: 1
+                }
+            ]
+        );
+        // A grid of two pages a cell would have shown tenant 7 twice over.
+        assert_eq!(m.grid(3).pages_per_cell, 2);
+        assert_eq!(PageState::from_code('l'), Some(Leased));
+        assert_eq!(PageState::from_code('x'), None);
+        assert!(PageState::ALL
+            .iter()
+            .all(|&s| PageState::from_code(s.code()) == Some(s)));
     }
 
     #[test]

@@ -61,7 +61,7 @@ pub(crate) struct ConsoleState {
     history: Mutex<VecDeque<Sample>>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Sample {
     t_ms: u64,
     /// `node/counter` → value.
@@ -378,11 +378,10 @@ impl Labels {
 /// the known letters (anything else shows as free). Truncates to the
 /// shortest column and to [`GRID_CELLS_MAX`] cells.
 fn consistent(mut g: request::console::PoolGrid) -> request::console::PoolGrid {
-    let known: Vec<char> = PageState::ALL.iter().map(|s| s.code()).collect();
     let state: String = g
         .state
         .chars()
-        .map(|c| if known.contains(&c) { c } else { '.' })
+        .map(|c| PageState::from_code(c).unwrap_or(PageState::Free).code())
         .collect();
     let n = [
         state.len(),
@@ -415,18 +414,15 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
         for c in &n.safety {
             safety_now.push((n.name.clone(), c.name.clone(), c.value));
         }
+        for h in &n.held {
+            *pages_of.entry(h.tenant).or_default() += h.pages;
+        }
         let g = consistent(n.grid);
-        let per = u64::from(g.pages_per_cell.max(1));
         let label: Vec<i32> = g
             .state
             .chars()
             .zip(&g.who)
-            .map(|(s, &w)| {
-                if matches!(s, 'o' | 'l' | 'r') {
-                    *pages_of.entry(w).or_default() += per;
-                }
-                labels.of_cell(s, w)
-            })
+            .map(|(s, &w)| labels.of_cell(s, w))
             .collect();
         us_max = us_max.max(n.snapshot_us_max);
         out_nodes.push(NodeOut {
@@ -468,63 +464,71 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
         .map(|t| t.activity.tokens_generated.load(Ordering::Relaxed))
         .collect();
 
-    // History: record this poll (spaced, bounded), then read it back.
-    let history: Vec<Sample> = {
+    // History: record this poll (spaced, bounded), then read the rows and
+    // rates from it under the lock (only console polls take it).
+    let (safety, rates, history_t_ms) = {
         let mut h = st.console.history.lock().unwrap_or_else(|e| e.into_inner());
         let due = h
             .back()
             .is_none_or(|s| now_ms >= s.t_ms + SAMPLE_SPACING_MS);
+        let keys: Vec<String> = safety_now
+            .iter()
+            .map(|(n, c, _)| format!("{n}/{c}"))
+            .collect();
         if due {
             if h.len() == HISTORY_MAX {
                 h.pop_front();
             }
             h.push_back(Sample {
                 t_ms: now_ms,
-                safety: safety_now
+                safety: keys
                     .iter()
-                    .map(|(n, c, v)| (format!("{n}/{c}"), *v))
+                    .zip(&safety_now)
+                    .map(|(k, (_, _, v))| (k.clone(), *v))
                     .collect(),
                 tokens: tokens_now.clone(),
             });
         }
-        h.iter().cloned().collect()
+        let safety: Vec<SafetyRow> = safety_now
+            .into_iter()
+            .zip(&keys)
+            .map(|((node, name, value), key)| {
+                let hist: Vec<u64> = h
+                    .iter()
+                    .map(|s| s.safety.get(key).copied().unwrap_or(0))
+                    .collect();
+                let moved = hist.first().is_some_and(|&first| first != value);
+                SafetyRow {
+                    node,
+                    name,
+                    value,
+                    history: hist,
+                    moved,
+                }
+            })
+            .collect();
+        // Rates over the last RATE_WINDOW_MS of history.
+        let base = h
+            .iter()
+            .find(|s| now_ms.saturating_sub(s.t_ms) <= RATE_WINDOW_MS && s.t_ms < now_ms);
+        let rates: Vec<f64> = tokens_now
+            .iter()
+            .enumerate()
+            .map(|(i, &now)| match base {
+                Some(b) => {
+                    let dt = (now_ms - b.t_ms) as f64 / 1e3;
+                    let then = b.tokens.get(i).copied().unwrap_or(0);
+                    now.saturating_sub(then) as f64 / dt
+                }
+                None => 0.0,
+            })
+            .collect();
+        (
+            safety,
+            rates,
+            h.iter().map(|s| s.t_ms).collect::<Vec<u64>>(),
+        )
     };
-
-    let safety: Vec<SafetyRow> = safety_now
-        .into_iter()
-        .map(|(node, name, value)| {
-            let key = format!("{node}/{name}");
-            let hist: Vec<u64> = history
-                .iter()
-                .map(|s| s.safety.get(&key).copied().unwrap_or(0))
-                .collect();
-            let moved = hist.first().is_some_and(|&first| first != value);
-            SafetyRow {
-                node,
-                name,
-                value,
-                history: hist,
-                moved,
-            }
-        })
-        .collect();
-
-    // Rates over the last RATE_WINDOW_MS of history.
-    let base = history
-        .iter()
-        .find(|s| now_ms.saturating_sub(s.t_ms) <= RATE_WINDOW_MS && s.t_ms < now_ms);
-    let rates: Vec<f64> = tokens_now
-        .iter()
-        .enumerate()
-        .map(|(i, &now)| match base {
-            Some(b) => {
-                let dt = (now_ms - b.t_ms) as f64 / 1e3;
-                let then = b.tokens.get(i).copied().unwrap_or(0);
-                now.saturating_sub(then) as f64 / dt
-            }
-            None => 0.0,
-        })
-        .collect();
     let total_rate: f64 = rates.iter().sum();
     let stats = st.engine.stats();
     let engine_tenants = !stats.tenants.is_empty() || st.engine.kv_capacity_tokens().is_some();
@@ -595,7 +599,7 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
         tenants: rows,
         nodes: out_nodes,
         safety,
-        history_t_ms: history.iter().map(|s| s.t_ms).collect(),
+        history_t_ms,
         snapshot_us_max: us_max,
     }
 }
