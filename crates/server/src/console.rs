@@ -538,8 +538,8 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
         .map(|(i, t)| {
             let load = stats.tenants.iter().find(|l| l.tenant == t.id);
             let a = &t.activity;
-            let prompt = a.prompt_tokens.load(Ordering::Relaxed);
-            let cached = a.cached_tokens.load(Ordering::Relaxed);
+            let done = st.metrics.tenant_totals(&t.name);
+            let (prompt, cached) = (done.prompt_tokens, done.cached_tokens);
             TenantRow {
                 name: t.name.clone(),
                 label: labels.by_tenant[&t.id.0],
@@ -563,7 +563,7 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
                 } else {
                     0.0
                 },
-                finished: a.finished.load(Ordering::Relaxed),
+                finished: done.finished,
                 refused: a.refused.load(Ordering::Relaxed),
                 pages: pages_of.get(&t.id.0).copied().unwrap_or(0),
             }

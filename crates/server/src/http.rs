@@ -426,14 +426,6 @@ impl Tracker {
         if let Some(t) = &self.rec.tenant {
             m.tenant_finished(t, &d.usage, d.queue_ms / 1e3);
         }
-        if let Some(t) = &self.tenant {
-            let a = &t.activity;
-            a.prompt_tokens
-                .fetch_add(d.usage.prompt_tokens as u64, Ordering::Relaxed);
-            a.cached_tokens
-                .fetch_add(d.usage.cached_tokens as u64, Ordering::Relaxed);
-            a.finished.fetch_add(1, Ordering::Relaxed);
-        }
         self.rec.cached_tokens = d.usage.cached_tokens;
         // The prompt as the client sent it (tokenised here), not as the
         // backend says it ran it: the two differ only on a server that cut

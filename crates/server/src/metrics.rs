@@ -31,6 +31,14 @@ type Labels = Vec<(&'static str, &'static str)>;
 /// Per-tenant series: bounded by the tenants file (`tenants::TENANTS_MAX`).
 type TenantLabels = Vec<(&'static str, String)>;
 
+/// A tenant's totals of finished requests ([`Metrics::tenant_totals`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TenantTotals {
+    pub finished: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
 /// Request outcomes (`isoserve_requests_total{outcome}`).
 pub const OUTCOMES: [&str; 4] = ["finished", "cancelled", "rejected", "error"];
 
@@ -496,6 +504,19 @@ impl Metrics {
         self.tenant_cached_tokens
             .get_or_create(&labels)
             .inc_by(cached as u64);
+    }
+
+    /// A tenant's finished requests and their prompt and cached tokens so
+    /// far (what `tenant_finished` counted; zeros before the first), for
+    /// the operator console.
+    pub fn tenant_totals(&self, tenant: &str) -> TenantTotals {
+        let labels = vec![("tenant", tenant.to_string())];
+        let get = |f: &Family<TenantLabels, Counter>| f.get(&labels).map_or(0, |c| c.get());
+        TenantTotals {
+            finished: get(&self.tenant_finished),
+            prompt_tokens: get(&self.tenant_prompt_tokens),
+            cached_tokens: get(&self.tenant_cached_tokens),
+        }
     }
 
     pub fn set_inflight(&self, n: usize) {

@@ -108,17 +108,14 @@ pub struct Tenant {
     pub activity: Activity,
 }
 
-/// A tenant's totals since start, for the operator console: counts only,
-/// updated as its requests stream and end.
+/// A tenant's totals since start that `/metrics` does not keep per
+/// tenant, for the operator console: counts only, updated as its requests
+/// stream and are refused (finished requests: `Metrics::tenant_totals`).
 #[derive(Debug, Default)]
 pub struct Activity {
-    /// Tokens streamed to its clients.
+    /// Tokens streamed to its clients (as they stream: `/metrics` counts
+    /// a request's tokens when it finishes).
     pub tokens_generated: std::sync::atomic::AtomicU64,
-    /// Prompt tokens of its finished requests, and how many of them its
-    /// cache scope served (K11).
-    pub prompt_tokens: std::sync::atomic::AtomicU64,
-    pub cached_tokens: std::sync::atomic::AtomicU64,
-    pub finished: std::sync::atomic::AtomicU64,
     /// Its requests refused (limits, bad parameters, a full queue, …).
     pub refused: std::sync::atomic::AtomicU64,
 }
