@@ -283,8 +283,12 @@ def test_console_disaggregated_shows_both_nodes_and_transfers(tmp_root):
 
 def test_console_of_a_standalone_gateway_gathers_the_nodes_named_to_it(tmp_root):
     from test_disaggregated import Gateway, Node
-    p = Node("prefill", tmp_root, "pf-a")
-    d = Node("decode", tmp_root, "dc-a")
+    # Pools of more than one map slice (8192 pages of 2 tokens): an idle
+    # node takes its map a slice at a time and still serves it whole.
+    # (Both nodes: a pair must agree on the page size.)
+    big_pool = ["--kv-memory", "512MiB", "--page-size", "2", "--max-context", "2048"]
+    p = Node("prefill", tmp_root, "pf-a", args=big_pool)
+    d = Node("decode", tmp_root, "dc-a", args=big_pool)
     gw = None
     try:
         metrics = lambda n: n.metrics_url.removeprefix("http://").removesuffix("/metrics")
@@ -295,6 +299,9 @@ def test_console_of_a_standalone_gateway_gathers_the_nodes_named_to_it(tmp_root)
                             "--node-metrics", "gone=127.0.0.1:1"])
         snap = snapshot(gw)
         roles = {n["name"]: n["role"] for n in snap["nodes"]}
+        big = [n for n in snap["nodes"] if n["name"] == "dc-a"][0]
+        assert big["pages_total"] > 8192, big["pages_total"]
+        assert sum(big["counts"].values()) == big["pages_total"], big["counts"]
         # A node that does not answer is listed, not hidden.
         assert roles == {"pf-a": "prefill", "dc-a": "decode", "gone": "unreachable"}, roles
         r = requests.post(gw.url("/v1/completions"), timeout=60,

@@ -8,8 +8,9 @@
 //! pool (`cargo bench -p kv --bench pool -- console`) — and swaps it in
 //! under a lock held only for the swap. Nobody watching, it costs nothing.
 //! A pool of more than [`MAP_SLICE_PAGES`] pages is taken a slice per step
-//! (so no step waits more than one slice, ~60 µs, whatever the pool's size)
-//! and whole when the owner is idle. The longest time a step waited for the
+//! (so no step waits more than one slice, ~60 µs, whatever the pool's size);
+//! an idle owner takes the slices back to back, taking commands between
+//! them. The longest time a step waited for the
 //! map is kept: the console shows what it cost.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -157,10 +158,11 @@ impl ConsoleCell {
     }
 
     /// The owner's side, after a step: maps the next slice of the pool
-    /// (all of it when `whole`: an idle owner holds no step up) and, once
-    /// the map is complete, swaps it in. The previous map's buffers come
-    /// back when no reader holds them (no allocation in the steady state).
-    pub fn refresh(&self, pool: &kv::Pool, work: &mut MapWork, whole: bool) {
+    /// and, once the map is complete, swaps it in (an idle owner takes the
+    /// slices back to back: `Core::console_pending`). The previous map's
+    /// buffers come back when no reader holds them (no allocation in the
+    /// steady state).
+    pub fn refresh(&self, pool: &kv::Pool, work: &mut MapWork) {
         let t0 = Instant::now();
         let pages = pool.pages_total() as usize;
         if work.started.is_some_and(|t| t.elapsed() > MAP_STALE) {
@@ -172,11 +174,7 @@ impl ConsoleCell {
             work.map.reserve(pages);
             work.step_us_max = 0.0;
         }
-        let end = if whole {
-            pages
-        } else {
-            (work.cursor + MAP_SLICE_PAGES).min(pages)
-        };
+        let end = (work.cursor + MAP_SLICE_PAGES).min(pages);
         pool.map_range_into(&mut work.map, work.cursor..end);
         work.cursor = end;
         if end < pages {
@@ -254,7 +252,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert!(cell.wanted());
-        cell.refresh(&p, &mut work, false);
+        cell.refresh(&p, &mut work);
         let s = reader.join().unwrap();
         assert_eq!(s.version, 1);
         assert_eq!(s.map.len(), 6);
@@ -263,7 +261,7 @@ mod tests {
         assert!(s.fill_us_max >= s.fill_us_last && s.fill_us_last > 0.0);
         // A young map is served at once; the buffers come back as spare.
         drop(s);
-        cell.refresh(&p, &mut work, false);
+        cell.refresh(&p, &mut work);
         assert_eq!(work.map.len(), 6, "the previous map's buffers are reused");
         let s = cell.read(|| panic!("no wake for a fresh map"));
         assert_eq!(s.version, 2);
@@ -291,7 +289,7 @@ mod tests {
     }
 
     #[test]
-    fn a_large_pool_is_mapped_a_slice_per_step_or_whole_when_idle() {
+    fn a_large_pool_is_mapped_a_slice_per_step() {
         let shape = KvShape::new(1, 1, 32, 4, DType::F32).unwrap();
         let pages = 2 * MAP_SLICE_PAGES as u64 + 5;
         let mut p = Pool::new(shape, pages, PoolOptions::default()).unwrap();
@@ -301,19 +299,21 @@ mod tests {
         let cell = ConsoleCell::new();
         let mut work = MapWork::default();
         // Busy: three steps, the map swapped in at the third only.
-        cell.refresh(&p, &mut work, false);
-        cell.refresh(&p, &mut work, false);
+        cell.refresh(&p, &mut work);
+        cell.refresh(&p, &mut work);
         assert_eq!(cell.latest().version, 0);
         assert_eq!(work.map.len(), 2 * MAP_SLICE_PAGES);
-        cell.refresh(&p, &mut work, false);
+        cell.refresh(&p, &mut work);
         let s = cell.latest();
         assert_eq!((s.version, s.map.len()), (1, pages as usize));
         assert_eq!(s.map.counts().private, 4);
         let mut whole = PoolMap::default();
         p.map_into(&mut whole);
         assert_eq!(*s.map, whole);
-        // Idle: whole at once.
-        cell.refresh(&p, &mut work, true);
+        // The next map starts over and is whole again after three slices.
+        for _ in 0..3 {
+            cell.refresh(&p, &mut work);
+        }
         assert_eq!(cell.latest().version, 2);
         assert_eq!(*cell.latest().map, whole);
     }

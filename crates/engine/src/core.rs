@@ -215,10 +215,6 @@ pub struct Core<F: Forward = Runner> {
     /// only while someone reads it).
     console: Arc<crate::console::ConsoleCell>,
     console_work: crate::console::MapWork,
-    /// The unified loop maps a large pool a slice at a time even when
-    /// idle, polling for commands between slices; a PD node's loop (which
-    /// wakes only every 250 ms when idle) maps it whole when idle.
-    console_slices_when_idle: bool,
     /// The keyed hash of prefix-cache keys: a per-process random SipHash
     /// key, so no one can craft two prefixes with one key.
     prefix_keys: kv::PrefixKeys,
@@ -262,7 +258,6 @@ impl<F: Forward> Core<F> {
             shutdown: None,
             console: Arc::new(crate::console::ConsoleCell::new()),
             console_work: crate::console::MapWork::default(),
-            console_slices_when_idle: false,
             prefix_keys: kv::PrefixKeys::random(),
             #[cfg(feature = "fault-incident")]
             global_scope: {
@@ -290,7 +285,6 @@ impl<F: Forward> Core<F> {
     }
 
     pub(crate) fn run(mut self, rx: Receiver<Command>) {
-        self.console_slices_when_idle = true;
         loop {
             // Intake: block when idle, otherwise take what is there. A
             // console map half taken is finished first, a slice per turn,
@@ -300,9 +294,7 @@ impl<F: Forward> Core<F> {
                 if self.shutdown.is_some() {
                     break;
                 }
-                // (Only while wanted: a map nobody reads any more is not
-                // finished, and the thread blocks.)
-                if !(self.console_work.in_progress() && self.console.wanted()) {
+                if !self.console_pending() {
                     match rx.recv() {
                         Ok(cmd) => self.command(cmd),
                         Err(_) => break,
@@ -404,12 +396,15 @@ impl<F: Forward> Core<F> {
         }
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.local.clone();
         if self.console.wanted() {
-            // A PD node's idle loop: no step to hold up, the whole map.
-            let whole =
-                !self.console_slices_when_idle && self.running.is_empty() && !self.has_work();
-            self.console
-                .refresh(&self.pool, &mut self.console_work, whole);
+            self.console.refresh(&self.pool, &mut self.console_work);
         }
+    }
+
+    /// A console map is half taken and still wanted: an idle loop must not
+    /// block before its next slice (a map nobody reads any more is left,
+    /// and the thread blocks).
+    pub fn console_pending(&self) -> bool {
+        self.console_work.in_progress() && self.console.wanted()
     }
 
     /// The cell the console reads this core's pool map from.

@@ -595,7 +595,14 @@ impl NodeLoop {
             // Block while idle; poll while a batch runs. The timeout bounds
             // how long stats and the load report can go stale.
             if self.engine().core.running() == 0 {
-                match rx.recv_timeout(LOAD_REPORT_INTERVAL) {
+                // A console map half taken: its next slice first (commands
+                // still taken between slices).
+                let wait = if self.engine().core.console_pending() {
+                    Duration::ZERO
+                } else {
+                    LOAD_REPORT_INTERVAL
+                };
+                match rx.recv_timeout(wait) {
                     Ok(Some(ev)) => self.handle(ev),
                     Ok(None) | Err(RecvTimeoutError::Disconnected) => break,
                     Err(RecvTimeoutError::Timeout) => {}
