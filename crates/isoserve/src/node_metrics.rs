@@ -232,24 +232,24 @@ impl<B: Backend> Backend for WithNodeMetrics<B> {
                 .map(|(name, addr)| (name, sc.spawn(move || fetch_console(*addr))))
                 .collect();
             asks.into_iter()
-                .map(|(name, ask)| match ask.join() {
-                    Ok(Ok(mut v)) => {
-                        v.name = name.clone();
-                        v
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!(node = %name, "node console unavailable: {e}");
-                        NodeView {
+                .map(|(name, ask)| {
+                    let fetched = ask
+                        .join()
+                        .unwrap_or_else(|_| Err("the fetch panicked".into()));
+                    match fetched {
+                        Ok(v) => NodeView {
                             name: name.clone(),
-                            role: "unreachable".into(),
-                            ..NodeView::default()
+                            ..v
+                        },
+                        Err(e) => {
+                            tracing::warn!(node = %name, "node console unavailable: {e}");
+                            NodeView {
+                                name: name.clone(),
+                                role: "unreachable".into(),
+                                ..NodeView::default()
+                            }
                         }
                     }
-                    Err(_) => NodeView {
-                        name: name.clone(),
-                        role: "unreachable".into(),
-                        ..NodeView::default()
-                    },
                 })
                 .collect()
         })
