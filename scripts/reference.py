@@ -13,8 +13,9 @@ usage: reference.py MODEL.gguf IDS_JSON OUT_BIN [--q8-activations]
   IDS_JSON: a JSON list of token ids (one sequence).
   OUT_BIN:  written as little-endian f32, shape (len(ids), vocab).
   --q8-activations: round every matmul input to 8-bit blocks of 32
-      (d = max|x|/127, q = round-half-even(x/d)), the scheme the engine and
-      llama.cpp use, to separate kernel error from quantisation error.
+      (d = max|x|/127, q = round-half-even(x/d)), or of 256 when the weight
+      is a K-quant (Q4_K/Q5_K/Q6_K), the scheme the engine and llama.cpp
+      use, to separate kernel error from quantisation error.
 """
 import json
 import sys
@@ -91,10 +92,11 @@ def main():
             out[..., h:] = a * s + bb * c
         return out
 
-    def qa(v):  # optional activation quantisation, per row, blocks of 32
+    def qa(v, name):  # optional activation quantisation of the input of `name`
         if not q8:
             return v
-        b = v.reshape(v.shape[0], -1, 32).astype(np.float32)
+        k_quant = tensors[name].tensor_type.name in ("Q4_K", "Q5_K", "Q6_K")
+        b = v.reshape(v.shape[0], -1, 256 if k_quant else 32).astype(np.float32)
         d = np.abs(b).max(axis=-1, keepdims=True) / 127.0
         inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1), 0).astype(np.float32)
         q = np.clip(np.round(b * inv), -127, 127)
@@ -114,9 +116,9 @@ def main():
         p = f"blk.{l}."
         b = base_swa if swa[l] else base
         h = rmsnorm(x, w(p + "attn_norm.weight"))
-        q = (qa(h) @ w(p + "attn_q.weight").T + bias(p + "attn_q.bias")).reshape(n, n_head, head_dim)
-        k = (qa(h) @ w(p + "attn_k.weight").T + bias(p + "attn_k.bias")).reshape(n, n_kv, head_dim)
-        v = (qa(h) @ w(p + "attn_v.weight").T + bias(p + "attn_v.bias")).reshape(n, n_kv, head_dim)
+        q = (qa(h, p + "attn_q.weight") @ w(p + "attn_q.weight").T + bias(p + "attn_q.bias")).reshape(n, n_head, head_dim)
+        k = (qa(h, p + "attn_k.weight") @ w(p + "attn_k.weight").T + bias(p + "attn_k.bias")).reshape(n, n_kv, head_dim)
+        v = (qa(h, p + "attn_v.weight") @ w(p + "attn_v.weight").T + bias(p + "attn_v.bias")).reshape(n, n_kv, head_dim)
         if p + "attn_q_norm.weight" in tensors:
             q = rmsnorm(q, w(p + "attn_q_norm.weight"))
             k = rmsnorm(k, w(p + "attn_k_norm.weight"))
@@ -129,21 +131,21 @@ def main():
             s = np.exp(s - s.max(axis=1, keepdims=True))
             s /= s.sum(axis=1, keepdims=True)
             att[:, hd, :] = s @ v[:, kv, :]
-        o = qa(att.reshape(n, n_head * head_dim)) @ w(p + "attn_output.weight").T
+        o = qa(att.reshape(n, n_head * head_dim), p + "attn_output.weight") @ w(p + "attn_output.weight").T
         if gemma:
             o = rmsnorm(o, w(p + "post_attention_norm.weight"))
         x = x + o
         h = rmsnorm(x, w(p + "ffn_norm.weight"))
-        g = qa(h) @ w(p + "ffn_gate.weight").T
-        u = qa(h) @ w(p + "ffn_up.weight").T
+        g = qa(h, p + "ffn_gate.weight") @ w(p + "ffn_gate.weight").T
+        u = qa(h, p + "ffn_up.weight") @ w(p + "ffn_up.weight").T
         act = gelu(g) if gemma else g / (1 + np.exp(-g))
-        o = qa(act * u) @ w(p + "ffn_down.weight").T
+        o = qa(act * u, p + "ffn_down.weight") @ w(p + "ffn_down.weight").T
         if gemma:
             o = rmsnorm(o, w(p + "post_ffw_norm.weight"))
         x = x + o
     x = rmsnorm(x, w("output_norm.weight"))
-    out_w = w("output.weight") if "output.weight" in tensors else emb
-    logits = qa(x) @ out_w.T
+    out_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    logits = qa(x, out_name) @ w(out_name).T
     logits.astype("<f4").tofile(out_path)
 
 

@@ -31,6 +31,11 @@
 //! `d·sc_j` is exact (an f16 significand times a 6-bit integer fits in
 //! f32's), so folding the sub-block scale into `dw` loses nothing; Q6_K's
 //! signed 8-bit scales stay in the integer sum, where they are exact too.
+//!
+//! That form defines dequantisation. K-quant *matmuls* use the integer form
+//! of a whole super-block instead ([`kblock32`], [`ksuper`]), with the
+//! activations' 256-column form: scales and minimums stay integers until one
+//! float step per super-block.
 
 use crate::formats::{f16_at, WeightType, QK, QK_K};
 
@@ -124,8 +129,76 @@ pub(crate) fn block32(ty: WeightType, row: &[u8], b: usize) -> Block32 {
             }
         }
         WeightType::Q4_K | WeightType::Q5_K => {
-            let (sb, j) = (b / 8, b % 8);
-            let blk = &row[sb * bb..(sb + 1) * bb];
+            let k = kblock32(ty, row, b);
+            let (d, mneg) = ksuper(ty, row, b / 8);
+            // d·sc is exact (see the module docs); −(dmin·m) = (−dmin)·m.
+            Block32 {
+                codes: k.codes,
+                dw: d * k.sc[0] as f32,
+                mw: Some(mneg * k.m as f32),
+                sc: [1, 1],
+            }
+        }
+        WeightType::Q6_K => {
+            let k = kblock32(ty, row, b);
+            Block32 {
+                codes: k.codes,
+                dw: ksuper(ty, row, b / 8).0,
+                mw: None,
+                sc: k.sc,
+            }
+        }
+        WeightType::F32 | WeightType::F16 => unreachable!("{} is not block-quantised", ty.name()),
+    }
+}
+
+/// Block `b` (of 8 per super-block) of a K-quant row in the integer form
+/// of the super-block dot product (see [`ksuper`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KBlock {
+    /// Q4_K/Q5_K: the unsigned code (0..15 / 0..31); Q6_K: `q − 32`.
+    pub codes: [i8; QK],
+    /// The two 16-weight halves' integer scales (Q4_K/Q5_K: the 6-bit
+    /// sub-block scale twice).
+    pub sc: [i32; 2],
+    /// Q4_K/Q5_K: the 6-bit sub-block minimum; Q6_K: 0.
+    pub m: i32,
+}
+
+/// Super-block `sb`'s float factors: `(d, −dmin)` (Q6_K: `(d, 0)`), so that
+///
+/// ```text
+/// w[j] = d·sc·codes[j] + (−dmin)·m
+/// ```
+///
+/// and a super-block's dot product with 256-column activations (`qx`, scale
+/// `dx`, per-32 sums `S`) is
+///
+/// ```text
+/// sumi = Σ_blocks Σ_halves sc·Σ codes·qx        // exact i32
+/// summ = Σ_blocks m·S                           // exact i32
+/// acc  = fma(sumi as f32, d · dx, acc)
+/// acc  = fma(summ as f32, (−dmin) · dx, acc)    // Q4_K, Q5_K
+/// ```
+#[inline(always)]
+pub(crate) fn ksuper(ty: WeightType, row: &[u8], sb: usize) -> (f32, f32) {
+    let bb = ty.block_bytes();
+    let blk = &row[sb * bb..(sb + 1) * bb];
+    match ty {
+        WeightType::Q6_K => (f16_at(blk, 208), 0.0),
+        _ => (f16_at(blk, 0), -f16_at(blk, 2)),
+    }
+}
+
+/// Block `b` of a K-quant row (`ty` is Q4_K, Q5_K or Q6_K).
+#[inline(always)]
+pub(crate) fn kblock32(ty: WeightType, row: &[u8], b: usize) -> KBlock {
+    let mut codes = [0i8; QK];
+    let bb = ty.block_bytes();
+    let (sb, j) = (b / 8, b % 8);
+    let blk = &row[sb * bb..(sb + 1) * bb];
+    match ty {
+        WeightType::Q4_K | WeightType::Q5_K => {
             let (sc, m) = scale_min_k4(&blk[4..16], j);
             let (qh, qs) = if ty == WeightType::Q5_K {
                 (Some(&blk[16..48]), &blk[48..176])
@@ -141,16 +214,13 @@ pub(crate) fn block32(ty: WeightType, row: &[u8], b: usize) -> Block32 {
                 }
                 *c = q as i8;
             }
-            Block32 {
+            KBlock {
                 codes,
-                dw: f16_at(blk, 0) * f32::from(sc),
-                mw: Some(-(f16_at(blk, 2) * f32::from(m))),
-                sc: [1, 1],
+                sc: [i32::from(sc); 2],
+                m: i32::from(m),
             }
         }
         WeightType::Q6_K => {
-            let (sb, j) = (b / 8, b % 8);
-            let blk = &row[sb * bb..(sb + 1) * bb];
             let (half, run) = (j / 4, j % 4);
             let ql = &blk[64 * half + 32 * (run % 2)..][..32];
             let qh = &blk[128 + 32 * half..][..32];
@@ -161,15 +231,24 @@ pub(crate) fn block32(ty: WeightType, row: &[u8], b: usize) -> Block32 {
             }
             let scales = &blk[192..208];
             let s0 = 8 * half + 2 * run;
-            Block32 {
+            KBlock {
                 codes,
-                dw: f16_at(blk, 208),
-                mw: None,
                 sc: [i32::from(scales[s0] as i8), i32::from(scales[s0 + 1] as i8)],
+                m: 0,
             }
         }
-        WeightType::F32 | WeightType::F16 => unreachable!("{} is not block-quantised", ty.name()),
+        _ => unreachable!("{} is not a K-quant", ty.name()),
     }
+}
+
+/// The exact integer part of a K-quant block's dot product:
+/// `sc[0]·Σ_{j<16} codes·qx + sc[1]·Σ_{j≥16} codes·qx`.
+#[inline(always)]
+pub(crate) fn kblock_isum(blk: &KBlock, qx: &[i8]) -> i32 {
+    let half = |r: std::ops::Range<usize>| -> i32 {
+        r.map(|j| i32::from(blk.codes[j]) * i32::from(qx[j])).sum()
+    };
+    blk.sc[0] * half(0..16) + blk.sc[1] * half(16..32)
 }
 
 /// The exact integer part of the canonical block dot product.

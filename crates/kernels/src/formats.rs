@@ -72,6 +72,13 @@ impl WeightType {
         }
     }
 
+    /// Whether the type is a K-quant (256-weight super-blocks with integer
+    /// sub-block scales). Its matmuls take the activations' 256-column form
+    /// ([`crate::ActForms::super256`]).
+    pub const fn is_k_quant(self) -> bool {
+        matches!(self, WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K)
+    }
+
     /// Whether the type is block-quantised (usable with [`crate::matmul`]).
     pub const fn is_quantized(self) -> bool {
         !matches!(self, WeightType::F32 | WeightType::F16)

@@ -27,9 +27,14 @@
 //! As in llama.cpp, activations are quantised per row into Q8 blocks of 32
 //! ([`QuantizedActivations`]: `d = max|x|/127`, `q = round(x/d)`, plus the
 //! per-block sum of `q` for the `m` term of Q4_1 and the offsets of Q4_0), and
-//! each block dot product is an exact integer. [`matmul`] handles the
-//! quantised weight types; F32/F16 (and, slowly, any type) take `f32`
-//! activations through [`matmul_f32`].
+//! each block dot product is an exact integer. K-quant weights take a second
+//! form of the same rows, blocks of 256 (llama.cpp's `Q8_K`; [`ActForms`]):
+//! with one activation scale per super-block, the sub-blocks' integer scales
+//! and minimums stay in the exact integer sum and one float step serves 256
+//! weights instead of 32 (Q4_K 1.2–1.3×, Q6_K 1.5× faster in prefill than
+//! with per-32 activations). [`matmul`] handles the quantised weight types;
+//! F32/F16 (and, slowly, any type) take `f32` activations through
+//! [`matmul_f32`].
 //!
 //! # Kernel levels
 //!
@@ -71,7 +76,15 @@
 //! ```
 //!
 //! (`qw` is the signed code `q − 8` for Q4_0, the unsigned nibble for Q4_1,
-//! the signed byte for Q8_0.) SIMD kernels vectorise across weight rows —
+//! the signed byte for Q8_0.) K-quants follow the same pattern per 256-weight
+//! super-block `s` with the 256-column activations:
+//!
+//! ```text
+//! for s in 0..cols/256 (in order):
+//!     sumi = Σ_sub sc·Σ_j qw[j]·qx[j];  summ = Σ_sub m·Σ qx     // exact i32
+//!     acc  = fma(sumi as f32, d_w[s] * d_x[s], acc)
+//!     acc  = fma(summ as f32, (−dmin_w[s]) * d_x[s], acc)      // Q4_K, Q5_K
+//! ``` SIMD kernels vectorise across weight rows —
 //! never across the blocks of one dot product — so lane arithmetic is the
 //! scalar arithmetic. Consequently `out[i * rows + r]` is **bitwise**
 //! identical whatever the batch size `n`, the position `i` of the row in the
@@ -137,4 +150,4 @@ pub use formats::{dequantize_row, quantize_row, ShapeError, WeightMatrix, Weight
 pub use level::{KernelLevel, KERNEL_ENV};
 pub use matmul::{matmul, matmul_f32, matmul_f32_with_level, matmul_with_level, reference_dot};
 pub use pool::{default_threads, split_range, ThreadPool, THREADS_ENV};
-pub use quant::{Q8Row, QuantizedActivations};
+pub use quant::{ActForms, Q8KRow, Q8Row, QuantizedActivations};

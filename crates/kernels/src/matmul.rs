@@ -6,9 +6,10 @@ use crate::level::KernelLevel;
 use crate::pool::ThreadPool;
 use crate::quant::QuantizedActivations;
 
-/// `out[i * w.rows + r] = dot(x_i, w_r)` for quantised weights (Q4_0, Q4_1,
-/// Q8_0) and Q8-quantised activations, using the process-wide
-/// [`KernelLevel::active`] level and all threads of `pool`.
+/// `out[i * w.rows + r] = dot(x_i, w_r)` for quantised weights (every
+/// block-quantised [`WeightType`]) and Q8-quantised activations (which must
+/// hold the form the type needs, see [`crate::ActForms`]), using the
+/// process-wide [`KernelLevel::active`] level and all threads of `pool`.
 ///
 /// `out.len()` must be `x.n_rows() * w.rows` and `x.cols() == w.cols`.
 /// The value of each output element depends only on the weight row and the
@@ -21,7 +22,8 @@ pub fn matmul(pool: &ThreadPool, w: WeightMatrix<'_>, x: &QuantizedActivations, 
 /// [`matmul`] at an explicit kernel level (for tests and benchmarks).
 ///
 /// Panics if `level` is not supported by this CPU, if the weight type is not
-/// quantised (use [`matmul_f32`]) or if the shapes disagree.
+/// quantised (use [`matmul_f32`]), if the activations lack the form it
+/// needs or if the shapes disagree.
 pub fn matmul_with_level(
     pool: &ThreadPool,
     level: KernelLevel,
@@ -69,8 +71,28 @@ pub fn matmul_with_level(
         "matmul: rows too long ({} bytes)",
         w.row_bytes()
     );
+    assert!(
+        x.has_form_for(w.ty),
+        "matmul: {} weights need the activations' {} form, which was not computed (see ActForms)",
+        w.ty.name(),
+        if w.ty.is_k_quant() {
+            "256-column"
+        } else {
+            "32-column"
+        }
+    );
     let (qs, d, s, sums) = x.parts();
-    let acts = ActParts { n, qs, d, s, sums };
+    let (kqs, kd, ksums) = x.k_parts();
+    let acts = ActParts {
+        n,
+        qs,
+        d,
+        s,
+        sums,
+        kqs,
+        kd,
+        ksums,
+    };
     let n_panels = w.rows.div_ceil(kernels::panel_rows(level));
     let outp = OutPtr(out.as_mut_ptr());
     // Up to ~8 activation rows are memory-bound: one contiguous range per thread

@@ -1,7 +1,9 @@
 //! Activation quantisation to Q8 blocks of 32 (llama.cpp's `Q8_0`/`Q8_1`
-//! activations, with the scale kept in `f32`).
+//! activations, with the scale kept in `f32`) and, for K-quant weights, to
+//! Q8 super-blocks of 256 (llama.cpp's `Q8_K`: one scale per 256 columns,
+//! plus the per-32 sums the K-quant minimums need).
 
-use crate::formats::QK;
+use crate::formats::{WeightType, QK, QK_K};
 use crate::level::KernelLevel;
 use crate::pool::ThreadPool;
 
@@ -21,6 +23,61 @@ pub struct Q8Row<'a> {
     pub sums: &'a [i32],
 }
 
+/// Which forms [`QuantizedActivations`] computes. Each quantised weight type
+/// consumes one: K-quants (Q4_K, Q5_K, Q6_K) the 256-column form, the
+/// others the 32-column form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActForms {
+    /// Q8 blocks of 32 (`d = max|x|/127` per 32 columns).
+    pub blocks32: bool,
+    /// Q8 super-blocks of 256 (`d = max|x|/127` per 256 columns, sums per
+    /// 32); computed only when the columns are a multiple of 256.
+    pub super256: bool,
+}
+
+impl ActForms {
+    /// Both forms (the default).
+    pub const ALL: ActForms = ActForms {
+        blocks32: true,
+        super256: true,
+    };
+
+    /// The forms the matmuls of these weight types need (F32/F16 need none).
+    pub fn for_weights(types: impl IntoIterator<Item = WeightType>) -> ActForms {
+        let mut f = ActForms {
+            blocks32: false,
+            super256: false,
+        };
+        for t in types {
+            if t.is_k_quant() {
+                f.super256 = true;
+            } else if t.is_quantized() {
+                f.blocks32 = true;
+            }
+        }
+        f
+    }
+}
+
+impl Default for ActForms {
+    fn default() -> Self {
+        ActForms::ALL
+    }
+}
+
+/// One activation row in the 256-column form, borrowed from a
+/// [`QuantizedActivations`]: `x[j] ≈ d[j / 256] * qs[j]`, `sums[b] =
+/// Σ qs[32b..32b+32]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Q8KRow<'a> {
+    /// Quantised values, `cols` of them.
+    pub qs: &'a [i8],
+    /// Per-256 scales.
+    pub d: &'a [f32],
+    /// Per-32 sums of `qs` (|sum| ≤ 32 · 127).
+    pub sums: &'a [i16],
+}
+
 /// A batch of `n` activation rows of `cols` values each, quantised per row
 /// into Q8 blocks of 32: `d = max|x| / 127`, `q = round_ties_even(x / d)`
 /// (computed as `x * (1/d)`), `q ∈ [-127, 127]`, plus the per-block integer
@@ -30,6 +87,13 @@ pub struct Q8Row<'a> {
 /// The buffers are owned and reused: [`QuantizedActivations::quantize`]
 /// allocates only when the batch is larger than any batch seen before (or
 /// than the capacity given to [`QuantizedActivations::new`]).
+///
+/// K-quant weights take a second form of the same rows ([`ActForms`]): the
+/// same algorithm over blocks of 256 (one `d` per 256 columns, `i16` sums
+/// per 32), so their sub-block scales and minimums stay in exact integer
+/// arithmetic and one float step serves 256 weights. Both forms are
+/// computed by default; [`QuantizedActivations::set_forms`] limits a buffer
+/// to what its consumers need.
 ///
 /// Quantisation of a row depends only on that row's values (never on the
 /// other rows in the batch), and gives bitwise identical results at every
@@ -42,6 +106,13 @@ pub struct QuantizedActivations {
     d: Vec<f32>,
     s: Vec<f32>,
     sums: Vec<i32>,
+    /// Forms the next `quantize*` computes.
+    want: ActForms,
+    /// Forms the current rows hold.
+    have: ActForms,
+    kqs: Vec<i8>,
+    kd: Vec<f32>,
+    ksums: Vec<i16>,
 }
 
 impl QuantizedActivations {
@@ -53,6 +124,7 @@ impl QuantizedActivations {
             "QuantizedActivations: cols = {cols} is not a multiple of {QK}"
         );
         let nb = cols / QK;
+        let k = cols.is_multiple_of(QK_K);
         QuantizedActivations {
             n: 0,
             cols,
@@ -60,6 +132,30 @@ impl QuantizedActivations {
             d: vec![0.0; max_rows * nb],
             s: vec![0.0; max_rows * nb],
             sums: vec![0; max_rows * nb],
+            want: ActForms::ALL,
+            have: ActForms {
+                blocks32: false,
+                super256: false,
+            },
+            // The 256-column form exists only for such rows (and is
+            // computed by default).
+            kqs: vec![0; if k { max_rows * cols } else { 0 }],
+            kd: vec![0.0; if k { max_rows * nb / 8 } else { 0 }],
+            ksums: vec![0; if k { max_rows * nb } else { 0 }],
+        }
+    }
+
+    /// Sets the forms later `quantize*` calls compute (see [`ActForms`]).
+    pub fn set_forms(&mut self, forms: ActForms) {
+        self.want = forms;
+    }
+
+    /// Whether the current rows hold the form the matmul of `ty` needs.
+    pub fn has_form_for(&self, ty: WeightType) -> bool {
+        if ty.is_k_quant() {
+            self.have.super256
+        } else {
+            self.have.blocks32
         }
     }
 
@@ -88,14 +184,25 @@ impl QuantizedActivations {
     /// result is the same at every level; only speed differs).
     pub fn quantize_with_level(&mut self, level: KernelLevel, x: &[f32], cols: usize) {
         let nblk = self.prepare(level, x, cols);
-        quantize_level(
-            level,
-            x,
-            &mut self.qs[..nblk * QK],
-            &mut self.d[..nblk],
-            &mut self.s[..nblk],
-            &mut self.sums[..nblk],
-        );
+        if self.have.blocks32 {
+            quantize_level(
+                level,
+                x,
+                &mut self.qs[..nblk * QK],
+                &mut self.d[..nblk],
+                &mut self.s[..nblk],
+                &mut self.sums[..nblk],
+            );
+        }
+        if self.have.super256 {
+            quantize_k_level(
+                level,
+                x,
+                &mut self.kqs[..nblk * QK],
+                &mut self.kd[..nblk / 8],
+                &mut self.ksums[..nblk],
+            );
+        }
     }
 
     /// As [`QuantizedActivations::quantize`], splitting large batches over
@@ -115,14 +222,33 @@ impl QuantizedActivations {
     ) {
         let nblk = self.prepare(level, x, cols);
         if nblk < 2048 || pool.n_threads() == 1 {
-            quantize_level(
-                level,
-                x,
-                &mut self.qs[..nblk * QK],
-                &mut self.d[..nblk],
-                &mut self.s[..nblk],
-                &mut self.sums[..nblk],
-            );
+            self.quantize_with_level(level, x, cols);
+            return;
+        }
+        if self.have.super256 {
+            let p = KParts {
+                qs: self.kqs.as_mut_ptr(),
+                d: self.kd.as_mut_ptr(),
+                sums: self.ksums.as_mut_ptr(),
+            };
+            pool.parallel_for(nblk / 8, |r| {
+                let p = p.get();
+                let len = r.end - r.start;
+                // SAFETY: `prepare` sized the K buffers for `nblk / 8`
+                // super-blocks, the ranges are disjoint and `self` stays
+                // mutably borrowed for the whole call.
+                unsafe {
+                    quantize_k_level(
+                        level,
+                        &x[r.start * QK_K..r.end * QK_K],
+                        std::slice::from_raw_parts_mut(p.qs.add(r.start * QK_K), len * QK_K),
+                        std::slice::from_raw_parts_mut(p.d.add(r.start), len),
+                        std::slice::from_raw_parts_mut(p.sums.add(8 * r.start), 8 * len),
+                    )
+                }
+            });
+        }
+        if !self.have.blocks32 {
             return;
         }
         let p = Parts {
@@ -167,20 +293,68 @@ impl QuantizedActivations {
         let nb = cols / QK;
         self.cols = cols;
         self.n = n;
-        if self.qs.len() < n * cols {
-            self.qs.resize(n * cols, 0);
+        self.have = ActForms {
+            blocks32: self.want.blocks32,
+            super256: self.want.super256 && cols.is_multiple_of(QK_K),
+        };
+        if self.have.blocks32 {
+            if self.qs.len() < n * cols {
+                self.qs.resize(n * cols, 0);
+            }
+            if self.d.len() < n * nb {
+                self.d.resize(n * nb, 0.0);
+                self.s.resize(n * nb, 0.0);
+                self.sums.resize(n * nb, 0);
+            }
         }
-        if self.d.len() < n * nb {
-            self.d.resize(n * nb, 0.0);
-            self.s.resize(n * nb, 0.0);
-            self.sums.resize(n * nb, 0);
+        if self.have.super256 {
+            if self.kqs.len() < n * cols {
+                self.kqs.resize(n * cols, 0);
+            }
+            if self.ksums.len() < n * nb {
+                self.ksums.resize(n * nb, 0);
+                self.kd.resize(n * nb / 8, 0.0);
+            }
         }
         n * nb
+    }
+
+    /// Row `i` (`i < n_rows()`) in the 256-column form (which must have
+    /// been computed, see [`ActForms`]).
+    pub fn row_k(&self, i: usize) -> Q8KRow<'_> {
+        assert!(i < self.n, "row {i} out of range ({} rows)", self.n);
+        assert!(
+            self.have.super256,
+            "row_k: the 256-column form was not computed"
+        );
+        let nb = self.cols / QK;
+        Q8KRow {
+            qs: &self.kqs[i * self.cols..(i + 1) * self.cols],
+            d: &self.kd[i * nb / 8..(i + 1) * nb / 8],
+            sums: &self.ksums[i * nb..(i + 1) * nb],
+        }
+    }
+
+    /// Dequantised value of row `i` in the form the matmul of `ty` reads
+    /// (for tests).
+    pub fn dequantize_row_for(&self, ty: WeightType, i: usize, out: &mut [f32]) {
+        if ty.is_k_quant() {
+            let r = self.row_k(i);
+            for (j, o) in out.iter_mut().enumerate().take(self.cols) {
+                *o = r.d[j / QK_K] * r.qs[j] as f32;
+            }
+        } else {
+            self.dequantize_row(i, out);
+        }
     }
 
     /// Row `i` (`i < n_rows()`).
     pub fn row(&self, i: usize) -> Q8Row<'_> {
         assert!(i < self.n, "row {i} out of range ({} rows)", self.n);
+        assert!(
+            self.have.blocks32,
+            "row: the 32-column form was not computed"
+        );
         let nb = self.cols / QK;
         Q8Row {
             qs: &self.qs[i * self.cols..(i + 1) * self.cols],
@@ -198,8 +372,12 @@ impl QuantizedActivations {
         }
     }
 
-    /// Raw parts for the kernels: (qs, d, s, sums) of all rows.
+    /// Raw parts for the kernels: (qs, d, s, sums) of all rows (empty when
+    /// the 32-column form was not computed).
     pub(crate) fn parts(&self) -> (&[i8], &[f32], &[f32], &[i32]) {
+        if !self.have.blocks32 {
+            return (&[], &[], &[], &[]);
+        }
         let nblk = self.n * (self.cols / QK);
         (
             &self.qs[..self.n * self.cols],
@@ -207,6 +385,41 @@ impl QuantizedActivations {
             &self.s[..nblk],
             &self.sums[..nblk],
         )
+    }
+
+    /// Raw parts of the 256-column form: (qs, d, sums) of all rows (empty
+    /// when it was not computed).
+    pub(crate) fn k_parts(&self) -> (&[i8], &[f32], &[i16]) {
+        if !self.have.super256 {
+            return (&[], &[], &[]);
+        }
+        let nblk = self.n * (self.cols / QK);
+        (
+            &self.kqs[..self.n * self.cols],
+            &self.kd[..nblk / 8],
+            &self.ksums[..nblk],
+        )
+    }
+}
+
+/// Raw K-form buffer pointers shared by the threads of `quantize_par`.
+#[derive(Clone, Copy)]
+struct KParts {
+    qs: *mut i8,
+    d: *mut f32,
+    sums: *mut i16,
+}
+
+// SAFETY: only used to write disjoint super-block ranges while the owning
+// `QuantizedActivations` is mutably borrowed.
+unsafe impl Send for KParts {}
+// SAFETY: as above.
+unsafe impl Sync for KParts {}
+
+impl KParts {
+    /// Accessor so closures capture the whole (Sync) wrapper.
+    fn get(self) -> KParts {
+        self
     }
 }
 
@@ -255,6 +468,136 @@ fn quantize_level(
     }
 }
 
+/// Quantises whole super-blocks (`x.len() == 256 * d.len()`) into the
+/// 256-column form at `level`, which must be supported. AVX-512 machines run
+/// the AVX2 code (same bits).
+fn quantize_k_level(level: KernelLevel, x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [i16]) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: callers check that the level is supported; every AVX-512
+        // level CPU has AVX2 and FMA.
+        KernelLevel::Avx512 | KernelLevel::Avx2 => unsafe { quantize_k_avx2(x, qs, d, sums) },
+        _ => quantize_k_blocks(x, qs, d, sums),
+    }
+}
+
+/// The 32-column algorithm over blocks of 256: `amax` over the super-block
+/// (NaN ignored), `d = amax/127`, `q = round_ties_even(x · (1/d))` clamped
+/// to ±127 (NaN → 0), and the integer sum of each 32 codes.
+#[inline(always)]
+fn quantize_k_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [i16]) {
+    for (((xb, qb), db), sb) in x
+        .chunks_exact(QK_K)
+        .zip(qs.chunks_exact_mut(QK_K))
+        .zip(d.iter_mut())
+        .zip(sums.chunks_exact_mut(QK_K / QK))
+    {
+        let mut amax = 0.0f32;
+        for &v in xb {
+            amax = amax.max(v.abs());
+        }
+        let dd = amax / 127.0;
+        let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
+        for ((x32, q32), s) in xb.chunks_exact(QK).zip(qb.chunks_exact_mut(QK)).zip(sb) {
+            let mut sum = 0i32;
+            for (q, &v) in q32.iter_mut().zip(x32) {
+                // `as i8` saturates and maps NaN to 0, so this never fails.
+                let qi = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+                *q = qi;
+                sum += qi as i32;
+            }
+            // |sum| ≤ 32 · 127 fits.
+            *s = sum as i16;
+        }
+        *db = dd;
+    }
+}
+
+/// AVX2 version of `quantize_k_blocks`, bitwise equal (the per-32 steps are
+/// those of `quantize_avx2`).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA (the slice lengths are asserted).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_k_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [i16]) {
+    let nsb = d.len();
+    assert!(x.len() >= nsb * QK_K && qs.len() >= nsb * QK_K && sums.len() >= nsb * 8);
+    for sb in 0..nsb {
+        // SAFETY: the super-block lies inside x and qs (asserted above).
+        unsafe {
+            let xp = x.as_ptr().add(sb * QK_K);
+            let amax = amax_avx2(xp, QK_K / 8);
+            let dd = amax / 127.0;
+            let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
+            for k in 0..QK_K / QK {
+                let sum = quant32_avx2(xp.add(k * QK), id, qs.as_mut_ptr().add(sb * QK_K + k * QK));
+                *sums.get_unchecked_mut(sb * 8 + k) = sum as i16;
+            }
+            *d.get_unchecked_mut(sb) = dd;
+        }
+    }
+}
+
+/// `max |x|` over `vecs` × 8 floats at `xp`, NaN ignored (as `f32::max`).
+///
+/// # Safety
+/// AVX2; `8 · vecs` floats readable at `xp`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn amax_avx2(xp: *const f32, vecs: usize) -> f32 {
+    use core::arch::x86_64::*;
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let mut m = _mm256_setzero_ps();
+    for k in 0..vecs {
+        // SAFETY: inside the caller's range.
+        let v = unsafe { _mm256_loadu_ps(xp.add(8 * k)) };
+        // max(|x|, acc) returns acc when |x| is NaN, like f32::max.
+        m = _mm256_max_ps(_mm256_and_ps(v, abs_mask), m);
+    }
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2));
+    _mm_cvtss_f32(m1)
+}
+
+/// Quantises the 32 floats at `xp` with `x · id` (ties to even, clamped to
+/// ±127, NaN → 0) into `qp`; returns their sum.
+///
+/// # Safety
+/// AVX2; 32 floats readable at `xp`, 32 bytes writable at `qp`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quant32_avx2(xp: *const f32, id: f32, qp: *mut i8) -> i32 {
+    use core::arch::x86_64::*;
+    let lo = _mm256_set1_ps(-127.0);
+    let hi = _mm256_set1_ps(127.0);
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let idv = _mm256_set1_ps(id);
+    // SAFETY: inside the caller's ranges.
+    let v = [0, 8, 16, 24].map(|o| unsafe { _mm256_loadu_ps(xp.add(o)) });
+    let q = v.map(|vi| {
+        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(vi, idv),
+        );
+        let ord = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+        let c = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+        _mm256_and_si256(_mm256_cvtps_epi32(c), ord)
+    });
+    let p01 = _mm256_packs_epi32(q[0], q[1]);
+    let p23 = _mm256_packs_epi32(q[2], q[3]);
+    let p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
+    // SAFETY: as above.
+    unsafe { _mm256_storeu_si256(qp as *mut __m256i, p) };
+    let t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    let t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+    let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
+    let t1 = _mm_add_epi32(t2, _mm_shuffle_epi32::<1>(t2));
+    _mm_cvtsi128_si32(t1)
+}
+
 #[inline(always)]
 fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sums: &mut [i32]) {
     for ((((xb, qb), db), sb), sumb) in x
@@ -291,47 +634,16 @@ fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sums:
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn quantize_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sums: &mut [i32]) {
-    use core::arch::x86_64::*;
     let nblk = d.len();
     assert!(x.len() >= nblk * QK && qs.len() >= nblk * QK && s.len() >= nblk && sums.len() >= nblk);
-    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
-    let lo = _mm256_set1_ps(-127.0);
-    let hi = _mm256_set1_ps(127.0);
-    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for b in 0..nblk {
         // SAFETY: the block lies inside x and qs (asserted above).
         unsafe {
             let xp = x.as_ptr().add(b * QK);
-            let v = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xp.add(o)));
-            // max(|x|, acc) returns acc when |x| is NaN, like f32::max.
-            let mut m = _mm256_setzero_ps();
-            for vi in v {
-                m = _mm256_max_ps(_mm256_and_ps(vi, abs_mask), m);
-            }
-            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2));
-            let amax = _mm_cvtss_f32(m1);
+            let amax = amax_avx2(xp, QK / 8);
             let dd = amax / 127.0;
             let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
-            let idv = _mm256_set1_ps(id);
-            let q = v.map(|vi| {
-                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                    _mm256_mul_ps(vi, idv),
-                );
-                let ord = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
-                let c = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
-                _mm256_and_si256(_mm256_cvtps_epi32(c), ord)
-            });
-            let p01 = _mm256_packs_epi32(q[0], q[1]);
-            let p23 = _mm256_packs_epi32(q[2], q[3]);
-            let p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
-            _mm256_storeu_si256(qs.as_mut_ptr().add(b * QK) as *mut __m256i, p);
-            let t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            let t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
-            let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
-            let t1 = _mm_add_epi32(t2, _mm_shuffle_epi32::<1>(t2));
-            let sum = _mm_cvtsi128_si32(t1);
+            let sum = quant32_avx2(xp, id, qs.as_mut_ptr().add(b * QK));
             *d.get_unchecked_mut(b) = dd;
             *sums.get_unchecked_mut(b) = sum;
             *s.get_unchecked_mut(b) = dd * sum as f32;

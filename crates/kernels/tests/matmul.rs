@@ -2,7 +2,7 @@
 
 use kernels::{
     dequantize_row, matmul_f32_with_level, matmul_with_level, quantize_row, reference_dot,
-    KernelLevel, QuantizedActivations, ThreadPool, WeightMatrix, WeightType,
+    ActForms, KernelLevel, QuantizedActivations, ThreadPool, WeightMatrix, WeightType,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -141,7 +141,7 @@ fn scalar_matches_dequantized_reference() {
             let mut wf = vec![0.0f32; cols];
             let mut xdq = vec![0.0f32; cols];
             for i in 0..n {
-                q.dequantize_row(i, &mut xdq);
+                q.dequantize_row_for(ty, i, &mut xdq);
                 let xi = &x[i * cols..(i + 1) * cols];
                 for r in 0..rows {
                     w.dequantize_row(r, &mut wf);
@@ -157,8 +157,16 @@ fn scalar_matches_dequantized_reference() {
                     // (2) Against the unquantised activations: bounded by the
                     // activation quantisation error |x - d q| <= d/2.
                     let truth = reference_dot(ty, w.row(r), xi);
+                    // (K-quants read the 256-column form: one d per 256.)
+                    let dx = |j: usize| {
+                        if ty.is_k_quant() {
+                            q.row_k(i).d[j / 256]
+                        } else {
+                            q.row(i).d[j / 32]
+                        }
+                    };
                     let bound: f64 = (0..cols)
-                        .map(|j| wf[j].abs() as f64 * q.row(i).d[j / 32] as f64 * 0.5)
+                        .map(|j| wf[j].abs() as f64 * dx(j) as f64 * 0.5)
                         .sum();
                     assert!(
                         (got - truth).abs() <= bound * 1.01 + 2e-6 * mag + 1e-6,
@@ -370,6 +378,110 @@ fn quantization_levels_agree_on_edge_cases() {
     }
 }
 
+/// The 256-column form (K-quant activations): one `d = amax/127` per 256
+/// columns, codes within ±127 and their per-32 sums, the dequantisation
+/// error within d/2, the same at every level and in parallel.
+#[test]
+fn quantization_k_form_properties() {
+    let mut rng = StdRng::seed_from_u64(14);
+    let cols = 512;
+    let n = 5;
+    let mut x = random_acts(&mut rng, n, cols);
+    x[256..512].fill(0.0); // an all-zero super-block
+    x[cols + 7] = f32::NAN; // NaN is ignored by amax and quantised to 0
+    x[2 * cols + 300] = 1e-40; // a subnormal super-block maximum (1/d = inf)
+    for j in 256..512 {
+        if j != 300 {
+            x[2 * cols + j] = -3e-41;
+        }
+    }
+    let mut want: Option<QuantizedActivations> = None;
+    let pool = ThreadPool::new(3);
+    for level in levels() {
+        let mut q = QuantizedActivations::new(n, cols);
+        q.quantize_with_level(level, &x, cols);
+        let mut dq = vec![0.0; cols];
+        for i in 0..n {
+            let r = q.row_k(i);
+            q.dequantize_row_for(WeightType::Q4_K, i, &mut dq);
+            for sb in 0..cols / 256 {
+                let xs = &x[i * cols + sb * 256..i * cols + sb * 256 + 256];
+                let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                assert_eq!(r.d[sb], amax / 127.0, "{level:?} row {i} super-block {sb}");
+            }
+            for b in 0..cols / 32 {
+                let blk = &r.qs[b * 32..(b + 1) * 32];
+                assert!(blk.iter().all(|&v| v >= -127));
+                assert_eq!(r.sums[b] as i32, blk.iter().map(|&v| v as i32).sum::<i32>());
+            }
+            for j in 0..cols {
+                let v = x[i * cols + j];
+                if v.is_finite() && r.d[j / 256].is_normal() {
+                    let err = (dq[j] - v).abs();
+                    assert!(err <= r.d[j / 256] * 0.5001 + 1e-12, "error {err}");
+                }
+            }
+        }
+        assert!(q.row_k(0).d[1] == 0.0 && q.row_k(0).qs[256..].iter().all(|&v| v == 0));
+        assert_eq!(q.row_k(1).qs[7], 0, "NaN → 0");
+        // Parallel quantisation gives the same result.
+        let big = random_acts(&mut StdRng::seed_from_u64(45), 300, cols);
+        let (mut a, mut b) = (
+            QuantizedActivations::new(0, cols),
+            QuantizedActivations::new(0, cols),
+        );
+        a.quantize_with_level(level, &big, cols);
+        b.quantize_par_with_level(&pool, level, &big, cols);
+        for i in 0..300 {
+            let (u, v) = (a.row_k(i), b.row_k(i));
+            assert_eq!((u.qs, u.sums), (v.qs, v.sums));
+            assert_eq!(u.d, v.d);
+        }
+        // Identical at every level, bit for bit.
+        if let Some(w) = &want {
+            for i in 0..n {
+                let (u, v) = (w.row_k(i), q.row_k(i));
+                assert_eq!((u.qs, u.sums), (v.qs, v.sums), "{level:?}");
+                for (a, b) in u.d.iter().zip(v.d) {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{level:?}");
+                }
+            }
+        } else {
+            want = Some(q);
+        }
+    }
+}
+
+/// Each buffer computes only the forms it is set to; a matmul whose weights
+/// need a form that was not computed is refused with the form's name, and
+/// columns that are not a multiple of 256 have no 256-column form.
+#[test]
+fn forms_are_computed_as_set() {
+    let cols = 256;
+    let x = vec![0.5f32; 2 * cols];
+    let mut q = QuantizedActivations::new(2, cols);
+    q.quantize(&x, cols);
+    assert!(q.has_form_for(WeightType::Q4_0) && q.has_form_for(WeightType::Q6_K));
+    q.set_forms(ActForms::for_weights([WeightType::Q6_K, WeightType::F32]));
+    q.quantize(&x, cols);
+    assert!(!q.has_form_for(WeightType::Q4_0) && q.has_form_for(WeightType::Q4_K));
+    q.set_forms(ActForms::for_weights([WeightType::Q8_0]));
+    q.quantize(&x, cols);
+    assert!(q.has_form_for(WeightType::Q8_0) && !q.has_form_for(WeightType::Q5_K));
+    let wb = vec![0u8; WeightType::Q4_K.row_bytes(cols)];
+    let w = WeightMatrix::new(WeightType::Q4_K, &wb, 1, cols).unwrap();
+    let mut out = vec![0.0; 2];
+    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        matmul_with_level(&ThreadPool::new(1), KernelLevel::Scalar, w, &q, &mut out)
+    }))
+    .unwrap_err();
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("Q4_K") && msg.contains("256-column"), "{msg}");
+    let mut q = QuantizedActivations::new(1, 96);
+    q.quantize(&[1.0; 96], 96);
+    assert!(q.has_form_for(WeightType::Q4_0) && !q.has_form_for(WeightType::Q4_K));
+}
+
 #[test]
 fn quantization_reuses_buffers_and_survives_non_finite() {
     let cols = 64;
@@ -393,6 +505,14 @@ fn quantization_reuses_buffers_and_survives_non_finite() {
     // Growing beyond the capacity is allowed (it reallocates once).
     q.quantize(&vec![0.5f32; 20 * cols], cols);
     assert_eq!(q.n_rows(), 20);
+    // The 256-column form is preallocated too.
+    let mut q = QuantizedActivations::new(4, 512);
+    q.quantize(&vec![0.0; 512], 512);
+    let p0 = q.row_k(0).qs.as_ptr();
+    for n in [4, 1, 4] {
+        q.quantize(&vec![0.25f32; n * 512], 512);
+    }
+    assert_eq!(q.row_k(0).qs.as_ptr(), p0, "K buffers were reallocated");
 }
 
 #[test]

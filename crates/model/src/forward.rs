@@ -10,7 +10,7 @@
 
 use gguf::{GgmlType, GgufFile};
 use kernels::attention::{AttnRow, AttnScratch, AttnShape, KvPage, KvRows};
-use kernels::{QuantizedActivations, ThreadPool, WeightMatrix, WeightType};
+use kernels::{ActForms, QuantizedActivations, ThreadPool, WeightMatrix, WeightType};
 use kv::{DType, KvError, KvShape, LayerView, Owner, PageRef, Pool};
 
 use crate::config::{Activation, Arch, Config, RopeStyle};
@@ -407,6 +407,8 @@ impl Model {
                 c.rms_eps,
                 &mut s.h[..n * dim],
             );
+            s.qa_dim
+                .set_forms(ActForms::for_weights([layer.q.ty, layer.k.ty, layer.v.ty]));
             s.qa_dim.quantize(&s.h[..n * dim], dim);
             self.mm(layer.q, &s.qa_dim, &s.h[..n * dim], &mut s.q[..n * qd]);
             self.mm(layer.k, &s.qa_dim, &s.h[..n * dim], &mut s.k[..n * kvd]);
@@ -449,6 +451,7 @@ impl Model {
                 &mut s.att[..n * qd],
                 &mut s.attn,
             )?;
+            s.qa_q.set_forms(ActForms::for_weights([layer.o.ty]));
             s.qa_q.quantize(&s.att[..n * qd], qd);
             self.mm(layer.o, &s.qa_q, &s.att[..n * qd], &mut s.o[..n * dim]);
             residual_add(
@@ -465,6 +468,8 @@ impl Model {
                 c.rms_eps,
                 &mut s.h[..n * dim],
             );
+            s.qa_dim
+                .set_forms(ActForms::for_weights([layer.gate.ty, layer.up.ty]));
             s.qa_dim.quantize(&s.h[..n * dim], dim);
             self.mm(
                 layer.gate,
@@ -491,6 +496,7 @@ impl Model {
                         }
                     }
                 });
+            s.qa_ffn.set_forms(ActForms::for_weights([layer.down.ty]));
             s.qa_ffn.quantize(&s.gate[..n * ffn], ffn);
             self.mm(
                 layer.down,
@@ -523,6 +529,7 @@ impl Model {
         s.logits.clear();
         s.logits.resize(m * c.vocab, 0.0);
         if m > 0 {
+            s.qa_dim.set_forms(ActForms::for_weights([self.output.ty]));
             s.qa_dim.quantize(&s.h[..m * dim], dim);
             self.mm(self.output, &s.qa_dim, &s.h[..m * dim], &mut s.logits);
             if let Some(cap) = c.logit_softcap {

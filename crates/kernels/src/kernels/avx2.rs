@@ -17,7 +17,11 @@
 //!
 //! K-quant super-blocks (8 blocks) are expanded together: their codes and
 //! fifth or high bits are transposed once and their packed scales decoded
-//! once per row.
+//! once per row. Their tile (`tile_k`) reads the activations' 256-column
+//! form: each block's i16 sums are widened by `madd` with the block's
+//! integer scale (Q6_K: each half's), the 8 blocks add up in i32, the
+//! minimums enter as 4 `madd`s of (m, m') pairs with the per-32 activation
+//! sums, and the float step (cvt, mul, fma) comes once per super-block.
 
 use super::{ActParts, OutPtr};
 use crate::blocks::scale_min_k4;
@@ -48,6 +52,11 @@ const fn signed(f: u8) -> bool {
 const fn has_min(f: u8) -> bool {
     matches!(f, Q4_1 | Q5_1 | Q4_K | Q5_K)
 }
+/// K-quants: super-blocks with integer sub-block scales, dotted with the
+/// activations' 256-column form (`tile_k`).
+const fn is_k(f: u8) -> bool {
+    matches!(f, Q4_K | Q5_K | Q6_K)
+}
 /// Formats with 5-bit unsigned codes.
 const fn five_bit(f: u8) -> bool {
     matches!(f, Q5_0 | Q5_1 | Q5_K)
@@ -60,10 +69,16 @@ struct PBlock {
     w: [__m256i; 8],
     /// Signed formats: the signed codes (sign source for `vpsignb`).
     ws: [__m256i; 8],
+    /// The scale (K-quants: the super-block's `d`).
     dw: __m256,
+    /// The minimum (K-quants: the super-block's `−dmin`).
     mw: __m256,
-    /// Q6_K: the two halves' scales, as i16 pairs (`madd` multipliers).
+    /// K-quants: the two halves' integer scales as i16 pairs (`madd`
+    /// multipliers; Q4_K/Q5_K: the sub-block scale in both).
     sc: [__m256i; 2],
+    /// Q4_K/Q5_K, blocks 0..4 of a super-block: the i16 pair (m_2k, m_2k+1)
+    /// of sub-block minimums, for `madd` with the activations' per-32 sums.
+    mn: __m256i,
 }
 
 /// # Safety
@@ -172,11 +187,20 @@ unsafe fn run<const F: u8>(
                 let m = (x.n - i).min(NA);
                 // SAFETY: rows i..i+m exist; the chunk was expanded above.
                 unsafe {
-                    match m {
-                        4 => tile::<F, 4>(&ctx, x, i, out),
-                        3 => tile::<F, 3>(&ctx, x, i, out),
-                        2 => tile::<F, 2>(&ctx, x, i, out),
-                        _ => tile::<F, 1>(&ctx, x, i, out),
+                    if is_k(F) {
+                        match m {
+                            4 => tile_k::<F, 4>(&ctx, x, i, out),
+                            3 => tile_k::<F, 3>(&ctx, x, i, out),
+                            2 => tile_k::<F, 2>(&ctx, x, i, out),
+                            _ => tile_k::<F, 1>(&ctx, x, i, out),
+                        }
+                    } else {
+                        match m {
+                            4 => tile::<F, 4>(&ctx, x, i, out),
+                            3 => tile::<F, 3>(&ctx, x, i, out),
+                            2 => tile::<F, 2>(&ctx, x, i, out),
+                            _ => tile::<F, 1>(&ctx, x, i, out),
+                        }
                     }
                 }
                 i += m;
@@ -421,14 +445,21 @@ unsafe fn expand_k4_k5<const F: u8>(
                     w[g] = _mm256_or_si256(w[g], _mm256_and_si256(h, hi));
                 }
             }
-            let scf = _mm256_cvtepi32_ps(_mm256_loadu_si256(sc[j].as_ptr() as *const __m256i));
-            let mnf = _mm256_cvtepi32_ps(_mm256_loadu_si256(mn[j].as_ptr() as *const __m256i));
+            // Lanes hold 0..63: (v, v) as an i16 pair is v | v << 16.
+            let pair = |lo: &[i32; PANEL_ROWS], hi: &[i32; PANEL_ROWS]| {
+                let l = _mm256_loadu_si256(lo.as_ptr() as *const __m256i);
+                let h = _mm256_loadu_si256(hi.as_ptr() as *const __m256i);
+                _mm256_or_si256(l, _mm256_slli_epi32::<16>(h))
+            };
             let p = dst.add(j);
             (*p).w = w;
-            // d·sc exactly; the minimum term negated (−(dmin·m)), as the
-            // scalar form.
-            (*p).dw = _mm256_mul_ps(d, scf);
-            (*p).mw = _mm256_xor_ps(_mm256_mul_ps(dmin, mnf), neg);
+            let scp = pair(&sc[j], &sc[j]);
+            (*p).sc = [scp, scp];
+            (*p).dw = d;
+            (*p).mw = _mm256_xor_ps(dmin, neg);
+            if j < 4 {
+                (*p).mn = pair(&mn[2 * j], &mn[2 * j + 1]);
+            }
         }
     }
 }
@@ -550,7 +581,7 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, ones));
                 }
             }
-        } else if F == Q4_0 || F == Q4_1 || F == Q4_K {
+        } else if F == Q4_0 || F == Q4_1 {
             let mut s16 = [_mm256_setzero_si256(); M];
             for g in 0..8 {
                 for t in 0..M {
@@ -565,7 +596,7 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
             }
         } else {
             // Two halves of 4 products each, widened separately (5-bit
-            // codes) or with their own scale (Q6_K).
+            // codes).
             for h in 0..2 {
                 let mut s16 = [_mm256_setzero_si256(); M];
                 for g in 4 * h..4 * h + 4 {
@@ -580,9 +611,8 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
                         s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(pb.w[g], av));
                     }
                 }
-                let mul = if F == Q6_K { pb.sc[h] } else { ones };
                 for t in 0..M {
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], mul));
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], ones));
                 }
             }
         }
@@ -603,6 +633,128 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
                 // SAFETY: k < n * nb.
                 let sa = unsafe { *sp.add(k) };
                 acc[t] = _mm256_fmadd_ps(pb.mw, _mm256_set1_ps(sa), acc[t]);
+            }
+        }
+    }
+    for t in 0..M {
+        // SAFETY: only valid output columns are written.
+        unsafe {
+            if c.full {
+                _mm256_storeu_ps(optr[t], acc[t]);
+            } else {
+                _mm256_maskstore_ps(optr[t], c.mask, acc[t]);
+            }
+        }
+    }
+}
+
+/// The tile of the K-quants: as [`tile`], but over the activations'
+/// 256-column form, with the sub-block scales applied in the exact integer
+/// sum and one float step per super-block (see `blocks::ksuper`):
+///
+/// ```text
+/// sumi = Σ_blocks madd(Σ_g maddubs(w_g, x_g), sc)     // i32 lanes
+/// summ = Σ_{k<4} madd((m_2k, m_2k+1), (S_2k, S_2k+1))   // Q4_K, Q5_K
+/// acc  = fma(sumi as f32, d·dx, acc);  acc = fma(summ as f32, (−dmin)·dx, acc)
+/// ```
+///
+/// # Safety
+/// As [`tile`]; the chunk starts on a super-block (`KB` is a multiple of 8).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_k<const F: u8, const M: usize>(
+    c: &TileCtx,
+    x: &ActParts<'_>,
+    i0: usize,
+    out: OutPtr,
+) {
+    let cols = c.nb * QK;
+    let nsb = c.nb / 8;
+    let mut acc = [_mm256_setzero_ps(); M];
+    let mut optr = [std::ptr::null_mut::<f32>(); M];
+    let mut qa = [std::ptr::null::<i8>(); M];
+    for t in 0..M {
+        // SAFETY: in bounds (see `tile`).
+        optr[t] = unsafe { out.0.add((i0 + t) * c.rows + c.r0) };
+        // SAFETY: row i0 + t exists, column c.c0 * QK < cols.
+        qa[t] = unsafe { x.kqs.as_ptr().add((i0 + t) * cols + c.c0 * QK) };
+        if !c.first {
+            // SAFETY: as in `tile`.
+            acc[t] = unsafe {
+                if c.full {
+                    _mm256_loadu_ps(optr[t])
+                } else {
+                    _mm256_maskload_ps(optr[t], c.mask)
+                }
+            };
+        }
+    }
+    for s in 0..c.kb / 8 {
+        let mut isum = [_mm256_setzero_si256(); M];
+        for j in 0..8 {
+            let b = 8 * s + j;
+            // SAFETY: slot b was expanded for this chunk.
+            let pb = unsafe { &*c.buf.add(b) };
+            if F == Q4_K {
+                let mut s16 = [_mm256_setzero_si256(); M];
+                for g in 0..8 {
+                    for t in 0..M {
+                        // SAFETY: bytes of block b of the row's chunk.
+                        let a =
+                            unsafe { (qa[t].add(b * QK + 4 * g) as *const i32).read_unaligned() };
+                        let p = _mm256_maddubs_epi16(pb.w[g], _mm256_set1_epi32(a));
+                        s16[t] = _mm256_add_epi16(s16[t], p);
+                    }
+                }
+                for t in 0..M {
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], pb.sc[0]));
+                }
+            } else {
+                for h in 0..2 {
+                    let mut s16 = [_mm256_setzero_si256(); M];
+                    for g in 4 * h..4 * h + 4 {
+                        for t in 0..M {
+                            // SAFETY: as above.
+                            let a = unsafe {
+                                (qa[t].add(b * QK + 4 * g) as *const i32).read_unaligned()
+                            };
+                            let mut av = _mm256_set1_epi32(a);
+                            if signed(F) {
+                                av = _mm256_sign_epi8(av, pb.ws[g]);
+                            }
+                            s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(pb.w[g], av));
+                        }
+                    }
+                    for t in 0..M {
+                        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], pb.sc[h]));
+                    }
+                }
+            }
+        }
+        // SAFETY: slots 8s..8s+4 were expanded for this chunk.
+        let p0 = unsafe { &*c.buf.add(8 * s) };
+        let sb = (c.c0 + 8 * s) / 8;
+        for t in 0..M {
+            let row = i0 + t;
+            // SAFETY: row < n, sb < nsb.
+            let dx = _mm256_set1_ps(unsafe { *x.kd.as_ptr().add(row * nsb + sb) });
+            acc[t] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(isum[t]),
+                _mm256_mul_ps(p0.dw, dx),
+                acc[t],
+            );
+            if has_min(F) {
+                // SAFETY: the row's 8 sums of super-block sb (16 bytes).
+                let sp = unsafe { x.ksums.as_ptr().add(row * c.nb + 8 * sb) } as *const i32;
+                let mut summ = _mm256_setzero_si256();
+                for k in 0..4 {
+                    // SAFETY: slot 8s+k expanded; sp[k] inside the 16 bytes.
+                    let (mn, sk) =
+                        unsafe { ((*c.buf.add(8 * s + k)).mn, sp.add(k).read_unaligned()) };
+                    summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mn, _mm256_set1_epi32(sk)));
+                }
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(p0.mw, dx), acc[t]);
             }
         }
     }

@@ -21,6 +21,11 @@ pub(crate) struct ActParts<'a> {
     pub d: &'a [f32],
     pub s: &'a [f32],
     pub sums: &'a [i32],
+    /// The 256-column form (K-quant weights): codes, per-256 scales and
+    /// per-32 sums; empty when not computed.
+    pub kqs: &'a [i8],
+    pub kd: &'a [f32],
+    pub ksums: &'a [i16],
 }
 
 /// Output pointer shared by the threads of one matmul; each thread writes a
