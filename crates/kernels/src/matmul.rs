@@ -81,7 +81,7 @@ pub fn matmul_with_level(
             "32-column"
         }
     );
-    let (qs, d, s, sums) = x.parts();
+    let (qs, d, s, sums, off16) = x.parts();
     let (kqs, kd, ksums) = x.k_parts();
     let acts = ActParts {
         n,
@@ -89,6 +89,7 @@ pub fn matmul_with_level(
         d,
         s,
         sums,
+        off16,
         kqs,
         kd,
         ksums,

@@ -106,6 +106,8 @@ pub struct QuantizedActivations {
     d: Vec<f32>,
     s: Vec<f32>,
     sums: Vec<i32>,
+    /// Per block, the i16 pair (−16·P0, −16·P1) of [`pair_offsets`].
+    off16: Vec<i32>,
     /// Forms the next `quantize*` computes.
     want: ActForms,
     /// Forms the current rows hold.
@@ -132,6 +134,7 @@ impl QuantizedActivations {
             d: vec![0.0; max_rows * nb],
             s: vec![0.0; max_rows * nb],
             sums: vec![0; max_rows * nb],
+            off16: vec![0; max_rows * nb],
             want: ActForms::ALL,
             have: ActForms {
                 blocks32: false,
@@ -192,6 +195,7 @@ impl QuantizedActivations {
                 &mut self.d[..nblk],
                 &mut self.s[..nblk],
                 &mut self.sums[..nblk],
+                &mut self.off16[..nblk],
             );
         }
         if self.have.super256 {
@@ -256,6 +260,7 @@ impl QuantizedActivations {
             d: self.d.as_mut_ptr(),
             s: self.s.as_mut_ptr(),
             sums: self.sums.as_mut_ptr(),
+            off16: self.off16.as_mut_ptr(),
         };
         pool.parallel_for(nblk, |r| {
             let p = p.get();
@@ -271,6 +276,7 @@ impl QuantizedActivations {
                     std::slice::from_raw_parts_mut(p.d.add(r.start), len),
                     std::slice::from_raw_parts_mut(p.s.add(r.start), len),
                     std::slice::from_raw_parts_mut(p.sums.add(r.start), len),
+                    std::slice::from_raw_parts_mut(p.off16.add(r.start), len),
                 )
             }
         });
@@ -305,6 +311,7 @@ impl QuantizedActivations {
                 self.d.resize(n * nb, 0.0);
                 self.s.resize(n * nb, 0.0);
                 self.sums.resize(n * nb, 0);
+                self.off16.resize(n * nb, 0);
             }
         }
         if self.have.super256 {
@@ -372,11 +379,11 @@ impl QuantizedActivations {
         }
     }
 
-    /// Raw parts for the kernels: (qs, d, s, sums) of all rows (empty when
-    /// the 32-column form was not computed).
-    pub(crate) fn parts(&self) -> (&[i8], &[f32], &[f32], &[i32]) {
+    /// Raw parts for the kernels: (qs, d, s, sums, off16) of all rows
+    /// (empty when the 32-column form was not computed).
+    pub(crate) fn parts(&self) -> (&[i8], &[f32], &[f32], &[i32], &[i32]) {
         if !self.have.blocks32 {
-            return (&[], &[], &[], &[]);
+            return (&[], &[], &[], &[], &[]);
         }
         let nblk = self.n * (self.cols / QK);
         (
@@ -384,7 +391,15 @@ impl QuantizedActivations {
             &self.d[..nblk],
             &self.s[..nblk],
             &self.sums[..nblk],
+            &self.off16[..nblk],
         )
+    }
+
+    /// Row `i`'s per-block offset pairs (see [`pair_offsets`]; for tests).
+    pub fn row_offsets(&self, i: usize) -> &[i32] {
+        let nb = self.cols / QK;
+        assert!(i < self.n && self.have.blocks32, "row_offsets: no row {i}");
+        &self.off16[i * nb..(i + 1) * nb]
     }
 
     /// Raw parts of the 256-column form: (qs, d, sums) of all rows (empty
@@ -431,6 +446,7 @@ struct Parts {
     d: *mut f32,
     s: *mut f32,
     sums: *mut i32,
+    off16: *mut i32,
 }
 
 // SAFETY: only used to write disjoint block ranges while the owning
@@ -455,17 +471,48 @@ fn quantize_level(
     d: &mut [f32],
     s: &mut [f32],
     sums: &mut [i32],
+    off16: &mut [i32],
 ) {
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: callers check that the level is supported, so the CPU has
         // the features the function is compiled for.
-        KernelLevel::Avx512 => unsafe { quantize_avx512(x, qs, d, s, sums) },
+        KernelLevel::Avx512 => unsafe {
+            quantize_avx512(x, qs, d, s, sums);
+            for (o, q) in off16.iter_mut().zip(qs.chunks_exact(QK)) {
+                *o = pair_offsets(q);
+            }
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        KernelLevel::Avx2 => unsafe { quantize_avx2(x, qs, d, s, sums) },
-        _ => quantize_blocks(x, qs, d, s, sums),
+        KernelLevel::Avx2 => unsafe { quantize_avx2(x, qs, d, s, sums, off16) },
+        _ => quantize_blocks(x, qs, d, s, sums, off16),
     }
+}
+
+/// The AVX2 tile's starting value for Q4_0/Q5_0 blocks (which then need no
+/// separate offset term): with `P0 = Σ q[j]` over the columns `j ≡ 0, 1
+/// (mod 4)` of a block and `P1` over `j ≡ 2, 3` — the two i16 halves of a
+/// `maddubs` dword — the i16 pair `(−16·P0, −16·P1)` packed in an i32
+/// (|16·P| ≤ 16 · 16 · 127 fits). Q4_0 halves it.
+#[inline(always)]
+pub(crate) fn pair_offsets(q: &[i8]) -> i32 {
+    let (mut p0, mut p1) = (0i32, 0i32);
+    for (j, &v) in q.iter().enumerate().take(QK) {
+        if j % 4 < 2 {
+            p0 += i32::from(v);
+        } else {
+            p1 += i32::from(v);
+        }
+    }
+    pack_offsets(p0, p1)
+}
+
+#[inline(always)]
+fn pack_offsets(p0: i32, p1: i32) -> i32 {
+    let lo = (-16 * p0) as i16 as u16 as u32;
+    let hi = (-16 * p1) as i16 as u16 as u32;
+    (lo | hi << 16) as i32
 }
 
 /// Quantises whole super-blocks (`x.len() == 256 * d.len()`) into the
@@ -531,7 +578,8 @@ unsafe fn quantize_k_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [i
             let dd = amax / 127.0;
             let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
             for k in 0..QK_K / QK {
-                let sum = quant32_avx2(xp.add(k * QK), id, qs.as_mut_ptr().add(sb * QK_K + k * QK));
+                let (sum, _) =
+                    quant32_avx2(xp.add(k * QK), id, qs.as_mut_ptr().add(sb * QK_K + k * QK));
                 *sums.get_unchecked_mut(sb * 8 + k) = sum as i16;
             }
             *d.get_unchecked_mut(sb) = dd;
@@ -563,14 +611,15 @@ unsafe fn amax_avx2(xp: *const f32, vecs: usize) -> f32 {
 }
 
 /// Quantises the 32 floats at `xp` with `x · id` (ties to even, clamped to
-/// ±127, NaN → 0) into `qp`; returns their sum.
+/// ±127, NaN → 0) into `qp`; returns their sum and the sum `P0` of the codes
+/// at columns `j ≡ 0, 1 (mod 4)` (see [`pair_offsets`]).
 ///
 /// # Safety
 /// AVX2; 32 floats readable at `xp`, 32 bytes writable at `qp`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quant32_avx2(xp: *const f32, id: f32, qp: *mut i8) -> i32 {
+unsafe fn quant32_avx2(xp: *const f32, id: f32, qp: *mut i8) -> (i32, i32) {
     use core::arch::x86_64::*;
     let lo = _mm256_set1_ps(-127.0);
     let hi = _mm256_set1_ps(127.0);
@@ -595,17 +644,30 @@ unsafe fn quant32_avx2(xp: *const f32, id: f32, qp: *mut i8) -> i32 {
     let t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
     let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
     let t1 = _mm_add_epi32(t2, _mm_shuffle_epi32::<1>(t2));
-    _mm_cvtsi128_si32(t1)
+    // Lane l of q[k] is column 8k + l: columns ≡ 0, 1 (mod 4) are lanes
+    // 0, 1, 4, 5.
+    let e = _mm256_blend_epi32::<0b1100_1100>(t, _mm256_setzero_si256());
+    let e4 = _mm_add_epi32(_mm256_castsi256_si128(e), _mm256_extracti128_si256::<1>(e));
+    let e1 = _mm_add_epi32(e4, _mm_shuffle_epi32::<1>(e4));
+    (_mm_cvtsi128_si32(t1), _mm_cvtsi128_si32(e1))
 }
 
 #[inline(always)]
-fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sums: &mut [i32]) {
-    for ((((xb, qb), db), sb), sumb) in x
+fn quantize_blocks(
+    x: &[f32],
+    qs: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    sums: &mut [i32],
+    off16: &mut [i32],
+) {
+    for (((((xb, qb), db), sb), sumb), ob) in x
         .chunks_exact(QK)
         .zip(qs.chunks_exact_mut(QK))
         .zip(d.iter_mut())
         .zip(s.iter_mut())
         .zip(sums.iter_mut())
+        .zip(off16.iter_mut())
     {
         let mut amax = 0.0f32;
         for &v in xb {
@@ -623,6 +685,7 @@ fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sums:
         *db = dd;
         *sumb = sum;
         *sb = dd * sum as f32;
+        *ob = pair_offsets(qb);
     }
 }
 
@@ -633,9 +696,17 @@ fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sums:
 /// The CPU must support AVX2 and FMA (the slice lengths are asserted).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sums: &mut [i32]) {
+unsafe fn quantize_avx2(
+    x: &[f32],
+    qs: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    sums: &mut [i32],
+    off16: &mut [i32],
+) {
     let nblk = d.len();
     assert!(x.len() >= nblk * QK && qs.len() >= nblk * QK && s.len() >= nblk && sums.len() >= nblk);
+    assert!(off16.len() >= nblk);
     for b in 0..nblk {
         // SAFETY: the block lies inside x and qs (asserted above).
         unsafe {
@@ -643,10 +714,11 @@ unsafe fn quantize_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], 
             let amax = amax_avx2(xp, QK / 8);
             let dd = amax / 127.0;
             let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
-            let sum = quant32_avx2(xp, id, qs.as_mut_ptr().add(b * QK));
+            let (sum, p0) = quant32_avx2(xp, id, qs.as_mut_ptr().add(b * QK));
             *d.get_unchecked_mut(b) = dd;
             *sums.get_unchecked_mut(b) = sum;
             *s.get_unchecked_mut(b) = dd * sum as f32;
+            *off16.get_unchecked_mut(b) = pack_offsets(p0, sum - p0);
         }
     }
 }

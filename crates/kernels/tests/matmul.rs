@@ -220,6 +220,75 @@ fn levels_match_scalar_on_odd_shapes() {
     }
 }
 
+/// Codes and activations at their extremes, arranged so that the i16 sums
+/// of the AVX2 tile reach their bounds: Q4_0/Q5_0 codes 0 or the maximum,
+/// activations ±127, split by column mod 4 (the two i16 halves of a
+/// `maddubs` dword). Catches an overflow or a wrong split of the offsets.
+#[test]
+fn extreme_codes_and_activations_match_scalar() {
+    let pool = ThreadPool::new(1);
+    let cols = 64;
+    let pats: [fn(usize) -> bool; 4] = [|_| true, |_| false, |j| j % 4 < 2, |j| j % 4 >= 2];
+    for ty in [
+        WeightType::Q4_0,
+        WeightType::Q5_0,
+        WeightType::Q5_1,
+        WeightType::Q4_1,
+    ] {
+        let mut wb = Vec::new();
+        for hi in pats {
+            for b in 0..cols / 32 {
+                let _ = b;
+                let code = |j: usize| {
+                    if hi(j) {
+                        if matches!(ty, WeightType::Q4_0 | WeightType::Q4_1) {
+                            15u8
+                        } else {
+                            31
+                        }
+                    } else {
+                        0
+                    }
+                };
+                wb.extend(f16b(1.0));
+                if matches!(ty, WeightType::Q4_1 | WeightType::Q5_1) {
+                    wb.extend(f16b(-0.5));
+                }
+                if matches!(ty, WeightType::Q5_0 | WeightType::Q5_1) {
+                    let qh: u32 = (0..32).filter(|&j| code(j) >= 16).map(|j| 1u32 << j).sum();
+                    wb.extend(qh.to_le_bytes());
+                }
+                wb.extend((0..16).map(|i| (code(i) & 15) | (code(i + 16) & 15) << 4));
+            }
+        }
+        let w = WeightMatrix::new(ty, &wb, pats.len(), cols).unwrap();
+        let mut x = Vec::new();
+        for pos in pats {
+            x.extend((0..cols).map(|j| if pos(j) { 1.0f32 } else { -1.0 }));
+        }
+        let want = run(KernelLevel::Scalar, &pool, w, &x);
+        for l in levels() {
+            assert_bits_eq(&run(l, &pool, w, &x), &want, &format!("{ty:?} {l:?}"));
+        }
+        // And the scalar result is the exact dot product (d = 1, |x| = 127 d_x).
+        let mut q = QuantizedActivations::new(4, cols);
+        q.quantize(&x, cols);
+        for (i, xi) in x.chunks(cols).enumerate() {
+            let mut xdq = vec![0.0; cols];
+            q.dequantize_row(i, &mut xdq);
+            assert!(xdq.iter().zip(xi).all(|(a, b)| a == b));
+            for r in 0..pats.len() {
+                let exact = reference_dot(ty, w.row(r), xi);
+                assert_eq!(
+                    want[i * pats.len() + r] as f64,
+                    exact,
+                    "{ty:?} row {r} act {i}"
+                );
+            }
+        }
+    }
+}
+
 /// Rows longer than one expansion chunk (65 blocks: chunks of 36 + 29 with a
 /// trailing single block) and a weight matrix smaller than one panel.
 #[test]
@@ -302,6 +371,21 @@ fn quantization_properties() {
                 let blk = &r.qs[b * 32..(b + 1) * 32];
                 assert_eq!(r.sums[b], blk.iter().map(|&v| v as i32).sum::<i32>());
                 assert_eq!(r.s[b], r.d[b] * r.sums[b] as f32);
+                // The offset pair: −16 × the codes at columns ≡ 0,1 and
+                // ≡ 2,3 (mod 4), as two i16.
+                let p = |m: usize| -> i16 {
+                    let s: i32 = (0..32)
+                        .filter(|j| j % 4 / 2 == m)
+                        .map(|j| blk[j] as i32)
+                        .sum();
+                    (-16 * s) as i16
+                };
+                let o = q.row_offsets(i)[b];
+                assert_eq!(
+                    (o as i16, (o >> 16) as i16),
+                    (p(0), p(1)),
+                    "{level:?} offsets"
+                );
                 assert!(blk.iter().all(|&v| v >= -127));
                 let amax = x[i * cols + b * 32..i * cols + b * 32 + 32]
                     .iter()
@@ -329,6 +413,7 @@ fn quantization_properties() {
             assert_eq!(a.row(i).d, b.row(i).d);
             assert_eq!(a.row(i).s, b.row(i).s);
             assert_eq!(a.row(i).sums, b.row(i).sums);
+            assert_eq!(a.row_offsets(i), b.row_offsets(i));
         }
         // Identical at every level.
         if let Some(w) = &want {
@@ -372,6 +457,7 @@ fn quantization_levels_agree_on_edge_cases() {
         let (a, b) = (q.row(0), want.row(0));
         assert_eq!(a.qs, b.qs, "{level:?} codes");
         assert_eq!(a.sums, b.sums, "{level:?} sums");
+        assert_eq!(q.row_offsets(0), want.row_offsets(0), "{level:?} offsets");
         for (u, v) in a.d.iter().zip(b.d).chain(a.s.iter().zip(b.s)) {
             assert_eq!(u.to_bits(), v.to_bits(), "{level:?} scales");
         }

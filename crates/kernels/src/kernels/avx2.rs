@@ -7,8 +7,13 @@
 //! * 4-bit codes (Q4_0, Q4_1, Q4_K): the 8 `maddubs` products of a block
 //!   (pair sums ≤ 2·15·127 = 3810) are summed in i16 (≤ 30480, no
 //!   saturation) and widened once with `madd(·, 1)`.
-//! * 5-bit codes (Q5_0, Q5_1, Q5_K): pair sums ≤ 2·31·127 = 7874, so each
-//!   half block (4 products, ≤ 31496) is widened on its own.
+//! * Q4_0 and Q5_0 start that i16 sum at the codes' offset times the
+//!   activations (the quantiser's `pair_offsets`: −8 or −16 × the sums of
+//!   the codes under each i16 half), so it holds Σ (q − 8)·x or Σ (q − 16)·x
+//!   (≤ 16·16·127 = 32512 per half, at every step) and needs no offset term
+//!   afterwards; Q5_0 is widened once like the 4-bit codes.
+//! * The other 5-bit codes (Q5_1, Q5_K): pair sums ≤ 2·31·127 = 7874, so
+//!   each half block (4 products, ≤ 31496) is widened on its own.
 //! * Q8_0: `|w|` × `sign(x, w)` (pair sums ≤ 2·128·127 = 32512), widened
 //!   after every `maddubs`.
 //! * Q6_K: `|q − 32|` × `sign(x, q − 32)` (pair sums ≤ 2·32·127 = 8128, 4 per
@@ -566,7 +571,7 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
         }
     }
     let ones = _mm256_set1_epi16(1);
-    let (dp, sp, sump) = (x.d.as_ptr(), x.s.as_ptr(), x.sums.as_ptr());
+    let (dp, sp) = (x.d.as_ptr(), x.s.as_ptr());
     for b in 0..c.kb {
         // SAFETY: slot b was expanded for this chunk.
         let pb = unsafe { &*c.buf.add(b) };
@@ -581,8 +586,23 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, ones));
                 }
             }
-        } else if F == Q4_0 || F == Q4_1 {
+        } else if F == Q4_0 || F == Q4_1 || F == Q5_0 {
+            // Q4_0/Q5_0 start from the codes' offset times the activations
+            // (`pair_offsets`), so the i16 sums hold Σ (q − off)·x, which
+            // fits (≤ 16·16·127 per half) — and with wrapping adds only the
+            // final value has to.
             let mut s16 = [_mm256_setzero_si256(); M];
+            if F == Q4_0 || F == Q5_0 {
+                for t in 0..M {
+                    // SAFETY: block bi[t] + b of the activations exists.
+                    let o = _mm256_set1_epi32(unsafe { *x.off16.as_ptr().add(bi[t] + b) });
+                    s16[t] = if F == Q4_0 {
+                        _mm256_srai_epi16::<1>(o)
+                    } else {
+                        o
+                    };
+                }
+            }
             for g in 0..8 {
                 for t in 0..M {
                     // SAFETY: as above.
@@ -618,13 +638,7 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
         }
         for t in 0..M {
             let k = bi[t] + b;
-            let mut is = isum[t];
-            if F == Q4_0 || F == Q5_0 {
-                // The codes' offset (8 or 16) times the activations' sum.
-                let off = if F == Q4_0 { 8 } else { 16 };
-                // SAFETY: k < n * nb.
-                is = _mm256_sub_epi32(is, _mm256_set1_epi32(off * unsafe { *sump.add(k) }));
-            }
+            let is = isum[t];
             // SAFETY: k < n * nb.
             let da = unsafe { *dp.add(k) };
             let scale = _mm256_mul_ps(pb.dw, _mm256_set1_ps(da));

@@ -21,6 +21,8 @@ pub(crate) struct ActParts<'a> {
     pub d: &'a [f32],
     pub s: &'a [f32],
     pub sums: &'a [i32],
+    /// Per block, the (−16·P0, −16·P1) i16 pair of `quant::pair_offsets`.
+    pub off16: &'a [i32],
     /// The 256-column form (K-quant weights): codes, per-256 scales and
     /// per-32 sums; empty when not computed.
     pub kqs: &'a [i8],
