@@ -1,7 +1,7 @@
 //! Public matmul entry points.
 
 use crate::formats::{dequantize_row, WeightMatrix, WeightType, QK};
-use crate::kernels::{self, ActParts, OutPtr};
+use crate::kernels::{self, OutPtr};
 use crate::level::KernelLevel;
 use crate::pool::ThreadPool;
 use crate::quant::QuantizedActivations;
@@ -81,19 +81,7 @@ pub fn matmul_with_level(
             "32-column"
         }
     );
-    let (qs, d, s, sums, off16) = x.parts();
-    let (kqs, kd, ksums) = x.k_parts();
-    let acts = ActParts {
-        n,
-        qs,
-        d,
-        s,
-        sums,
-        off16,
-        kqs,
-        kd,
-        ksums,
-    };
+    let acts = x.kernel_parts();
     let n_panels = w.rows.div_ceil(kernels::panel_rows(level));
     let outp = OutPtr(out.as_mut_ptr());
     // Up to ~8 activation rows are memory-bound: one contiguous range per thread

@@ -4,6 +4,7 @@
 //! plus the per-32 sums the K-quant minimums need).
 
 use crate::formats::{WeightType, QK, QK_K};
+use crate::kernels::ActParts;
 use crate::level::KernelLevel;
 use crate::pool::ThreadPool;
 
@@ -379,41 +380,32 @@ impl QuantizedActivations {
         }
     }
 
-    /// Raw parts for the kernels: (qs, d, s, sums, off16) of all rows
-    /// (empty when the 32-column form was not computed).
-    pub(crate) fn parts(&self) -> (&[i8], &[f32], &[f32], &[i32], &[i32]) {
-        if !self.have.blocks32 {
-            return (&[], &[], &[], &[], &[]);
-        }
+    /// The kernels' view of all rows (a form that was not computed is
+    /// empty).
+    pub(crate) fn kernel_parts(&self) -> ActParts<'_> {
         let nblk = self.n * (self.cols / QK);
-        (
-            &self.qs[..self.n * self.cols],
-            &self.d[..nblk],
-            &self.s[..nblk],
-            &self.sums[..nblk],
-            &self.off16[..nblk],
-        )
+        let (b32, k) = (self.have.blocks32, self.have.super256);
+        let take = |on: bool, len: usize| if on { len } else { 0 };
+        ActParts {
+            n: self.n,
+            qs: &self.qs[..take(b32, self.n * self.cols)],
+            d: &self.d[..take(b32, nblk)],
+            s: &self.s[..take(b32, nblk)],
+            sums: &self.sums[..take(b32, nblk)],
+            off16: &self.off16[..take(b32, nblk)],
+            kqs: &self.kqs[..take(k, self.n * self.cols)],
+            kd: &self.kd[..take(k, nblk / 8)],
+            ksums: &self.ksums[..take(k, nblk)],
+        }
     }
 
-    /// Row `i`'s per-block offset pairs (see [`pair_offsets`]; for tests).
+    /// Row `i`'s per-block offset pairs: the i16 pair (−16·P0, −16·P1), P0
+    /// the sum of the codes at columns ≡ 0, 1 (mod 4), P1 at ≡ 2, 3 (for
+    /// tests).
     pub fn row_offsets(&self, i: usize) -> &[i32] {
         let nb = self.cols / QK;
         assert!(i < self.n && self.have.blocks32, "row_offsets: no row {i}");
         &self.off16[i * nb..(i + 1) * nb]
-    }
-
-    /// Raw parts of the 256-column form: (qs, d, sums) of all rows (empty
-    /// when it was not computed).
-    pub(crate) fn k_parts(&self) -> (&[i8], &[f32], &[i16]) {
-        if !self.have.super256 {
-            return (&[], &[], &[]);
-        }
-        let nblk = self.n * (self.cols / QK);
-        (
-            &self.kqs[..self.n * self.cols],
-            &self.kd[..nblk / 8],
-            &self.ksums[..nblk],
-        )
     }
 }
 
