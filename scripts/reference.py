@@ -93,9 +93,10 @@ def main():
         return out
 
     def qa(v, name):  # optional activation quantisation of the input of `name`
-        if not q8:
+        kind = tensors[name].tensor_type.name
+        if not q8 or kind in ("F32", "F16"):  # float weights take f32 inputs
             return v
-        k_quant = tensors[name].tensor_type.name in ("Q4_K", "Q5_K", "Q6_K")
+        k_quant = kind in ("Q4_K", "Q5_K", "Q6_K")
         b = v.reshape(v.shape[0], -1, 256 if k_quant else 32).astype(np.float32)
         d = np.abs(b).max(axis=-1, keepdims=True) / 127.0
         inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1), 0).astype(np.float32)

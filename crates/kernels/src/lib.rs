@@ -69,7 +69,7 @@
 //! ```text
 //! acc = 0.0f32
 //! for b in 0..cols/32 (in order):
-//!     isum = Σ_j qw[j]·qx[j]                      // exact i32 (Q6_K: per 16-half, times its scale)
+//!     isum = Σ_j qw[j]·qx[j]                      // exact i32
 //!     acc  = fma(isum as f32, d_w[b] * d_x[b], acc)
 //!     acc  = fma(m_w[b], d_x[b]·Σ qx, acc)         // formats with a minimum
 //! out = acc
@@ -84,7 +84,10 @@
 //!     sumi = Σ_sub sc·Σ_j qw[j]·qx[j];  summ = Σ_sub m·Σ qx     // exact i32
 //!     acc  = fma(sumi as f32, d_w[s] * d_x[s], acc)
 //!     acc  = fma(summ as f32, (−dmin_w[s]) * d_x[s], acc)      // Q4_K, Q5_K
-//! ``` SIMD kernels vectorise across weight rows —
+//! ```
+//!
+//! (`sc`: the 6-bit sub-block scale, or Q6_K's `i8` scale per 16 weights;
+//! `m`: the 6-bit minimum.) SIMD kernels vectorise across weight rows —
 //! never across the blocks of one dot product — so lane arithmetic is the
 //! scalar arithmetic. Consequently `out[i * rows + r]` is **bitwise**
 //! identical whatever the batch size `n`, the position `i` of the row in the

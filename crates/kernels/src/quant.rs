@@ -173,9 +173,16 @@ impl QuantizedActivations {
         self.cols
     }
 
-    /// Rows of `cols()` values that fit without reallocating.
+    /// Rows of `cols()` values that fit without reallocating, in every
+    /// form the buffer is set to compute.
     pub fn capacity_rows(&self) -> usize {
-        self.qs.len().checked_div(self.cols).unwrap_or(0)
+        let k = self.want.super256 && self.cols.is_multiple_of(QK_K);
+        let rows = |len: usize| len.checked_div(self.cols).unwrap_or(0);
+        match (self.want.blocks32, k) {
+            (true, true) => rows(self.qs.len()).min(rows(self.kqs.len())),
+            (false, true) => rows(self.kqs.len()),
+            _ => rows(self.qs.len()),
+        }
     }
 
     /// Quantises `x` (`n × cols`, row-major, `x.len()` a multiple of `cols`)

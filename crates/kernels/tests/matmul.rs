@@ -593,6 +593,7 @@ fn quantization_reuses_buffers_and_survives_non_finite() {
     assert_eq!(q.n_rows(), 20);
     // The 256-column form is preallocated too.
     let mut q = QuantizedActivations::new(4, 512);
+    assert_eq!(q.capacity_rows(), 4);
     q.quantize(&vec![0.0; 512], 512);
     let p0 = q.row_k(0).qs.as_ptr();
     for n in [4, 1, 4] {

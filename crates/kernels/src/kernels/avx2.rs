@@ -6,7 +6,8 @@
 //!
 //! * 4-bit codes (Q4_0, Q4_1, Q4_K): the 8 `maddubs` products of a block
 //!   (pair sums ≤ 2·15·127 = 3810) are summed in i16 (≤ 30480, no
-//!   saturation) and widened once with `madd(·, 1)`.
+//!   saturation) and widened once with `madd(·, 1)` (Q4_K: `madd(·, sc)`,
+//!   its sub-block scale).
 //! * Q4_0 and Q5_0 start that i16 sum at the codes' offset times the
 //!   activations (the quantiser's `pair_offsets`: −8 or −16 × the sums of
 //!   the codes under each i16 half), so it holds Σ (q − 8)·x or Σ (q − 16)·x
