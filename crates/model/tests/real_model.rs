@@ -16,15 +16,6 @@ fn model() -> &'static Model {
 
 const PAGE: usize = 16;
 
-fn pool(pages: u64) -> Pool {
-    pool_of(pages, DType::F32)
-}
-
-fn pool_of(pages: u64, dtype: DType) -> Pool {
-    let shape = model().kv_shape(PAGE, dtype).unwrap();
-    Pool::new(shape, pages, PoolOptions::default()).unwrap()
-}
-
 /// Prefill `ids` in one batch; logits of every position.
 fn all_logits(ids: &[u32]) -> Vec<f32> {
     all_logits_in(ids, DType::F32)
@@ -32,8 +23,13 @@ fn all_logits(ids: &[u32]) -> Vec<f32> {
 
 /// As [`all_logits`], with K/V stored as `dtype`.
 fn all_logits_in(ids: &[u32], dtype: DType) -> Vec<f32> {
-    let m = model();
-    let mut pool = pool_of(64, dtype);
+    all_logits_of(model(), ids, dtype)
+}
+
+/// As [`all_logits_in`], for model `m`.
+fn all_logits_of(m: &Model, ids: &[u32], dtype: DType) -> Vec<f32> {
+    let shape = m.kv_shape(PAGE, dtype).unwrap();
+    let mut pool = Pool::new(shape, 64, PoolOptions::default()).unwrap();
     let owner = Owner::new(RequestId(1), TenantId(1));
     let mut pages = Vec::new();
     pool.alloc(owner, ids.len().div_ceil(PAGE), &mut pages)
@@ -174,15 +170,39 @@ fn logits_match_numpy_reference() {
 /// other sequences at other positions, whichever pages it got.
 #[test]
 fn logits_are_batch_and_page_invariant() {
-    let m = model();
-    let v = m.config.vocab;
     let a: Vec<u32> = vec![504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282];
+    assert_batch_and_page_invariant(model(), &a);
+}
+
+/// K12 on the real K-quant model (Gemma 3 270M Q4_K_M: Q4_K, Q6_K, Q5_0
+/// and Q8_0 matmuls, K-quants on the 256-column activation form, sliding
+/// window layers).
+#[test]
+fn gemma3_logits_are_batch_and_page_invariant() {
+    let path = testkit::model_home().join("gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        path.is_file(),
+        "{} is missing: run `isoserve fetch-model gemma3-270m` (scripts/test does); \
+         this test fails rather than skips",
+        path.display()
+    );
+    let m = Model::load(&path, kernels::ThreadPool::new(2)).unwrap();
+    let a: Vec<u32> = vec![2, 818, 5279, 529, 7001, 563, 9079, 236761, 108, 818, 5279];
+    assert_batch_and_page_invariant(&m, &a);
+}
+
+/// `a` prefilled alone against `a` in chunks of 3 mixed with another
+/// sequence's tokens one by one, on other pages: the same logits, bit for
+/// bit, at every position.
+fn assert_batch_and_page_invariant(m: &Model, a: &[u32]) {
+    let v = m.config.vocab;
     let b: Vec<u32> = (0..37).map(|i| 100 + i * 7).collect();
     // Alone: prefill a in one go, logits at every position.
-    let alone = all_logits(&a);
+    let alone = all_logits_of(m, a, DType::F32);
     // Batched: b's first 30 tokens first (so pages interleave), then a's
     // prefill in chunks of 3 mixed with b's remaining tokens one by one.
-    let mut pool = pool(64);
+    let shape = m.kv_shape(PAGE, DType::F32).unwrap();
+    let mut pool = Pool::new(shape, 64, PoolOptions::default()).unwrap();
     let oa = Owner::new(RequestId(1), TenantId(1));
     let ob = Owner::new(RequestId(2), TenantId(2));
     let (mut pa, mut pb): (Vec<PageRef>, Vec<PageRef>) = (Vec::new(), Vec::new());
