@@ -538,25 +538,41 @@ fn quantize_k_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [i16]) 
         .zip(d.iter_mut())
         .zip(sums.chunks_exact_mut(QK_K / QK))
     {
-        let mut amax = 0.0f32;
-        for &v in xb {
-            amax = amax.max(v.abs());
-        }
-        let dd = amax / 127.0;
-        let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
+        let (dd, id) = scale_of(xb);
         for ((x32, q32), s) in xb.chunks_exact(QK).zip(qb.chunks_exact_mut(QK)).zip(sb) {
-            let mut sum = 0i32;
-            for (q, &v) in q32.iter_mut().zip(x32) {
-                // `as i8` saturates and maps NaN to 0, so this never fails.
-                let qi = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-                *q = qi;
-                sum += qi as i32;
-            }
             // |sum| ≤ 32 · 127 fits.
-            *s = sum as i16;
+            *s = quant32(x32, id, q32) as i16;
         }
         *db = dd;
     }
+}
+
+/// `(d, 1/d)` of a block: `d = max|x| / 127` (NaN ignored), `1/d = 0` when
+/// `d = 0`.
+#[inline(always)]
+fn scale_of(x: &[f32]) -> (f32, f32) {
+    scale_from_amax(x.iter().fold(0.0f32, |a, v| a.max(v.abs())))
+}
+
+/// `(d, 1/d)` from `max|x|` (every level's quantiser).
+#[inline(always)]
+fn scale_from_amax(amax: f32) -> (f32, f32) {
+    let dd = amax / 127.0;
+    (dd, if dd != 0.0 { 1.0 / dd } else { 0.0 })
+}
+
+/// Quantises `x` with `x · id` (ties to even, clamped to ±127, NaN → 0)
+/// into `q`; returns the sum of the codes.
+#[inline(always)]
+fn quant32(x: &[f32], id: f32, q: &mut [i8]) -> i32 {
+    let mut sum = 0i32;
+    for (q, &v) in q.iter_mut().zip(x) {
+        // `as i8` saturates and maps NaN to 0, so this never fails.
+        let qi = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+        *q = qi;
+        sum += qi as i32;
+    }
+    sum
 }
 
 /// AVX2 version of `quantize_k_blocks`, bitwise equal (the per-32 steps are
@@ -574,8 +590,7 @@ unsafe fn quantize_k_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [i
         unsafe {
             let xp = x.as_ptr().add(sb * QK_K);
             let amax = amax_avx2(xp, QK_K / 8);
-            let dd = amax / 127.0;
-            let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
+            let (dd, id) = scale_from_amax(amax);
             for k in 0..QK_K / QK {
                 let (sum, _) =
                     quant32_avx2(xp.add(k * QK), id, qs.as_mut_ptr().add(sb * QK_K + k * QK));
@@ -668,19 +683,8 @@ fn quantize_blocks(
         .zip(sums.iter_mut())
         .zip(off16.iter_mut())
     {
-        let mut amax = 0.0f32;
-        for &v in xb {
-            amax = amax.max(v.abs());
-        }
-        let dd = amax / 127.0;
-        let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in qb.iter_mut().zip(xb) {
-            // `as i8` saturates and maps NaN to 0, so this never fails.
-            let qi = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-            *q = qi;
-            sum += qi as i32;
-        }
+        let (dd, id) = scale_of(xb);
+        let sum = quant32(xb, id, qb);
         *db = dd;
         *sumb = sum;
         *sb = dd * sum as f32;
@@ -711,8 +715,7 @@ unsafe fn quantize_avx2(
         unsafe {
             let xp = x.as_ptr().add(b * QK);
             let amax = amax_avx2(xp, QK / 8);
-            let dd = amax / 127.0;
-            let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
+            let (dd, id) = scale_from_amax(amax);
             let (sum, p0) = quant32_avx2(xp, id, qs.as_mut_ptr().add(b * QK));
             *d.get_unchecked_mut(b) = dd;
             *sums.get_unchecked_mut(b) = sum;
@@ -753,8 +756,7 @@ unsafe fn quantize_avx512(
                 _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps()),
             );
             let amax = _mm512_reduce_max_ps(m);
-            let dd = amax / 127.0;
-            let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
+            let (dd, id) = scale_from_amax(amax);
             let idv = _mm512_set1_ps(id);
             let lo = _mm512_set1_ps(-127.0);
             let hi = _mm512_set1_ps(127.0);
