@@ -528,6 +528,35 @@ unsafe fn expand_q6_k(base: *const u8, offs: &[usize; PANEL_ROWS], boff: usize, 
     }
 }
 
+/// `s16[t] += maddubs(w_g, x_g)` for the 4-column groups `groups` of block
+/// `b` and each activation row `t` (`x_g` broadcast, its signs taken from the
+/// codes for signed formats), in i16 with wrapping adds.
+///
+/// # Safety
+/// The CPU must support AVX2; `qa[t] + 32·b` must point at 32 readable
+/// activation bytes of row `t`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_groups<const F: u8, const M: usize>(
+    pb: &PBlock,
+    qa: &[*const i8; M],
+    b: usize,
+    groups: Range<usize>,
+    s16: &mut [__m256i; M],
+) {
+    for g in groups {
+        for t in 0..M {
+            // SAFETY: inside the 32 bytes of block b (the caller's contract).
+            let a = unsafe { (qa[t].add(b * QK + 4 * g) as *const i32).read_unaligned() };
+            let mut av = _mm256_set1_epi32(a);
+            if signed(F) {
+                av = _mm256_sign_epi8(av, pb.ws[g]);
+            }
+            s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(pb.w[g], av));
+        }
+    }
+}
+
 struct TileCtx {
     buf: *const PBlock,
     kb: usize,
@@ -604,14 +633,8 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
                     };
                 }
             }
-            for g in 0..8 {
-                for t in 0..M {
-                    // SAFETY: as above.
-                    let a = unsafe { (qa[t].add(b * QK + 4 * g) as *const i32).read_unaligned() };
-                    let p = _mm256_maddubs_epi16(pb.w[g], _mm256_set1_epi32(a));
-                    s16[t] = _mm256_add_epi16(s16[t], p);
-                }
-            }
+            // SAFETY: block b of every row's chunk.
+            unsafe { add_groups::<F, M>(pb, &qa, b, 0..8, &mut s16) };
             for t in 0..M {
                 isum[t] = _mm256_madd_epi16(s16[t], ones);
             }
@@ -620,18 +643,8 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
             // codes).
             for h in 0..2 {
                 let mut s16 = [_mm256_setzero_si256(); M];
-                for g in 4 * h..4 * h + 4 {
-                    for t in 0..M {
-                        // SAFETY: as above.
-                        let a =
-                            unsafe { (qa[t].add(b * QK + 4 * g) as *const i32).read_unaligned() };
-                        let mut av = _mm256_set1_epi32(a);
-                        if signed(F) {
-                            av = _mm256_sign_epi8(av, pb.ws[g]);
-                        }
-                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(pb.w[g], av));
-                    }
-                }
+                // SAFETY: block b of every row's chunk.
+                unsafe { add_groups::<F, M>(pb, &qa, b, 4 * h..4 * h + 4, &mut s16) };
                 for t in 0..M {
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], ones));
                 }
@@ -712,34 +725,16 @@ unsafe fn tile_k<const F: u8, const M: usize>(
             let pb = unsafe { &*c.buf.add(b) };
             if F == Q4_K {
                 let mut s16 = [_mm256_setzero_si256(); M];
-                for g in 0..8 {
-                    for t in 0..M {
-                        // SAFETY: bytes of block b of the row's chunk.
-                        let a =
-                            unsafe { (qa[t].add(b * QK + 4 * g) as *const i32).read_unaligned() };
-                        let p = _mm256_maddubs_epi16(pb.w[g], _mm256_set1_epi32(a));
-                        s16[t] = _mm256_add_epi16(s16[t], p);
-                    }
-                }
+                // SAFETY: block b of every row's chunk.
+                unsafe { add_groups::<F, M>(pb, &qa, b, 0..8, &mut s16) };
                 for t in 0..M {
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], pb.sc[0]));
                 }
             } else {
                 for h in 0..2 {
                     let mut s16 = [_mm256_setzero_si256(); M];
-                    for g in 4 * h..4 * h + 4 {
-                        for t in 0..M {
-                            // SAFETY: as above.
-                            let a = unsafe {
-                                (qa[t].add(b * QK + 4 * g) as *const i32).read_unaligned()
-                            };
-                            let mut av = _mm256_set1_epi32(a);
-                            if signed(F) {
-                                av = _mm256_sign_epi8(av, pb.ws[g]);
-                            }
-                            s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(pb.w[g], av));
-                        }
-                    }
+                    // SAFETY: block b of every row's chunk.
+                    unsafe { add_groups::<F, M>(pb, &qa, b, 4 * h..4 * h + 4, &mut s16) };
                     for t in 0..M {
                         isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], pb.sc[h]));
                     }
