@@ -89,14 +89,19 @@ def test_1024_silent_sockets_from_one_client_do_not_lock_others_out(tmp_root):
     s = Server([], tmp_root, "door-1024")
     socks = []
     try:
+        t_open = time.monotonic()
         socks = silent_sockets(s, 1024)
         time.sleep(0.3)
         st, j, dt = request(s, "GET", "/health")
         assert st == 200 and j == {"status": "ok"} and dt < 1.0, (st, j, dt)
         # The attacker's own next connection is over its limit: 429 in
-        # OpenAI's shape (or closed, when the overflow lane is full).
+        # OpenAI's shape (or closed, when the overflow lane is full) — while
+        # its first silent sockets still hold their slots: on a machine so
+        # loaded that opening them took the first-byte timeout (5 s), the
+        # first ones were closed and freed their slots (a CI flake, 200).
         st, j, _ = request(s, "GET", "/v1/models", source=ATTACKER)
-        assert st in (0, 429), (st, j)
+        held = time.monotonic() - t_open < 4.5
+        assert st in (0, 429) or (not held and st == 200), (st, j, time.monotonic() - t_open)
         if st == 429:
             assert j["error"]["code"] == "too_many_connections", j
             m = s.metrics()
