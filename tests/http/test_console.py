@@ -97,8 +97,14 @@ def tile(page, counter: str, node: str):
 
 
 def swatch_colour(page, tenant: str) -> str:
-    return page.eval_on_selector(f'tr[data-tenant="{tenant}"] .swatch',
-                                 "e => getComputedStyle(e).backgroundColor")
+    # The tenants table is redrawn on every poll: find the swatch and read its
+    # style in one script turn, so the row cannot be replaced in between (a
+    # detached element's computed colour is '', which failed a CI run).
+    colour = page.evaluate(
+        """t => { const e = document.querySelector(`tr[data-tenant="${t}"] .swatch`);
+                  return e ? getComputedStyle(e).backgroundColor : null; }""", tenant)
+    assert colour, f"no swatch colour for {tenant}: {colour!r}"
+    return colour
 
 
 def wait_first_token(stream: Stream):
