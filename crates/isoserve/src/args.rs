@@ -87,8 +87,9 @@ pub struct HttpArgs {
 /// The engine side of `serve`, `prefill` and `decode`.
 #[derive(clap::Args, Debug, Clone, PartialEq, serde::Serialize)]
 pub struct NodeEngineArgs {
-    /// A LLaMA-family GGUF file (default: the cached default model, fetched
-    /// if missing). Its file stem is the model id clients must name (or
+    /// A GGUF file (architectures llama, qwen2, qwen3, gemma3) or a known
+    /// model's name (`smollm2-135m`, the default; `gemma3-270m`), fetched if
+    /// missing. Its file stem is the model id clients must name (or
     /// `default`).
     #[arg(long)]
     pub model: Option<PathBuf>,

@@ -86,8 +86,8 @@ enum Cmd {
         /// Keep generating past end-of-sequence tokens.
         #[arg(long)]
         ignore_eos: bool,
-        /// A LLaMA-family GGUF file (default: the cached default model,
-        /// fetched if missing).
+        /// A GGUF file (llama, qwen2, qwen3, gemma3) or a known model's name
+        /// (`smollm2-135m`, the default; `gemma3-270m`), fetched if missing.
         #[arg(long)]
         model: Option<PathBuf>,
     },

@@ -185,7 +185,7 @@ fn weight_type(t: GgmlType) -> WeightType {
 }
 
 impl Model {
-    /// Loads a LLaMA-family GGUF. The file is memory-mapped for the life of
+    /// Loads a GGUF (llama, qwen2, qwen3 or gemma3). The file is memory-mapped for the life of
     /// the process: the weights are read in place, never copied, and the map
     /// is deliberately leaked (one model per process; `&'static` lets worker
     /// threads borrow weights without reference counting).

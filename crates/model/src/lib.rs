@@ -1,4 +1,4 @@
-//! `model` — a LLaMA-family model on CPU: configuration from GGUF metadata,
+//! `model` — LLaMA-family models (Llama, Qwen 2/3) and Gemma 3 on CPU: configuration from GGUF metadata,
 //! the forward pass with paged attention over the [`kv`] pool, and sampling.
 //!
 //! It reads and writes K/V *only* through `kv::Pool` handles, so every KV

@@ -276,6 +276,77 @@ fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
     Ok(stops)
 }
 
+/// `response_format`, `tools`, `tool_choice` and `functions` ask for output
+/// the server would have to constrain or parse (JSON, tool calls). It does
+/// neither, so a request that relies on them is refused rather than answered
+/// with free text under a 200 (as llama.cpp's server without `--jinja` and
+/// vLLM without a tool parser refuse tools). Their "off" values pass: a
+/// `text` format, an empty tool list, `tool_choice: "none"` (or `"auto"`
+/// with no tools).
+fn refuse_structured_output(f: &Fields<'_>) -> Result<(), ApiError> {
+    match f.get("response_format") {
+        None => {}
+        Some(Value::Object(m)) => match m.get("type") {
+            Some(Value::String(t)) if t == "text" => {}
+            Some(Value::String(t)) => {
+                return Err(ApiError::unsupported(
+                    "response_format",
+                    &format!(
+                        "response_format `{t}` is not supported: this server does not \
+                         constrain output (only `text`)"
+                    ),
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid_type(
+                    "response_format.type",
+                    "a string (`text`)",
+                ))
+            }
+        },
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "response_format",
+                &format!("an object, got {}", type_name(v)),
+            ))
+        }
+    }
+    let mut tools = false;
+    for field in ["tools", "functions"] {
+        match f.get(field) {
+            None => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(Value::Array(_)) => tools = true,
+            Some(v) => {
+                return Err(ApiError::invalid_type(
+                    field,
+                    &format!("an array, got {}", type_name(v)),
+                ))
+            }
+        }
+        if tools {
+            return Err(ApiError::unsupported(
+                field,
+                "tool calling is not supported: this server does not parse tool calls \
+                 from the model's output",
+            ));
+        }
+    }
+    for field in ["tool_choice", "function_call"] {
+        match f.get(field) {
+            None => {}
+            Some(Value::String(c)) if c == "none" || c == "auto" => {}
+            Some(_) => {
+                return Err(ApiError::unsupported(
+                    field,
+                    "tool calling is not supported (only `none`, or `auto` with no tools)",
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The fields common to both endpoints.
 fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenParams, ApiError> {
     let model = f.string("model")?.map(str::to_string);
@@ -311,6 +382,7 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
             ))
         }
     }
+    refuse_structured_output(f)?;
     let max_tokens_max = request::MAX_TOKENS_MAX as i64;
     let mut max_tokens = f.int_in("max_tokens", 1, max_tokens_max)?;
     if let Some(m) = f.int_in("max_completion_tokens", 1, max_tokens_max)? {
@@ -911,6 +983,60 @@ mod tests {
             json!([{"role": "user", "content": [{"text": "x"}]}]),
             "messages[0].content[0].type",
         );
+    }
+
+    /// JSON mode and tool calls are refused, never answered with free text
+    /// under a 200; their "off" values pass.
+    #[test]
+    fn structured_output_requests_are_refused_not_ignored() {
+        for (field, value, param) in [
+            (
+                "response_format",
+                json!({"type": "json_object"}),
+                "response_format",
+            ),
+            (
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+                "response_format",
+            ),
+            ("response_format", json!({}), "response_format.type"),
+            ("response_format", json!("json"), "response_format"),
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+                "tools",
+            ),
+            ("tools", json!({}), "tools"),
+            ("functions", json!([{"name": "f"}]), "functions"),
+            ("tool_choice", json!("required"), "tool_choice"),
+            (
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "f"}}),
+                "tool_choice",
+            ),
+            ("function_call", json!({"name": "f"}), "function_call"),
+        ] {
+            chat_err(field, value, param);
+        }
+        let e = chat(json!({"messages": msgs(), "response_format": {"type": "json_object"}}))
+            .expect_err("json mode");
+        assert_eq!(e.code, Some("unsupported_value"), "{e}");
+        for (field, value) in [
+            ("response_format", json!({"type": "text"})),
+            ("tools", json!([])),
+            ("tools", Value::Null),
+            ("tool_choice", json!("none")),
+            ("tool_choice", json!("auto")),
+            ("function_call", json!("none")),
+        ] {
+            let mut body = json!({"messages": msgs()});
+            body[field] = value.clone();
+            chat(body).unwrap_or_else(|e| panic!("{field} = {value}: {e}"));
+        }
+        let e = completion(json!({"prompt": "x", "response_format": {"type": "json_object"}}))
+            .expect_err("json mode on completions");
+        assert_eq!(e.param.as_deref(), Some("response_format"));
     }
 
     #[test]
