@@ -97,7 +97,19 @@ def test_unknown_model_is_404(server):
     r = post(server, CHAT, {"model": "default", "messages": MSGS, "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert r.json()["model"] == MODEL
-    assert rejections(server.metrics())["model_not_found"] - before["model_not_found"] == 1
+    # So is the known model's short name (`--model smollm2-135m`), on both
+    # endpoints and /v1/models/{id}; the answer names the served id.
+    r = post(server, CHAT, {"model": "smollm2-135m", "messages": MSGS, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == MODEL
+    r = post(server, "/v1/completions", {"model": "smollm2-135m", "prompt": "a", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = requests.get(server.url("/v1/models/smollm2-135m"), timeout=10)
+    assert r.status_code == 200 and r.json()["id"] == MODEL, r.text
+    # A near miss is still unknown.
+    r = post(server, CHAT, {"model": "smollm2-135m ", "messages": MSGS})
+    assert_error(r, 404, "model_not_found", "model")
+    assert rejections(server.metrics())["model_not_found"] - before["model_not_found"] == 2
 
 
 def test_body_over_the_limit_is_413(server):

@@ -89,8 +89,8 @@ pub struct HttpArgs {
 pub struct NodeEngineArgs {
     /// A GGUF file (architectures llama, qwen2, qwen3, gemma3) or a known
     /// model's name (`smollm2-135m`, the default; `gemma3-270m`), fetched if
-    /// missing. Its file stem is the model id clients must name (or
-    /// `default`).
+    /// missing. Its file stem is the model id clients name (as do `default`
+    /// and a known model's name).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Advertise a context window smaller than the model's (needed when
@@ -438,6 +438,11 @@ pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
 /// The HTTP layer's configuration of `serve` and `gateway`.
 pub(crate) fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerConfig> {
     let mut scfg = ServerConfig::new(model_id.to_string());
+    // `--model gemma3-270m` serves `gemma-3-270m-q4_k_m.gguf`: the name the
+    // operator typed is one a client will send.
+    scfg.model_aliases = crate::fetch::known_model_of_id(model_id)
+        .map(|m| vec![m.name.to_string()])
+        .unwrap_or_default();
     scfg.max_body_bytes = usize::try_from(http.max_body).context("--max-body is too large")?;
     scfg.default_max_tokens = http.default_max_tokens.max(1);
     scfg.max_connections = http.max_connections.max(1);

@@ -79,6 +79,14 @@ pub fn known_model(name: &str) -> Option<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|m| m.name == name)
 }
 
+/// The known model whose cached file has this stem (the served model id), if
+/// any: its name is an alias clients may send as `model`.
+pub fn known_model_of_id(model_id: &str) -> Option<&'static KnownModel> {
+    KNOWN_MODELS
+        .iter()
+        .find(|m| m.file.strip_suffix(".gguf") == Some(model_id))
+}
+
 /// The names of the known models, for messages.
 pub fn known_names() -> String {
     KNOWN_MODELS
@@ -380,5 +388,20 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         fs::remove_dir_all(&self.0).ok();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_known_models_file_stem_maps_back_to_its_name() {
+        for m in &KNOWN_MODELS {
+            let stem = m.file.strip_suffix(".gguf").expect("a .gguf file");
+            assert_eq!(known_model_of_id(stem).map(|k| k.name), Some(m.name));
+        }
+        assert!(known_model_of_id("gemma-3-270m-q4_k_m.gguf").is_none());
+        assert!(known_model_of_id("my-model").is_none());
     }
 }

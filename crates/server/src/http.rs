@@ -240,7 +240,7 @@ async fn model_by_id(
     if let Err(r) = check_key(&st, &headers) {
         return *r;
     }
-    if id == st.cfg.model_id || id == "default" {
+    if st.cfg.serves_model(&id) {
         Json(model_card(&st)).into_response()
     } else {
         let e = ApiError::model_not_found(&id);
@@ -563,7 +563,7 @@ async fn admit(
     };
     drop(bytes);
     if let Some(m) = &params.model {
-        if *m != st.cfg.model_id && m != "default" {
+        if !st.cfg.serves_model(m) {
             return Err(ApiError::model_not_found(m));
         }
     }

@@ -79,6 +79,9 @@ use crate::tenants::Tenants;
 pub struct ServerConfig {
     /// The served model's id (the GGUF file stem); `default` is an alias.
     pub model_id: String,
+    /// Other names clients may send as `model` (a known model's short
+    /// name); `/v1/models` lists the id alone.
+    pub model_aliases: Vec<String>,
     /// Largest request body.
     pub max_body_bytes: usize,
     /// Time to receive a request body.
@@ -113,6 +116,7 @@ impl ServerConfig {
     pub fn new(model_id: impl Into<String>) -> ServerConfig {
         ServerConfig {
             model_id: model_id.into(),
+            model_aliases: Vec::new(),
             max_body_bytes: MAX_BODY_BYTES_DEFAULT,
             body_timeout: Duration::from_secs(30),
             header_limit: 64 << 10,
@@ -125,6 +129,11 @@ impl ServerConfig {
             shutdown_grace: Duration::from_secs(30),
             log_prompts: false,
         }
+    }
+
+    /// Whether a request's `model` names the served model.
+    pub fn serves_model(&self, name: &str) -> bool {
+        name == self.model_id || name == "default" || self.model_aliases.iter().any(|a| a == name)
     }
 
     fn validate(&self) -> Result<(), ServerError> {
