@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import BIN, Server, Stream, parse_metrics
+from conftest import BIN, Server, Stream, parse_metrics, tokenize
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 NODE_RE = re.compile(r"^isoserve: (\w+) node \S+ listening on ([0-9.]+):(\d+)$")
@@ -185,6 +185,28 @@ def test_pd_output_equals_unified(pd_set, server):
     assert m["isoserve_node_decode_transfers_completed_total"] >= 2 * len(PROMPTS)
     assert m["isoserve_node_decode_checksum_failures_total"] == 0
     pool_free(pd_set["prefill"])
+
+
+def test_logit_bias_crosses_from_gateway_to_both_nodes(pd_set, server):
+    # Prefill samples the first token, decode the rest: a forced token in
+    # every position shows both nodes got the bias (wire v5); a ban gives the
+    # unified server's text.
+    gw = pd_set["gateway"]
+    banana = tokenize(" banana", chat=False)[0]
+    paris = tokenize(" Paris", chat=False)[0]
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 5,
+            "temperature": 0.7, "seed": 3, "logit_bias": {str(banana): 100}}
+    r = requests.post(gw.url("/v1/completions"), json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == " banana" * 5
+    body.update(temperature=0, max_tokens=8, logit_bias={str(paris): -100})
+    a = requests.post(server.url("/v1/completions"), json=body, timeout=120).json()
+    b = requests.post(gw.url("/v1/completions"), json=body, timeout=120).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert not a["choices"][0]["text"].startswith(" Paris")
+    body["logit_bias"] = {"49152": 1}
+    r = requests.post(gw.url("/v1/completions"), json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
 
 
 def test_over_long_request_is_refused_at_the_gateway(pd_set):

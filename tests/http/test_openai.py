@@ -166,6 +166,36 @@ def test_logprobs_are_consistent(client):
         assert len(top) == 2 and tok in top and math.isclose(top[tok], l, abs_tol=1e-5)
 
 
+def test_logit_bias_bans_and_forces_tokens(client):
+    [paris] = tokenize(" Paris", chat=False)
+    [banana] = tokenize(" banana", chat=False)
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                      logprobs=0)
+    assert plain.choices[0].logprobs.tokens[0] == " Paris", plain.choices[0].logprobs.tokens
+    # -100 bans the greedy answer's token for every step.
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                       logprobs=0, logit_bias={str(paris): -100})
+    toks = banned.choices[0].logprobs.tokens
+    assert len(toks) == 6 and " Paris" not in toks, toks
+    # +100 forces a token: greedy, sampled and streamed alike.
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                       logit_bias={str(banana): 100})
+    assert forced.choices[0].text == " banana" * 5
+    sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0,
+                                        seed=7, logit_bias={str(banana): 100})
+    assert sampled.choices[0].text == " banana" * 5
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CAPITAL_Q}], max_tokens=4,
+        temperature=0.8, stream=True, logit_bias={str(banana): 100})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == " banana" * 4
+    # An id past the vocabulary, a bias out of range: 400 naming the field.
+    for bias in ({"49152": 1}, {str(banana): 101}, {"banana": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logit_bias=bias)
+        assert e.value.body["param"] == "logit_bias", e.value.body
+
+
 def test_pool_is_free_after_the_client_tests(server):
     assert_pool_clean(wait_pool_idle(server))
 

@@ -247,6 +247,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 presence_penalty,
                 frequency_penalty,
                 seed,
+                logit_bias: Vec::new(),
             };
             generate::run_generate(
                 &path,

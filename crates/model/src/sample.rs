@@ -1,5 +1,6 @@
-//! Sampling: greedy, temperature, top-k, top-p, min-p, repetition, presence
-//! and frequency penalties, seeded; and stop conditions.
+//! Sampling: greedy, temperature, top-k, top-p, min-p, logit bias,
+//! repetition, presence and frequency penalties, seeded; and stop
+//! conditions.
 //!
 //! Pure functions of (logits, history, parameters, rng state): the same seed
 //! gives the same tokens, and greedy (temperature 0) never touches the rng.
@@ -82,9 +83,15 @@ impl Sampler {
         &self.params
     }
 
-    /// Picks the next token. `logits` is modified (penalties applied).
-    /// `history` is the prompt and the tokens generated so far.
+    /// Picks the next token. `logits` is modified (biases and penalties
+    /// applied). `history` is the prompt and the tokens generated so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        // OpenAI's order: the request's biases first, then penalties.
+        for &(t, b) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         self.apply_penalties(logits, history);
         if self.params.is_greedy() {
             return argmax(logits);
@@ -329,6 +336,69 @@ mod tests {
         let mut l = vec![4.0, 3.0];
         s.sample(&mut l, &[0, 0]);
         assert_eq!(l, vec![2.0, 3.0]);
+    }
+
+    #[test]
+    fn logit_bias_bans_and_forces_tokens_greedy_or_sampled() {
+        let logits = vec![1.0, 5.0, 4.9, 0.0];
+        // Greedy: banning the argmax gives the runner-up.
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: vec![(1, -100.0)],
+            ..SamplingParams::default()
+        });
+        let mut l = logits.clone();
+        assert_eq!(s.sample(&mut l, &[]), 2);
+        assert_eq!(l[1], -95.0, "the bias is added to the logit");
+        // Sampled: +100 on the least likely token takes every draw.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 5,
+            logit_bias: vec![(3, 100.0)],
+            ..SamplingParams::default()
+        });
+        for _ in 0..50 {
+            assert_eq!(s.sample(&mut logits.clone(), &[]), 3);
+        }
+        // Before penalties: a biased token then penalised by its history.
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: vec![(0, 2.0)],
+            repetition_penalty: 2.0,
+            ..SamplingParams::default()
+        });
+        let mut l = vec![4.0, 3.5];
+        assert_eq!(s.sample(&mut l, &[0]), 1);
+        assert_eq!(l, vec![3.0, 3.5], "(4 + 2) / 2");
+        // An id past the logits (refused earlier by request::validate) is
+        // skipped, not a panic.
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: vec![(9, 5.0)],
+            ..SamplingParams::default()
+        });
+        assert_eq!(s.sample(&mut logits.clone(), &[]), 1);
+    }
+
+    #[test]
+    fn invalid_logit_bias_is_refused() {
+        for bias in [
+            vec![(1, 100.5)],
+            vec![(1, f32::NAN)],
+            vec![(2, 1.0), (1, 1.0)],
+            vec![(1, 1.0), (1, 2.0)],
+            (0..=request::LOGIT_BIAS_MAX as u32)
+                .map(|t| (t, 1.0))
+                .collect(),
+        ] {
+            let p = SamplingParams {
+                logit_bias: bias,
+                ..SamplingParams::default()
+            };
+            assert_eq!(p.validate().unwrap_err().field, "logit_bias");
+        }
+        let ok = SamplingParams {
+            logit_bias: vec![(0, -100.0), (7, 100.0)],
+            ..SamplingParams::default()
+        };
+        ok.validate().expect("in range");
     }
 
     #[test]

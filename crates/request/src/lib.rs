@@ -63,6 +63,11 @@ impl Scope {
 
 /// Limits: a request can ask for no more than this many candidates.
 pub const TOP_K_MAX: usize = 1 << 16;
+/// Most tokens one request may bias (`logit_bias` entries).
+pub const LOGIT_BIAS_MAX: usize = 1024;
+/// A bias is in [-LOGIT_BIAS_ABS_MAX, LOGIT_BIAS_ABS_MAX] (OpenAI's range:
+/// -100 bans a token in practice, +100 all but forces it).
+pub const LOGIT_BIAS_ABS_MAX: f32 = 100.0;
 
 /// Sampling parameters of one request. Defaults are greedy.
 #[derive(Clone, Debug, PartialEq)]
@@ -82,6 +87,10 @@ pub struct SamplingParams {
     /// OpenAI style: subtracted per occurrence.
     pub frequency_penalty: f32,
     pub seed: u64,
+    /// OpenAI's `logit_bias`: (token id, bias) added to that token's logit
+    /// before penalties and sampling, greedy included. Sorted by token id,
+    /// each id once, at most [`LOGIT_BIAS_MAX`]; empty means off.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -95,6 +104,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -135,6 +145,22 @@ impl SamplingParams {
         }
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
             return err("frequency_penalty", "must be between -2 and 2");
+        }
+        if self.logit_bias.len() > LOGIT_BIAS_MAX {
+            return err("logit_bias", &format!("at most {LOGIT_BIAS_MAX} tokens"));
+        }
+        if !self.logit_bias.windows(2).all(|w| w[0].0 < w[1].0) {
+            return err("logit_bias", "token ids must be sorted and distinct");
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-LOGIT_BIAS_ABS_MAX..=LOGIT_BIAS_ABS_MAX).contains(b))
+        {
+            return err(
+                "logit_bias",
+                &format!("the bias of token {t} is {b}: must be between -100 and 100"),
+            );
         }
         Ok(())
     }
@@ -560,6 +586,17 @@ pub fn validate(req: &GenRequest, max_request: usize, vocab: usize) -> Result<()
     if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(RequestError::InvalidParam {
             field: "prompt",
+            why: format!("token id {bad} is outside the vocabulary of {vocab}"),
+        });
+    }
+    if let Some(&(bad, _)) = req
+        .params
+        .logit_bias
+        .iter()
+        .find(|(t, _)| *t as usize >= vocab)
+    {
+        return Err(RequestError::InvalidParam {
+            field: "logit_bias",
             why: format!("token id {bad} is outside the vocabulary of {vocab}"),
         });
     }

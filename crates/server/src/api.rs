@@ -88,6 +88,8 @@ pub struct GenParams {
     pub cache_salt: Option<String>,
     /// Order among the tenant's own requests (lower first; default 0).
     pub priority: i32,
+    /// `logit_bias`: (token id, bias), sorted by id.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// A number as an error message shows it: short whatever its size (Rust's
@@ -366,22 +368,7 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
             ));
         }
     }
-    match f.get("logit_bias") {
-        None => {}
-        Some(Value::Object(m)) if m.is_empty() => {}
-        Some(Value::Object(_)) => {
-            return Err(ApiError::unsupported(
-                "logit_bias",
-                "logit_bias is not supported",
-            ))
-        }
-        Some(v) => {
-            return Err(ApiError::invalid_type(
-                "logit_bias",
-                &format!("an object, got {}", type_name(v)),
-            ))
-        }
-    }
+    let logit_bias = parse_logit_bias(f)?;
     refuse_structured_output(f)?;
     let max_tokens_max = request::MAX_TOKENS_MAX as i64;
     let mut max_tokens = f.int_in("max_tokens", 1, max_tokens_max)?;
@@ -484,7 +471,82 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
         ignore_eos,
         cache_salt,
         priority,
+        logit_bias,
     })
+}
+
+/// `logit_bias`: an object from token ids (decimal strings, as JSON keys
+/// must be) to a bias in [-100, 100]; at most [`request::LOGIT_BIAS_MAX`]
+/// entries. Ids past the vocabulary are refused later, where the vocabulary
+/// is known. Returned sorted by id.
+fn parse_logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let m = match f.get("logit_bias") {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "logit_bias",
+                &format!("an object, got {}", type_name(v)),
+            ))
+        }
+    };
+    if m.len() > request::LOGIT_BIAS_MAX {
+        return Err(ApiError::invalid_value(
+            "logit_bias",
+            format!(
+                "at most {} tokens, got {}",
+                request::LOGIT_BIAS_MAX,
+                m.len()
+            ),
+        ));
+    }
+    let max = f64::from(request::LOGIT_BIAS_ABS_MAX);
+    let mut out = Vec::with_capacity(m.len());
+    for (k, v) in m {
+        // Digits only: no sign, no spaces, no `0x` (u32's parser takes a `+`).
+        let id = k
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| k.parse::<u32>().ok())
+            .flatten()
+            .ok_or_else(|| {
+                ApiError::invalid_value(
+                    "logit_bias",
+                    format!(
+                        "key `{}` is not a token id",
+                        k.chars().take(40).collect::<String>()
+                    ),
+                )
+            })?;
+        let b = v.as_f64().ok_or_else(|| {
+            ApiError::invalid_type(
+                "logit_bias",
+                &format!(
+                    "the bias of token {id} must be a number, got {}",
+                    type_name(v)
+                ),
+            )
+        })?;
+        if !(-max..=max).contains(&b) {
+            return Err(ApiError::invalid_value(
+                "logit_bias",
+                format!(
+                    "the bias of token {id} is {}: must be between -100 and 100",
+                    shown_number(b)
+                ),
+            ));
+        }
+        out.push((id, b as f32));
+    }
+    out.sort_by_key(|&(t, _)| t);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        // "7" and "07" name one token.
+        return Err(ApiError::invalid_value(
+            "logit_bias",
+            format!("token {} appears twice", w[0].0),
+        ));
+    }
+    Ok(out)
 }
 
 /// A message's content: a string, an array of `{type: "text", text}` parts
@@ -985,6 +1047,22 @@ mod tests {
         );
     }
 
+    #[test]
+    fn logit_bias_is_read_sorted_and_bounded() {
+        let p = chat(json!({"messages": msgs(), "logit_bias": {"50": -100, "7": 2.5, "0": 100}}))
+            .expect("valid");
+        assert_eq!(p.logit_bias, vec![(0, 100.0), (7, 2.5), (50, -100.0)]);
+        let p = completion(json!({"prompt": "x", "logit_bias": {}})).expect("valid");
+        assert!(p.logit_bias.is_empty());
+        let p = completion(json!({"prompt": "x", "logit_bias": null})).expect("valid");
+        assert!(p.logit_bias.is_empty());
+        let many: Map<String, Value> = (0..=request::LOGIT_BIAS_MAX)
+            .map(|t| (t.to_string(), json!(1)))
+            .collect();
+        chat_err("logit_bias", Value::Object(many), "logit_bias");
+        chat_err("logit_bias", json!({"1": "5"}), "logit_bias");
+    }
+
     /// JSON mode and tool calls are refused, never answered with free text
     /// under a 200; their "off" values pass.
     #[test]
@@ -1058,7 +1136,14 @@ mod tests {
             ("n", json!(2)),
             ("n", json!(0)),
             ("top_logprobs", json!(21)),
-            ("logit_bias", json!({"1": 5})),
+            ("logit_bias", json!({"1": 101})),
+            ("logit_bias", json!({"1": -100.5})),
+            ("logit_bias", json!({"x": 1})),
+            ("logit_bias", json!({"-1": 1})),
+            ("logit_bias", json!({"+1": 1})),
+            ("logit_bias", json!({" 1": 1})),
+            ("logit_bias", json!({"4294967296": 1})),
+            ("logit_bias", json!({"7": 1, "07": 2})),
             ("stop", json!(["a", "b", "c", "d", "e"])),
             ("stop", json!("")),
             ("stop", json!("x".repeat(300))),

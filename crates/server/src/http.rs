@@ -598,6 +598,7 @@ async fn admit(
             presence_penalty: params.presence_penalty,
             frequency_penalty: params.frequency_penalty,
             seed: params.seed.unwrap_or_else(random_u64),
+            logit_bias: params.logit_bias.clone(),
         },
         stop: params.stop.clone(),
         ignore_eos: params.ignore_eos,

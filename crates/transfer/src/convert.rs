@@ -17,6 +17,11 @@ pub fn params_of(g: &GenSpec) -> SamplingParams {
         presence_penalty: g.presence_penalty(),
         frequency_penalty: g.frequency_penalty(),
         seed: g.seed,
+        logit_bias: g
+            .logit_bias
+            .iter()
+            .map(|&(t, b)| (t, f32::from_bits(b)))
+            .collect(),
     }
 }
 
@@ -35,6 +40,11 @@ pub fn gen_spec(req: &GenRequest) -> GenSpec {
         ignore_eos: req.ignore_eos,
         logprobs: req.logprobs.map(|n| n.min(u8::MAX as usize) as u8),
         stop: req.stop.clone(),
+        logit_bias: p
+            .logit_bias
+            .iter()
+            .map(|&(t, b)| (t, b.to_bits()))
+            .collect(),
         cache_scope: req.cache_scope.map(|s| s.0),
         priority: req.priority,
         weight: req.weight.clamp(1, request::WEIGHT_MAX),

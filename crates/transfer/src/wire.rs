@@ -20,7 +20,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// Version of this format. A peer speaking another version is refused at
 /// the handshake.
-pub const WIRE_VERSION: u8 = 4;
+pub const WIRE_VERSION: u8 = 5;
 /// Largest frame (a page of a large model plus headers). Bigger frames are
 /// refused before their body is read.
 pub const FRAME_BYTES_MAX: usize = 64 << 20;
@@ -52,6 +52,8 @@ pub struct KvLayout {
 pub const STOPS_MAX: usize = request::STOP_STRINGS_MAX;
 /// Most alternatives in a token's `top_logprobs`: the request's own limit.
 pub const TOP_LOGPROBS_MAX: usize = request::TOP_LOGPROBS_MAX;
+/// Most `logit_bias` entries of one request: the request's own limit.
+pub const LOGIT_BIAS_MAX: usize = request::LOGIT_BIAS_MAX;
 
 /// How a request samples: everything decode needs to continue what prefill
 /// started, and prefill needs to pick the first token. Floats travel as
@@ -71,6 +73,9 @@ pub struct GenSpec {
     /// `top_logprobs` asked for; `None`: no logprobs.
     pub logprobs: Option<u8>,
     pub stop: Vec<String>,
+    /// `logit_bias`: (token id, the bias's IEEE bits), as the request's
+    /// (sorted, distinct; the receiver validates it like any request).
+    pub logit_bias: Vec<(u32, u32)>,
     /// The prefix-cache scope the gateway derived for the request (its
     /// tenant's, a sharing group's, or one narrowed by a cache salt);
     /// `None`: the tenant's own. A prefill node shares cached pages only
@@ -123,6 +128,7 @@ impl GenSpec {
             ignore_eos: false,
             logprobs: None,
             stop: Vec::new(),
+            logit_bias: Vec::new(),
             cache_scope: None,
             priority: 0,
             weight: 1,
@@ -779,6 +785,12 @@ impl Writer<'_> {
         for s in &g.stop[..n] {
             self.str(s);
         }
+        let n = g.logit_bias.len().min(LOGIT_BIAS_MAX);
+        self.u32(n as u32);
+        for &(t, b) in &g.logit_bias[..n] {
+            self.u32(t);
+            self.u32(b);
+        }
         match g.cache_scope {
             None => self.u8(0),
             Some(s) => {
@@ -924,6 +936,7 @@ impl<'a> Reader<'a> {
                 None
             },
             stop: Vec::new(),
+            logit_bias: Vec::new(),
             cache_scope: None,
             priority: 0,
             weight: 1,
@@ -939,6 +952,19 @@ impl<'a> Reader<'a> {
         }
         for _ in 0..n {
             g.stop.push(self.str("stop string")?);
+        }
+        let n = self.u32("logit_bias")? as usize;
+        if n > LOGIT_BIAS_MAX {
+            return Err(WireError::TooLong {
+                what: "logit_bias",
+                len: n,
+                max: LOGIT_BIAS_MAX,
+            });
+        }
+        g.logit_bias.reserve(n);
+        for _ in 0..n {
+            g.logit_bias
+                .push((self.u32("logit_bias token")?, self.u32("logit_bias value")?));
         }
         if self.bool("cache_scope")? {
             g.cache_scope = Some(self.u64("cache_scope")?);

@@ -20,6 +20,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
         proptest::option::of(any::<u64>()),
         (any::<i32>(), 1..=request::WEIGHT_MAX),
         proptest::option::of(any::<([u8; 16], [u8; 8], u8)>()),
+        proptest::collection::vec(any::<(u32, u32)>(), 0..6),
     )
         .prop_map(
             |(
@@ -30,6 +31,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
                 cache_scope,
                 (priority, weight),
                 trace,
+                logit_bias,
             )| GenSpec {
                 temperature_bits: t,
                 top_k: k,
@@ -42,6 +44,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
                 ignore_eos,
                 logprobs,
                 stop,
+                logit_bias,
                 cache_scope,
                 priority,
                 weight,
