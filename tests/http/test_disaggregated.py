@@ -209,6 +209,16 @@ def test_logit_bias_crosses_from_gateway_to_both_nodes(pd_set, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
 
 
+def test_n_choices_over_pd_equal_unified(pd_set, server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.9,
+            "seed": 11, "n": 3}
+    a = requests.post(server.url("/v1/completions"), json=body, timeout=120).json()
+    b = requests.post(pd_set["gateway"].url("/v1/completions"), json=body, timeout=120).json()
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    assert len({c["text"] for c in b["choices"]}) > 1
+    assert b["usage"]["completion_tokens"] == 24 and b["usage"]["prompt_tokens"] == 4
+
+
 def test_over_long_request_is_refused_at_the_gateway(pd_set):
     gw, d = pd_set["gateway"], pd_set["decode"]
     models = requests.get(gw.url("/v1/models"), timeout=10).json()

@@ -15,6 +15,10 @@ use crate::error::ApiError;
 pub const MESSAGES_MAX: usize = 4096;
 /// At most this many content parts in one message.
 pub const CONTENT_PARTS_MAX: usize = 256;
+/// Most choices (`n`) one request may ask for: each is a sequence in the
+/// engine with its own pages, and counts against the tenant's
+/// `max_concurrent`.
+pub const CHOICES_MAX: usize = 16;
 /// Largest `top_logprobs` (chat) / `logprobs` (completions).
 pub const TOP_LOGPROBS_MAX: usize = request::TOP_LOGPROBS_MAX;
 /// The roles a chat message may have.
@@ -67,6 +71,8 @@ pub struct GenParams {
     pub endpoint: Endpoint,
     pub model: Option<String>,
     pub input: Input,
+    /// `n`: choices to generate for the prompt, 1 to [`CHOICES_MAX`].
+    pub n: usize,
     /// `max_completion_tokens`, else `max_tokens`; `None`: the default.
     pub max_tokens: Option<usize>,
     pub temperature: f32,
@@ -352,19 +358,13 @@ fn refuse_structured_output(f: &Fields<'_>) -> Result<(), ApiError> {
 /// The fields common to both endpoints.
 fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenParams, ApiError> {
     let model = f.string("model")?.map(str::to_string);
-    if let Some(n) = f.int("n")? {
-        if n != 1 {
-            return Err(ApiError::unsupported(
-                "n",
-                &format!("only n = 1 is supported, got {n}"),
-            ));
-        }
-    }
+    let n = f.int_in("n", 1, CHOICES_MAX as i64)?.unwrap_or(1) as usize;
     if let Some(b) = f.int("best_of")? {
-        if b != 1 {
+        // best_of = n returns every choice generated: nothing to rank.
+        if b != n as i64 {
             return Err(ApiError::unsupported(
                 "best_of",
-                "only best_of = 1 is supported",
+                "best_of is supported only equal to n (the server does not rank choices)",
             ));
         }
     }
@@ -455,6 +455,7 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
         endpoint,
         model,
         input,
+        n,
         max_tokens: max_tokens.map(|m| m as usize),
         temperature,
         top_p,
@@ -719,7 +720,8 @@ pub fn parse_completion(body: &[u8]) -> Result<GenParams, ApiError> {
             Value::String(_) | Value::Array(_) if a.len() > 1 => {
                 return Err(ApiError::unsupported(
                     "prompt",
-                    "only one prompt per request is supported (n = 1, no batches)",
+                    "only one prompt per request is supported (no batches; `n` asks for \
+                     several choices of one prompt)",
                 ))
             }
             Value::String(s) => Input::Text(s.clone()),
@@ -1048,6 +1050,19 @@ mod tests {
     }
 
     #[test]
+    fn n_choices_are_read_and_bounded() {
+        assert_eq!(chat(json!({"messages": msgs()})).expect("valid").n, 1);
+        let p = chat(json!({"messages": msgs(), "n": 3, "best_of": 3})).expect("valid");
+        assert_eq!(p.n, 3);
+        let p = completion(json!({"prompt": "x", "n": CHOICES_MAX})).expect("valid");
+        assert_eq!(p.n, CHOICES_MAX);
+        let e = completion(json!({"prompt": "x", "n": 2, "best_of": 3})).expect_err("ranking");
+        assert_eq!(e.param.as_deref(), Some("best_of"));
+        let e = completion(json!({"prompt": "x", "n": CHOICES_MAX + 1})).expect_err("too many");
+        assert_eq!(e.param.as_deref(), Some("n"));
+    }
+
+    #[test]
     fn logit_bias_is_read_sorted_and_bounded() {
         let p = chat(json!({"messages": msgs(), "logit_bias": {"50": -100, "7": 2.5, "0": 100}}))
             .expect("valid");
@@ -1133,8 +1148,9 @@ mod tests {
             ("frequency_penalty", json!(-3)),
             ("repetition_penalty", json!(0)),
             ("repetition_penalty", json!(11)),
-            ("n", json!(2)),
+            ("n", json!(17)),
             ("n", json!(0)),
+            ("best_of", json!(2)),
             ("top_logprobs", json!(21)),
             ("logit_bias", json!({"1": 101})),
             ("logit_bias", json!({"1": -100.5})),
@@ -1212,7 +1228,7 @@ mod tests {
             (json!({"prompt": "x", "echo": true}), "echo"),
             (json!({"prompt": "x", "best_of": 2}), "best_of"),
             (json!({"prompt": "x", "suffix": "y"}), "suffix"),
-            (json!({"prompt": "x", "n": 2}), "n"),
+            (json!({"prompt": "x", "n": 17}), "n"),
         ] {
             let e = completion(body.clone()).expect_err(&body.to_string());
             assert_eq!(e.status.as_u16(), 400, "{body}");

@@ -324,10 +324,11 @@ struct Tracker {
     rec: LogRecord,
     start: Instant,
     first_token: Option<Instant>,
-    last_token: Option<Instant>,
+    /// Each choice's last token (inter-token gaps are per choice).
+    last_token: Vec<Option<Instant>>,
     done: bool,
-    /// The engine's count of pages allocated to the request, once admitted.
-    pages: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// The engine's count of pages allocated to each choice, once admitted.
+    pages: Vec<Arc<std::sync::atomic::AtomicU64>>,
     /// The tenant, once authenticated (its console counters).
     tenant: Option<Arc<crate::tenants::Tenant>>,
 }
@@ -343,30 +344,33 @@ impl Tracker {
             },
             start: Instant::now(),
             first_token: None,
-            last_token: None,
+            last_token: Vec::new(),
             done: false,
-            pages: None,
+            pages: Vec::new(),
             tenant: None,
         }
     }
 
-    fn token(&mut self) {
+    /// A token of choice `choice` (0 when `n` is 1).
+    fn token(&mut self, choice: usize) {
         let now = Instant::now();
-        match self.last_token {
-            None => {
-                self.first_token = Some(now);
-                self.st
-                    .metrics
-                    .ttft
-                    .observe((now - self.start).as_secs_f64());
-            }
-            Some(prev) => self
-                .st
+        if self.first_token.is_none() {
+            self.first_token = Some(now);
+            self.st
+                .metrics
+                .ttft
+                .observe((now - self.start).as_secs_f64());
+        }
+        if self.last_token.len() <= choice {
+            self.last_token.resize(choice + 1, None);
+        }
+        if let Some(prev) = self.last_token[choice] {
+            self.st
                 .metrics
                 .inter_token
-                .observe((now - prev).as_secs_f64()),
+                .observe((now - prev).as_secs_f64());
         }
-        self.last_token = Some(now);
+        self.last_token[choice] = Some(now);
         self.rec.output_tokens += 1;
         if let Some(t) = &self.tenant {
             t.activity.tokens_generated.fetch_add(1, Ordering::Relaxed);
@@ -384,13 +388,12 @@ impl Tracker {
         self.rec.ts = rfc3339(SystemTime::now());
         if self.rec.pages.is_none() {
             // Refused before admission: nothing was allocated.
-            self.rec.pages = match &self.pages {
-                None => Some(0),
-                Some(cell) => match cell.load(std::sync::atomic::Ordering::Acquire) {
+            self.rec.pages = self.pages.iter().try_fold(0usize, |sum, cell| {
+                match cell.load(std::sync::atomic::Ordering::Acquire) {
                     request::PAGES_UNKNOWN => None,
-                    n => Some(n as usize),
-                },
-            };
+                    n => Some(sum + n as usize),
+                }
+            });
         }
         self.rec.kv_capacity_tokens = self.st.engine.kv_capacity_tokens();
         self.rec.context_window_tokens = self.st.max_request();
@@ -451,12 +454,13 @@ impl Drop for Tracker {
 
 // ---- admission -------------------------------------------------------------
 
-/// An admitted request: its engine handle and what it holds.
+/// An admitted request: an engine handle per choice (`n`) and what it
+/// holds (a tenant permit per choice).
 struct Admitted {
-    handle: RequestHandle,
+    handles: Vec<RequestHandle>,
     params: GenParams,
-    _permit: TenantPermit,
-    _inflight: InflightGuard,
+    permits: Vec<TenantPermit>,
+    inflight: InflightGuard,
 }
 
 /// Reads the body with a size limit and a deadline.
@@ -639,21 +643,53 @@ async fn admit(
         st.max_request()
     };
     request::validate(&req, window, st.vocab).map_err(|e| engine_err(&e))?;
+    // Each choice is a sequence of its own in the engine and counts as one
+    // of the tenant's concurrent requests: `n` cannot multiply a tenant's
+    // share past what the operator allowed.
+    let n = params.n;
+    if n > tenant.max_concurrent {
+        return Err(ApiError::invalid_value(
+            "n",
+            format!(
+                "{n} choices are more than this tenant may run at once (max_concurrent {})",
+                tenant.max_concurrent
+            ),
+        ));
+    }
     let need = (req.prompt.len() + req.max_tokens) as u64;
-    let mut permit = st.tenants.admit(&tenant, need, Instant::now())?;
-    let handle = match st.engine.submit(req) {
-        Ok(h) => h,
-        Err(e) => {
-            permit.refund();
-            return Err(engine_err(&e));
+    let mut permits = Vec::with_capacity(n);
+    let mut handles = Vec::with_capacity(n);
+    let refund = |permits: &mut Vec<TenantPermit>| permits.iter_mut().for_each(|p| p.refund());
+    for i in 0..n {
+        let mut permit = match st.tenants.admit(&tenant, need, Instant::now()) {
+            Ok(p) => p,
+            Err(e) => {
+                // Choices already submitted are cancelled as `handles` drops.
+                refund(&mut permits);
+                return Err(e.into());
+            }
+        };
+        // Choice i samples with seed + i: choice 0 is what n = 1 gives.
+        let mut choice = req.clone();
+        choice.params.seed = req.params.seed.wrapping_add(i as u64);
+        match st.engine.submit(choice) {
+            Ok(h) => {
+                tr.pages.push(h.pages_cell());
+                handles.push(h);
+                permits.push(permit);
+            }
+            Err(e) => {
+                permit.refund();
+                refund(&mut permits);
+                return Err(engine_err(&e));
+            }
         }
-    };
-    tr.pages = Some(handle.pages_cell());
+    }
     Ok(Admitted {
-        handle,
+        handles,
         params,
-        _permit: permit,
-        _inflight: InflightGuard::new(st),
+        permits,
+        inflight: InflightGuard::new(st),
     })
 }
 
@@ -767,14 +803,20 @@ impl Shaper {
         lp.text_offset.push(offset);
     }
 
-    fn chat_chunk(&self, delta: Delta, lp: Option<ChatLogprobs>, finish: Option<&str>) -> Vec<u8> {
+    fn chat_chunk(
+        &self,
+        index: usize,
+        delta: Delta,
+        lp: Option<ChatLogprobs>,
+        finish: Option<&str>,
+    ) -> Vec<u8> {
         sse(&ChatChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk".into(),
             created: self.created,
             model: self.model(),
             choices: vec![ChatChunkChoice {
-                index: 0,
+                index,
                 delta,
                 logprobs: lp,
                 finish_reason: finish.map(str::to_string),
@@ -785,6 +827,7 @@ impl Shaper {
 
     fn completion_chunk(
         &self,
+        index: usize,
         text: String,
         lp: Option<CompletionLogprobs>,
         finish: Option<&str>,
@@ -795,7 +838,7 @@ impl Shaper {
             created: self.created,
             model: self.model(),
             choices: vec![CompletionChoice {
-                index: 0,
+                index,
                 text,
                 logprobs: lp,
                 finish_reason: finish.map(str::to_string),
@@ -804,28 +847,37 @@ impl Shaper {
         })
     }
 
-    /// The first chunk: chat announces the assistant's role.
-    fn start(&self) -> Option<Vec<u8>> {
+    /// The first chunks: chat announces the assistant's role, once per
+    /// choice.
+    fn start(&self, choices: usize) -> Option<Vec<u8>> {
         match self.ep {
-            Endpoint::Chat => Some(self.chat_chunk(
-                Delta {
-                    role: Some("assistant".into()),
-                    content: Some(String::new()),
-                },
-                None,
-                None,
-            )),
+            Endpoint::Chat => Some(
+                (0..choices)
+                    .flat_map(|i| {
+                        self.chat_chunk(
+                            i,
+                            Delta {
+                                role: Some("assistant".into()),
+                                content: Some(String::new()),
+                            },
+                            None,
+                            None,
+                        )
+                    })
+                    .collect(),
+            ),
             Endpoint::Completions => None,
         }
     }
 
-    fn token_chunk(&self, t: &TokenEvent, offset: usize) -> Vec<u8> {
+    fn token_chunk(&self, index: usize, t: &TokenEvent, offset: usize) -> Vec<u8> {
         match self.ep {
             Endpoint::Chat => {
                 let lp = self.logprobs.then(|| ChatLogprobs {
                     content: vec![self.chat_logprob(t)],
                 });
                 self.chat_chunk(
+                    index,
                     Delta {
                         role: None,
                         content: Some(t.text.clone()),
@@ -840,21 +892,21 @@ impl Shaper {
                     self.completion_logprob(&mut lp, t, offset);
                     lp
                 });
-                self.completion_chunk(t.text.clone(), lp, None)
+                self.completion_chunk(index, t.text.clone(), lp, None)
             }
         }
     }
 
-    /// The held-back tail (if any), the finish chunk, the usage chunk (if
-    /// asked for) and `[DONE]`.
-    fn finish(&self, d: &DoneEvent) -> Vec<u8> {
+    /// The end of one choice: its held-back tail (if any) and its finish
+    /// chunk.
+    fn finish_choice(&self, index: usize, d: &DoneEvent) -> Vec<u8> {
         let mut out = Vec::new();
         let reason = Some(d.finish.as_openai());
-        let usage = Usage::of(&d.usage);
         match self.ep {
             Endpoint::Chat => {
                 if !d.tail_text.is_empty() {
                     out.extend(self.chat_chunk(
+                        index,
                         Delta {
                             role: None,
                             content: Some(d.tail_text.clone()),
@@ -863,34 +915,42 @@ impl Shaper {
                         None,
                     ));
                 }
-                out.extend(self.chat_chunk(Delta::default(), None, reason));
-                if self.include_usage {
-                    out.extend(sse(&ChatChunk {
-                        id: self.id.clone(),
-                        object: "chat.completion.chunk".into(),
-                        created: self.created,
-                        model: self.model(),
-                        choices: Vec::new(),
-                        usage: Some(Some(usage)),
-                    }));
-                }
+                out.extend(self.chat_chunk(index, Delta::default(), None, reason));
             }
             Endpoint::Completions => {
                 if !d.tail_text.is_empty() {
-                    out.extend(self.completion_chunk(d.tail_text.clone(), None, None));
+                    out.extend(self.completion_chunk(index, d.tail_text.clone(), None, None));
                 }
-                out.extend(self.completion_chunk(String::new(), None, reason));
-                if self.include_usage {
-                    out.extend(sse(&Completion {
-                        id: self.id.clone(),
-                        object: "text_completion".into(),
-                        created: self.created,
-                        model: self.model(),
-                        choices: Vec::new(),
-                        usage: Some(Some(usage)),
-                    }));
-                }
+                out.extend(self.completion_chunk(index, String::new(), None, reason));
             }
+        }
+        out
+    }
+
+    /// After every choice finished: the usage chunk (if asked for) and
+    /// `[DONE]`.
+    fn end(&self, usage: &request::Usage) -> Vec<u8> {
+        let mut out = Vec::new();
+        if self.include_usage {
+            let usage = Some(Some(Usage::of(usage)));
+            out.extend(match self.ep {
+                Endpoint::Chat => sse(&ChatChunk {
+                    id: self.id.clone(),
+                    object: "chat.completion.chunk".into(),
+                    created: self.created,
+                    model: self.model(),
+                    choices: Vec::new(),
+                    usage,
+                }),
+                Endpoint::Completions => sse(&Completion {
+                    id: self.id.clone(),
+                    object: "text_completion".into(),
+                    created: self.created,
+                    model: self.model(),
+                    choices: Vec::new(),
+                    usage,
+                }),
+            });
         }
         out.extend_from_slice(SSE_DONE);
         out
@@ -912,22 +972,75 @@ fn ended_without_result() -> ApiError {
     ApiError::internal("the engine ended the request without a result")
 }
 
+// ---- choices ---------------------------------------------------------------
+
+/// Every choice's events, merged as they come: `(choice, event)`, where
+/// `None` is a handle that ended without a result. A choice's handle is
+/// dropped after its last event.
+type ChoiceEvents = futures_util::stream::SelectAll<
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = (usize, Option<Event>)> + Send>>,
+>;
+
+fn choice_events(handles: Vec<RequestHandle>) -> ChoiceEvents {
+    futures_util::stream::select_all(handles.into_iter().enumerate().map(|(i, h)| {
+        let s = futures_util::stream::unfold(Some(h), move |h| async move {
+            let mut h = h?;
+            match h.next().await {
+                Some(e @ (Event::Done(_) | Event::Error(_))) => Some(((i, Some(e)), None)),
+                Some(e) => Some(((i, Some(e)), Some(h))),
+                None => Some(((i, None), None)),
+            }
+        });
+        Box::pin(s) as std::pin::Pin<Box<dyn futures_util::Stream<Item = _> + Send>>
+    }))
+}
+
+/// The request's end from its choices' ends: the prompt counted once (as
+/// OpenAI's usage does), completions summed, pages summed, the longest
+/// queue wait; cached tokens and finish reason of the first choice.
+fn combined(dones: &[DoneEvent]) -> DoneEvent {
+    let first = &dones[0];
+    DoneEvent {
+        finish: first.finish,
+        usage: request::Usage {
+            prompt_tokens: first.usage.prompt_tokens,
+            completion_tokens: dones.iter().map(|d| d.usage.completion_tokens).sum(),
+            cached_tokens: first.usage.cached_tokens,
+        },
+        tail_text: String::new(),
+        queue_ms: dones.iter().map(|d| d.queue_ms).fold(0.0, f64::max),
+        ttft_ms: first.ttft_ms,
+        total_ms: dones.iter().map(|d| d.total_ms).fold(0.0, f64::max),
+        pages: dones.iter().map(|d| d.pages).sum(),
+    }
+}
+
 // ---- non-streaming ---------------------------------------------------------
 
-async fn full_response(sh: Shaper, mut adm: Admitted, mut tr: Tracker) -> Response {
-    let mut text = String::new();
-    let mut events: Vec<TokenEvent> = Vec::new();
-    let done = loop {
-        match adm.handle.next().await {
+async fn full_response(sh: Shaper, adm: Admitted, mut tr: Tracker) -> Response {
+    let Admitted {
+        handles,
+        permits: _permits,
+        inflight: _inflight,
+        ..
+    } = adm;
+    let n = handles.len();
+    let mut texts = vec![String::new(); n];
+    let mut events: Vec<Vec<TokenEvent>> = vec![Vec::new(); n];
+    let mut dones: Vec<Option<DoneEvent>> = vec![None; n];
+    let mut merged = choice_events(handles);
+    while let Some((i, ev)) = merged.next().await {
+        match ev {
             Some(Event::Token(t)) => {
-                tr.token();
-                text.push_str(&t.text);
+                tr.token(i);
+                texts[i].push_str(&t.text);
                 if sh.logprobs {
-                    events.push(t);
+                    events[i].push(t);
                 }
             }
-            Some(Event::Done(d)) => break d,
+            Some(Event::Done(d)) => dones[i] = Some(d),
             Some(Event::Error(e)) => {
+                // The other choices are cancelled as `merged` drops.
                 let e = engine_error(sh.ep, &e);
                 tr.failed(&e);
                 return e.into_response();
@@ -938,56 +1051,77 @@ async fn full_response(sh: Shaper, mut adm: Admitted, mut tr: Tracker) -> Respon
                 return e.into_response();
             }
         }
+    }
+    let Some(dones) = dones.into_iter().collect::<Option<Vec<DoneEvent>>>() else {
+        let e = ended_without_result();
+        tr.failed(&e);
+        return e.into_response();
     };
-    text.push_str(&done.tail_text);
-    tr.finished(&done);
-    let usage = Usage::of(&done.usage);
-    let finish = Some(done.finish.as_openai().to_string());
+    let all = combined(&dones);
+    tr.finished(&all);
+    let usage = Usage::of(&all.usage);
+    let finish = |d: &DoneEvent| Some(d.finish.as_openai().to_string());
     match sh.ep {
         Endpoint::Chat => Json(ChatCompletion {
             id: sh.id.clone(),
             object: "chat.completion".into(),
             created: sh.created,
             model: sh.model(),
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ChatMessageOut {
-                    role: "assistant".into(),
-                    content: text,
-                },
-                logprobs: sh.logprobs.then(|| ChatLogprobs {
-                    content: events.iter().map(|t| sh.chat_logprob(t)).collect(),
-                }),
-                finish_reason: finish,
-            }],
+            choices: dones
+                .iter()
+                .zip(texts)
+                .zip(&events)
+                .enumerate()
+                .map(|(index, ((d, mut text), events))| {
+                    text.push_str(&d.tail_text);
+                    ChatChoice {
+                        index,
+                        message: ChatMessageOut {
+                            role: "assistant".into(),
+                            content: text,
+                        },
+                        logprobs: sh.logprobs.then(|| ChatLogprobs {
+                            content: events.iter().map(|t| sh.chat_logprob(t)).collect(),
+                        }),
+                        finish_reason: finish(d),
+                    }
+                })
+                .collect(),
             usage,
         })
         .into_response(),
-        Endpoint::Completions => {
-            let logprobs = sh.logprobs.then(|| {
-                let mut lp = CompletionLogprobs::default();
-                let mut offset = 0;
-                for t in &events {
-                    sh.completion_logprob(&mut lp, t, offset);
-                    offset += t.text.chars().count();
-                }
-                lp
-            });
-            Json(Completion {
-                id: sh.id.clone(),
-                object: "text_completion".into(),
-                created: sh.created,
-                model: sh.model(),
-                choices: vec![CompletionChoice {
-                    index: 0,
-                    text,
-                    logprobs,
-                    finish_reason: finish,
-                }],
-                usage: Some(Some(usage)),
-            })
-            .into_response()
-        }
+        Endpoint::Completions => Json(Completion {
+            id: sh.id.clone(),
+            object: "text_completion".into(),
+            created: sh.created,
+            model: sh.model(),
+            choices: dones
+                .iter()
+                .zip(texts)
+                .zip(&events)
+                .enumerate()
+                .map(|(index, ((d, mut text), events))| {
+                    text.push_str(&d.tail_text);
+                    let logprobs = sh.logprobs.then(|| {
+                        let mut lp = CompletionLogprobs::default();
+                        let mut offset = 0;
+                        for t in events {
+                            sh.completion_logprob(&mut lp, t, offset);
+                            offset += t.text.chars().count();
+                        }
+                        lp
+                    });
+                    CompletionChoice {
+                        index,
+                        text,
+                        logprobs,
+                        finish_reason: finish(d),
+                    }
+                })
+                .collect(),
+            usage: Some(Some(usage)),
+        })
+        .into_response(),
     }
 }
 
@@ -999,16 +1133,19 @@ enum Phase {
     End,
 }
 
-/// The state of an SSE body. It owns the engine handle: when hyper drops
-/// the body (the client disconnected), the handle is dropped with it and
-/// the engine cancels the request; the tracker records `cancelled`.
+/// The state of an SSE body. It owns the engine handles: when hyper drops
+/// the body (the client disconnected), the handles are dropped with it and
+/// the engine cancels every choice; the tracker records `cancelled`.
 struct Streaming {
     sh: Shaper,
-    adm: Admitted,
+    merged: ChoiceEvents,
+    _permits: Vec<TenantPermit>,
+    _inflight: InflightGuard,
     tr: Tracker,
     phase: Phase,
-    /// Characters sent so far (completions' `text_offset`).
-    offset: usize,
+    /// Characters sent so far per choice (completions' `text_offset`).
+    offsets: Vec<usize>,
+    dones: Vec<Option<DoneEvent>>,
 }
 
 impl Streaming {
@@ -1017,35 +1154,42 @@ impl Streaming {
             Phase::End => return None,
             Phase::Start => {
                 self.phase = Phase::Tokens;
-                if let Some(first) = self.sh.start() {
+                if let Some(first) = self.sh.start(self.dones.len()) {
                     return Some(first);
                 }
             }
             Phase::Tokens => {}
         }
         loop {
-            match self.adm.handle.next().await {
-                Some(Event::Token(t)) => {
-                    self.tr.token();
+            match self.merged.next().await {
+                Some((i, Some(Event::Token(t)))) => {
+                    self.tr.token(i);
                     if t.text.is_empty() && !self.sh.logprobs {
                         continue;
                     }
-                    let out = self.sh.token_chunk(&t, self.offset);
-                    self.offset += t.text.chars().count();
+                    let out = self.sh.token_chunk(i, &t, self.offsets[i]);
+                    self.offsets[i] += t.text.chars().count();
                     return Some(out);
                 }
-                Some(Event::Done(d)) => {
-                    self.phase = Phase::End;
-                    self.tr.finished(&d);
-                    return Some(self.sh.finish(&d));
+                Some((i, Some(Event::Done(d)))) => {
+                    let mut out = self.sh.finish_choice(i, &d);
+                    self.dones[i] = Some(d);
+                    if self.dones.iter().all(Option::is_some) {
+                        self.phase = Phase::End;
+                        let dones: Vec<DoneEvent> = self.dones.iter().flatten().cloned().collect();
+                        let all = combined(&dones);
+                        self.tr.finished(&all);
+                        out.extend(self.sh.end(&all.usage));
+                    }
+                    return Some(out);
                 }
-                Some(Event::Error(e)) => {
+                Some((_, Some(Event::Error(e)))) => {
                     self.phase = Phase::End;
                     let e = engine_error(self.sh.ep, &e);
                     self.tr.failed(&e);
                     return Some(self.sh.error(&e));
                 }
-                None => {
+                Some((_, None)) | None => {
                     self.phase = Phase::End;
                     let e = ended_without_result();
                     self.tr.failed(&e);
@@ -1057,12 +1201,16 @@ impl Streaming {
 }
 
 fn stream_response(sh: Shaper, adm: Admitted, tr: Tracker) -> Response {
+    let n = adm.handles.len();
     let state = Streaming {
         sh,
-        adm,
+        merged: choice_events(adm.handles),
+        _permits: adm.permits,
+        _inflight: adm.inflight,
         tr,
         phase: Phase::Start,
-        offset: 0,
+        offsets: vec![0; n],
+        dones: vec![None; n],
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         let bytes = s.next_bytes().await?;
