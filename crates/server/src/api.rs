@@ -24,11 +24,14 @@ pub const TOP_LOGPROBS_MAX: usize = request::TOP_LOGPROBS_MAX;
 /// The roles a chat message may have.
 pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
-/// The two generation endpoints.
+/// The generation endpoints.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
     Chat,
     Completions,
+    /// OpenAI's Responses API (`/v1/responses`), stateless: text in and
+    /// out, nothing stored.
+    Responses,
 }
 
 impl Endpoint {
@@ -36,6 +39,7 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "chat",
             Endpoint::Completions => "completions",
+            Endpoint::Responses => "responses",
         }
     }
     /// The field holding the prompt.
@@ -43,12 +47,13 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "messages",
             Endpoint::Completions => "prompt",
+            Endpoint::Responses => "input",
         }
     }
     /// The field asking for alternatives' log-probabilities.
     pub fn logprobs_param(self) -> &'static str {
         match self {
-            Endpoint::Chat => "top_logprobs",
+            Endpoint::Chat | Endpoint::Responses => "top_logprobs",
             Endpoint::Completions => "logprobs",
         }
     }
@@ -371,10 +376,12 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
     let logit_bias = parse_logit_bias(f)?;
     refuse_structured_output(f)?;
     let max_tokens_max = request::MAX_TOKENS_MAX as i64;
-    let mut max_tokens = f.int_in("max_tokens", 1, max_tokens_max)?;
-    if let Some(m) = f.int_in("max_completion_tokens", 1, max_tokens_max)? {
-        max_tokens = Some(m);
-    }
+    let max_tokens = if endpoint == Endpoint::Responses {
+        f.int_in("max_output_tokens", 1, max_tokens_max)?
+    } else {
+        let m = f.int_in("max_tokens", 1, max_tokens_max)?;
+        f.int_in("max_completion_tokens", 1, max_tokens_max)?.or(m)
+    };
     let temperature = f.number_in("temperature", 0.0, false, 2.0)?.unwrap_or(1.0);
     let top_p = f.number_in("top_p", 0.0, true, 1.0)?.unwrap_or(1.0);
     let top_k = match f.int_in("top_k", -1, request::TOP_K_MAX as i64)? {
@@ -438,6 +445,45 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
                     "requires `logprobs` to be true",
                 ));
             }
+            on.then_some(top.unwrap_or(0) as usize)
+        }
+        // Log-probabilities come with the output text when `include` names
+        // them; `top_logprobs` alternatives each.
+        Endpoint::Responses => {
+            let top = f.int_in("top_logprobs", 0, TOP_LOGPROBS_MAX as i64)?;
+            let on = match f.get("include") {
+                None => false,
+                Some(Value::Array(a)) => {
+                    let mut on = false;
+                    for (i, v) in a.iter().enumerate() {
+                        match v.as_str() {
+                            Some("message.output_text.logprobs") => on = true,
+                            Some(other) => {
+                                return Err(ApiError::unsupported(
+                                    &format!("include[{i}]"),
+                                    &format!(
+                                        "`{other}` is not supported (only \
+                                         `message.output_text.logprobs`)"
+                                    ),
+                                ))
+                            }
+                            None => {
+                                return Err(ApiError::invalid_type(
+                                    format!("include[{i}]"),
+                                    "a string",
+                                ))
+                            }
+                        }
+                    }
+                    on
+                }
+                Some(v) => {
+                    return Err(ApiError::invalid_type(
+                        "include",
+                        &format!("an array, got {}", type_name(v)),
+                    ))
+                }
+            };
             on.then_some(top.unwrap_or(0) as usize)
         }
         Endpoint::Completions => {
@@ -577,10 +623,11 @@ fn parse_content(v: Option<&Value>, at: &str) -> Result<String, ApiError> {
                     .string("type")
                     .map_err(|_| ApiError::invalid_type(format!("{pat}.type"), "a string"))?
                     .ok_or_else(|| ApiError::missing(&format!("{pat}.type")))?;
-                if ty != "text" {
+                // `input_text`/`output_text`: the Responses API's names.
+                if !matches!(ty, "text" | "input_text" | "output_text") {
                     return Err(ApiError::unsupported(
                         &format!("{pat}.type"),
-                        &format!("content parts of type `{ty}` are not supported (only `text`)"),
+                        &format!("content parts of type `{ty}` are not supported (only text)"),
                     ));
                 }
                 let t = pf
@@ -697,6 +744,124 @@ fn parse_token_ids(a: &[Value], at: &str) -> Result<Vec<u32>, ApiError> {
                 })
         })
         .collect()
+}
+
+/// Parses and validates a `/v1/responses` body: `input` (a string, or
+/// messages as `{role, content}` items whose content is a string or
+/// `input_text`/`output_text` parts), `instructions` (a system message
+/// first), `max_output_tokens`, the sampling fields, `stream`. Nothing is
+/// stored, so what needs a stored response or a tool is refused:
+/// `previous_response_id`, `conversation`, `background`, tools, and a
+/// `text.format` other than `text`.
+pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
+    let obj = parse_object(body)?;
+    let f = Fields(&obj);
+    for field in ["previous_response_id", "conversation"] {
+        if f.get(field).is_some() {
+            return Err(ApiError::unsupported(
+                field,
+                "this server stores no responses or conversations: send the whole \
+                 conversation in `input`",
+            ));
+        }
+    }
+    if f.bool("background")?.unwrap_or(false) {
+        return Err(ApiError::unsupported(
+            "background",
+            "background responses are not supported",
+        ));
+    }
+    if f.get("n").is_some() {
+        return Err(ApiError::unsupported(
+            "n",
+            "the Responses API has one output; ask /v1/chat/completions for `n` choices",
+        ));
+    }
+    match f.get("text") {
+        None => {}
+        Some(Value::Object(t)) => match t.get("format").filter(|v| !v.is_null()) {
+            None => {}
+            Some(Value::Object(fm)) if fm.get("type").and_then(Value::as_str) == Some("text") => {}
+            Some(_) => {
+                return Err(ApiError::unsupported(
+                    "text.format",
+                    "only `{\"type\": \"text\"}`: this server does not constrain output",
+                ))
+            }
+        },
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "text",
+                &format!("an object, got {}", type_name(v)),
+            ))
+        }
+    }
+    let mut msgs = Vec::new();
+    if let Some(s) = f.string("instructions")? {
+        msgs.push(("system".to_string(), s.to_string()));
+    }
+    match f.get("input") {
+        None => return Err(ApiError::missing("input")),
+        Some(Value::String(s)) => msgs.push(("user".to_string(), s.clone())),
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return Err(ApiError::invalid_value("input", "the input is empty"));
+            }
+            if items.len() > MESSAGES_MAX {
+                return Err(ApiError::invalid_value(
+                    "input",
+                    format!("at most {MESSAGES_MAX} items"),
+                ));
+            }
+            for (i, item) in items.iter().enumerate() {
+                let at = format!("input[{i}]");
+                let Value::Object(m) = item else {
+                    return Err(ApiError::invalid_type(
+                        at,
+                        &format!("an object, got {}", type_name(item)),
+                    ));
+                };
+                let mf = Fields(m);
+                match mf
+                    .string("type")
+                    .map_err(|_| ApiError::invalid_type(format!("{at}.type"), "a string"))?
+                {
+                    None | Some("message") => {}
+                    Some(ty) => {
+                        return Err(ApiError::unsupported(
+                            &format!("{at}.type"),
+                            &format!(
+                                "input items of type `{ty}` are not supported (only messages)"
+                            ),
+                        ))
+                    }
+                }
+                let role = mf
+                    .string("role")
+                    .map_err(|_| ApiError::invalid_type(format!("{at}.role"), "a string"))?
+                    .ok_or_else(|| ApiError::missing(&format!("{at}.role")))?;
+                let role = match role {
+                    "user" | "assistant" | "system" => role,
+                    "developer" => "system",
+                    other => {
+                        return Err(ApiError::invalid_value(
+                            format!("{at}.role"),
+                            format!("`{other}` is not one of user, assistant, system, developer"),
+                        ))
+                    }
+                };
+                let content = parse_content(mf.get("content"), &format!("{at}.content"))?;
+                msgs.push((role.to_string(), content));
+            }
+        }
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "input",
+                &format!("a string or an array of messages, got {}", type_name(v)),
+            ))
+        }
+    }
+    parse_common(Endpoint::Responses, Input::Chat(msgs), &f)
 }
 
 /// Parses and validates a `/v1/completions` body.
@@ -1047,6 +1212,85 @@ mod tests {
             json!([{"role": "user", "content": [{"text": "x"}]}]),
             "messages[0].content[0].type",
         );
+    }
+
+    fn responses(v: Value) -> Result<GenParams, ApiError> {
+        parse_responses(v.to_string().as_bytes())
+    }
+
+    #[test]
+    fn a_responses_body_becomes_a_conversation() {
+        let p = responses(json!({"input": "hi", "instructions": "be brief",
+                                 "max_output_tokens": 9, "temperature": 0.5}))
+        .expect("valid");
+        assert_eq!(
+            p.input,
+            Input::Chat(vec![
+                ("system".into(), "be brief".into()),
+                ("user".into(), "hi".into())
+            ])
+        );
+        assert_eq!((p.max_tokens, p.temperature, p.n), (Some(9), 0.5, 1));
+        assert_eq!(p.logprobs, None);
+        let p = responses(json!({"input": [
+            {"role": "developer", "content": "sys"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "b"}]}
+        ], "max_tokens": 3, "top_logprobs": 2, "include": ["message.output_text.logprobs"]}))
+        .expect("valid");
+        assert_eq!(
+            p.input,
+            Input::Chat(vec![
+                ("system".into(), "sys".into()),
+                ("user".into(), "a".into()),
+                ("assistant".into(), "b".into())
+            ])
+        );
+        assert_eq!(p.max_tokens, None, "max_tokens is not a Responses field");
+        assert_eq!(p.logprobs, Some(2));
+        for (body, param) in [
+            (json!({}), "input"),
+            (json!({"input": []}), "input"),
+            (json!({"input": [1]}), "input[0]"),
+            (
+                json!({"input": [{"role": "tool", "content": "x"}]}),
+                "input[0].role",
+            ),
+            (json!({"input": [{"type": "reasoning"}]}), "input[0].type"),
+            (
+                json!({"input": "x", "previous_response_id": "resp_1"}),
+                "previous_response_id",
+            ),
+            (json!({"input": "x", "conversation": "c"}), "conversation"),
+            (json!({"input": "x", "background": true}), "background"),
+            (json!({"input": "x", "n": 2}), "n"),
+            (
+                json!({"input": "x", "text": {"format": {"type": "json_schema"}}}),
+                "text.format",
+            ),
+            (json!({"input": "x", "text": 1}), "text"),
+            (
+                json!({"input": "x", "include": ["file_search_call.results"]}),
+                "include[0]",
+            ),
+            (json!({"input": "x", "include": "x"}), "include"),
+            (
+                json!({"input": "x", "max_output_tokens": 0}),
+                "max_output_tokens",
+            ),
+            (
+                json!({"input": "x", "tools": [{"type": "web_search"}]}),
+                "tools",
+            ),
+        ] {
+            let e = responses(body.clone()).expect_err(&body.to_string());
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {e}");
+        }
+        responses(
+            json!({"input": "x", "text": {"format": {"type": "text"}}, "store": false,
+                         "metadata": {"k": "v"}, "tool_choice": "none"}),
+        )
+        .expect("their off values pass");
     }
 
     #[test]

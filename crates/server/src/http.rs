@@ -18,7 +18,7 @@ use futures_util::StreamExt;
 use request::SamplingParams;
 use request::{DoneEvent, Event, GenRequest, RequestHandle, TokenEvent};
 use serde::Serialize;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 use tokenizer::ChatMessage;
 
 use crate::api::{
@@ -40,6 +40,7 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model_by_id))
         .route("/tokenize", post(tokenize_route))
@@ -257,6 +258,10 @@ async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: 
     generate(st, Endpoint::Completions, headers, body).await
 }
 
+async fn responses(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    generate(st, Endpoint::Responses, headers, body).await
+}
+
 /// `POST /tokenize`: the prompt's token ids exactly as a generation request
 /// would send them to the engine (the same encoder, BOS included), for a
 /// tenant's key. Nothing reaches the engine or the pool.
@@ -307,11 +312,13 @@ fn random_u64() -> u64 {
 }
 
 fn request_id(ep: Endpoint) -> String {
+    // OpenAI's prefixes: `chatcmpl-`, `cmpl-`, and `resp_` for responses.
     let prefix = match ep {
-        Endpoint::Chat => "chatcmpl",
-        Endpoint::Completions => "cmpl",
+        Endpoint::Chat => "chatcmpl-",
+        Endpoint::Completions => "cmpl-",
+        Endpoint::Responses => "resp_",
     };
-    format!("{prefix}-{:016x}{:08x}", random_u64(), random_u64() as u32)
+    format!("{prefix}{:016x}{:08x}", random_u64(), random_u64() as u32)
 }
 
 // ---- accounting ------------------------------------------------------------
@@ -564,6 +571,7 @@ async fn admit(
     let params = match ep {
         Endpoint::Chat => api::parse_chat(&bytes)?,
         Endpoint::Completions => api::parse_completion(&bytes)?,
+        Endpoint::Responses => api::parse_responses(&bytes)?,
     };
     drop(bytes);
     if let Some(m) = &params.model {
@@ -711,6 +719,10 @@ async fn generate(st: Arc<AppState>, ep: Endpoint, headers: HeaderMap, body: Bod
         created: unix_now(),
         include_usage: adm.params.include_usage,
         logprobs: adm.params.logprobs.is_some(),
+        temperature: adm.params.temperature,
+        top_p: adm.params.top_p,
+        max_tokens: adm.params.max_tokens,
+        seq: AtomicU64::new(0),
     };
     if adm.params.stream {
         stream_response(shaper, adm, tr)
@@ -729,6 +741,12 @@ struct Shaper {
     created: u64,
     include_usage: bool,
     logprobs: bool,
+    /// What a Responses API response echoes of its request.
+    temperature: f32,
+    top_p: f32,
+    max_tokens: Option<usize>,
+    /// The Responses API's `sequence_number` of the next stream event.
+    seq: AtomicU64,
 }
 
 /// A logprob as JSON can carry it (no infinities).
@@ -867,6 +885,29 @@ impl Shaper {
                     .collect(),
             ),
             Endpoint::Completions => None,
+            Endpoint::Responses => {
+                let mut out = self.event(
+                    "response.created",
+                    json!({"response": self.response_obj("in_progress", vec![], None)}),
+                );
+                out.extend(self.event(
+                    "response.in_progress",
+                    json!({"response": self.response_obj("in_progress", vec![], None)}),
+                ));
+                out.extend(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": 0, "item": {
+                        "type": "message", "id": self.message_id(), "status": "in_progress",
+                        "role": "assistant", "content": []}}),
+                ));
+                out.extend(self.event(
+                    "response.content_part.added",
+                    json!({"item_id": self.message_id(), "output_index": 0, "content_index": 0,
+                           "part": {"type": "output_text", "text": "", "annotations": [],
+                                    "logprobs": []}}),
+                ));
+                Some(out)
+            }
         }
     }
 
@@ -894,12 +935,31 @@ impl Shaper {
                 });
                 self.completion_chunk(index, t.text.clone(), lp, None)
             }
+            Endpoint::Responses => {
+                let lp: Vec<TokenLogprob> = self
+                    .logprobs
+                    .then(|| self.chat_logprob(t))
+                    .into_iter()
+                    .collect();
+                self.event(
+                    "response.output_text.delta",
+                    json!({"item_id": self.message_id(), "output_index": 0, "content_index": 0,
+                           "delta": t.text, "logprobs": lp}),
+                )
+            }
         }
     }
 
     /// The end of one choice: its held-back tail (if any) and its finish
-    /// chunk.
-    fn finish_choice(&self, index: usize, d: &DoneEvent) -> Vec<u8> {
+    /// chunk. `text` is the choice's whole text, tail included, and
+    /// `logprobs` its tokens' (the Responses API repeats both at the end).
+    fn finish_choice(
+        &self,
+        index: usize,
+        d: &DoneEvent,
+        text: &str,
+        logprobs: &[TokenEvent],
+    ) -> Vec<u8> {
         let mut out = Vec::new();
         let reason = Some(d.finish.as_openai());
         match self.ep {
@@ -923,18 +983,106 @@ impl Shaper {
                 }
                 out.extend(self.completion_chunk(index, String::new(), None, reason));
             }
+            Endpoint::Responses => {
+                if !d.tail_text.is_empty() {
+                    out.extend(self.event(
+                        "response.output_text.delta",
+                        json!({"item_id": self.message_id(), "output_index": 0,
+                               "content_index": 0, "delta": d.tail_text, "logprobs": []}),
+                    ));
+                }
+                let item = self.message_item(d, text, logprobs);
+                let part = item["content"][0].clone();
+                out.extend(self.event(
+                    "response.output_text.done",
+                    json!({"item_id": self.message_id(), "output_index": 0, "content_index": 0,
+                           "text": text, "logprobs": part["logprobs"]}),
+                ));
+                out.extend(self.event(
+                    "response.content_part.done",
+                    json!({"item_id": self.message_id(), "output_index": 0, "content_index": 0,
+                           "part": part}),
+                ));
+                out.extend(self.event(
+                    "response.output_item.done",
+                    json!({"output_index": 0, "item": item}),
+                ));
+            }
         }
         out
     }
 
+    // ---- the Responses API's shapes ----
+
+    /// The output message's id: the response's, renamed.
+    fn message_id(&self) -> String {
+        format!("msg_{}", self.id.trim_start_matches("resp_"))
+    }
+
+    /// One stream event: `event:` names it, `data:` carries it with its
+    /// `type` and `sequence_number`.
+    fn event(&self, ty: &str, mut v: Value) -> Vec<u8> {
+        v["type"] = Value::from(ty);
+        v["sequence_number"] = Value::from(self.seq.fetch_add(1, Ordering::Relaxed));
+        let mut out = format!("event: {ty}\n").into_bytes();
+        out.extend(sse(&v));
+        out
+    }
+
+    /// The output message of a finished choice.
+    fn message_item(&self, d: &DoneEvent, text: &str, logprobs: &[TokenEvent]) -> Value {
+        let lp: Vec<TokenLogprob> = if self.logprobs {
+            logprobs.iter().map(|t| self.chat_logprob(t)).collect()
+        } else {
+            Vec::new()
+        };
+        json!({"type": "message", "id": self.message_id(), "status": response_status(d),
+               "role": "assistant",
+               "content": [{"type": "output_text", "text": text, "annotations": [],
+                            "logprobs": lp}]})
+    }
+
+    /// The response object: `in_progress` with no output yet, or the end
+    /// with its output and usage.
+    fn response_obj(&self, status: &str, output: Vec<Value>, done: Option<&DoneEvent>) -> Value {
+        let usage = done.map(|d| {
+            let u = &d.usage;
+            json!({"input_tokens": u.prompt_tokens,
+                   "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                   "output_tokens": u.completion_tokens,
+                   "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": u.prompt_tokens + u.completion_tokens})
+        });
+        let incomplete = (status == "incomplete").then(|| json!({"reason": "max_output_tokens"}));
+        json!({"id": self.id, "object": "response", "created_at": self.created,
+               "status": status, "model": self.model(), "output": output, "usage": usage,
+               "error": null, "incomplete_details": incomplete, "instructions": null,
+               "max_output_tokens": self.max_tokens, "metadata": {},
+               "parallel_tool_calls": false, "temperature": self.temperature,
+               "top_p": self.top_p, "tool_choice": "none", "tools": [],
+               "text": {"format": {"type": "text"}}, "truncation": "disabled",
+               "store": false, "background": false, "previous_response_id": null,
+               "reasoning": {"effort": null, "summary": null}})
+    }
+
     /// After every choice finished: the usage chunk (if asked for) and
-    /// `[DONE]`.
-    fn end(&self, usage: &request::Usage) -> Vec<u8> {
+    /// `[DONE]`; for the Responses API, `response.completed` (or
+    /// `.incomplete`) with the whole response.
+    fn end(&self, all: &DoneEvent, text: &str, logprobs: &[TokenEvent]) -> Vec<u8> {
+        if self.ep == Endpoint::Responses {
+            let status = response_status(all);
+            let item = self.message_item(all, text, logprobs);
+            return self.event(
+                &format!("response.{status}"),
+                json!({"response": self.response_obj(status, vec![item], Some(all))}),
+            );
+        }
+        let usage = &all.usage;
         let mut out = Vec::new();
         if self.include_usage {
             let usage = Some(Some(Usage::of(usage)));
             out.extend(match self.ep {
-                Endpoint::Chat => sse(&ChatChunk {
+                Endpoint::Chat | Endpoint::Responses => sse(&ChatChunk {
                     id: self.id.clone(),
                     object: "chat.completion.chunk".into(),
                     created: self.created,
@@ -961,6 +1109,15 @@ impl Shaper {
         let mut out = sse(&e.body());
         out.extend_from_slice(SSE_DONE);
         out
+    }
+}
+
+/// A finished response's status: `incomplete` when it ran out of
+/// `max_output_tokens`.
+fn response_status(d: &DoneEvent) -> &'static str {
+    match d.finish {
+        request::FinishReason::Length => "incomplete",
+        request::FinishReason::Stop => "completed",
     }
 }
 
@@ -1059,9 +1216,16 @@ async fn full_response(sh: Shaper, adm: Admitted, mut tr: Tracker) -> Response {
     };
     let all = combined(&dones);
     tr.finished(&all);
+    for (text, d) in texts.iter_mut().zip(&dones) {
+        text.push_str(&d.tail_text);
+    }
     let usage = Usage::of(&all.usage);
     let finish = |d: &DoneEvent| Some(d.finish.as_openai().to_string());
     match sh.ep {
+        Endpoint::Responses => {
+            let item = sh.message_item(&dones[0], &texts[0], &events[0]);
+            Json(sh.response_obj(response_status(&all), vec![item], Some(&all))).into_response()
+        }
         Endpoint::Chat => Json(ChatCompletion {
             id: sh.id.clone(),
             object: "chat.completion".into(),
@@ -1072,19 +1236,16 @@ async fn full_response(sh: Shaper, adm: Admitted, mut tr: Tracker) -> Response {
                 .zip(texts)
                 .zip(&events)
                 .enumerate()
-                .map(|(index, ((d, mut text), events))| {
-                    text.push_str(&d.tail_text);
-                    ChatChoice {
-                        index,
-                        message: ChatMessageOut {
-                            role: "assistant".into(),
-                            content: text,
-                        },
-                        logprobs: sh.logprobs.then(|| ChatLogprobs {
-                            content: events.iter().map(|t| sh.chat_logprob(t)).collect(),
-                        }),
-                        finish_reason: finish(d),
-                    }
+                .map(|(index, ((d, text), events))| ChatChoice {
+                    index,
+                    message: ChatMessageOut {
+                        role: "assistant".into(),
+                        content: text,
+                    },
+                    logprobs: sh.logprobs.then(|| ChatLogprobs {
+                        content: events.iter().map(|t| sh.chat_logprob(t)).collect(),
+                    }),
+                    finish_reason: finish(d),
                 })
                 .collect(),
             usage,
@@ -1100,8 +1261,7 @@ async fn full_response(sh: Shaper, adm: Admitted, mut tr: Tracker) -> Response {
                 .zip(texts)
                 .zip(&events)
                 .enumerate()
-                .map(|(index, ((d, mut text), events))| {
-                    text.push_str(&d.tail_text);
+                .map(|(index, ((d, text), events))| {
                     let logprobs = sh.logprobs.then(|| {
                         let mut lp = CompletionLogprobs::default();
                         let mut offset = 0;
@@ -1145,6 +1305,10 @@ struct Streaming {
     phase: Phase,
     /// Characters sent so far per choice (completions' `text_offset`).
     offsets: Vec<usize>,
+    /// Text so far per choice, and the tokens (with log-probabilities,
+    /// when asked for): the Responses API repeats them at the end.
+    texts: Vec<String>,
+    tokens: Vec<Vec<TokenEvent>>,
     dones: Vec<Option<DoneEvent>>,
 }
 
@@ -1169,17 +1333,26 @@ impl Streaming {
                     }
                     let out = self.sh.token_chunk(i, &t, self.offsets[i]);
                     self.offsets[i] += t.text.chars().count();
+                    if self.sh.ep == Endpoint::Responses {
+                        self.texts[i].push_str(&t.text);
+                        if self.sh.logprobs {
+                            self.tokens[i].push(t);
+                        }
+                    }
                     return Some(out);
                 }
                 Some((i, Some(Event::Done(d)))) => {
-                    let mut out = self.sh.finish_choice(i, &d);
+                    self.texts[i].push_str(&d.tail_text);
+                    let mut out = self
+                        .sh
+                        .finish_choice(i, &d, &self.texts[i], &self.tokens[i]);
                     self.dones[i] = Some(d);
                     if self.dones.iter().all(Option::is_some) {
                         self.phase = Phase::End;
                         let dones: Vec<DoneEvent> = self.dones.iter().flatten().cloned().collect();
                         let all = combined(&dones);
                         self.tr.finished(&all);
-                        out.extend(self.sh.end(&all.usage));
+                        out.extend(self.sh.end(&all, &self.texts[0], &self.tokens[0]));
                     }
                     return Some(out);
                 }
@@ -1210,6 +1383,8 @@ fn stream_response(sh: Shaper, adm: Admitted, tr: Tracker) -> Response {
         tr,
         phase: Phase::Start,
         offsets: vec![0; n],
+        texts: vec![String::new(); n],
+        tokens: vec![Vec::new(); n],
         dones: vec![None; n],
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {

@@ -3,8 +3,10 @@
 //! It speaks the request vocabulary (`request`) and the tokenizer, and
 //! links no model, kernel or pool.
 //!
-//! * **Endpoints.** `POST /v1/chat/completions` and `POST /v1/completions`
-//!   (streaming as server-sent events, or one JSON response), `GET
+//! * **Endpoints.** `POST /v1/chat/completions`, `POST /v1/completions` and
+//!   `POST /v1/responses` (OpenAI's Responses API, stateless) — streaming as
+//!   server-sent events, or one JSON response; `n` choices of a prompt are
+//!   `n` engine requests merged into one answer — `GET
 //!   /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Requests
 //!   and responses follow OpenAI's JSON shapes ([`api`]); every error is
 //!   `{"error":{"message","type","param","code"}}` ([`error::ApiError`]).
