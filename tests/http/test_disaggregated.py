@@ -217,6 +217,12 @@ def test_n_choices_over_pd_equal_unified(pd_set, server):
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
     assert len({c["text"] for c in b["choices"]}) > 1
     assert b["usage"]["completion_tokens"] == 24 and b["usage"]["prompt_tokens"] == 4
+    # The Responses API through the gateway: the unified server's answer.
+    body = {"model": MODEL, "input": "Name a colour.", "max_output_tokens": 8, "temperature": 0}
+    a = requests.post(server.url("/v1/responses"), json=body, timeout=120).json()
+    b = requests.post(pd_set["gateway"].url("/v1/responses"), json=body, timeout=120).json()
+    assert b["object"] == "response" and b["status"] in ("completed", "incomplete"), b
+    assert a["output"][0]["content"][0]["text"] == b["output"][0]["content"][0]["text"]
 
 
 def test_over_long_request_is_refused_at_the_gateway(pd_set):
