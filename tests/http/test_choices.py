@@ -19,6 +19,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 STORY = [{"role": "user", "content": "Tell me a story about a fox."}]
 
 
+def tokenize_prompt(server, text):
+    r = requests.post(server.url("/tokenize"), json={"prompt": text}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
@@ -78,6 +84,39 @@ def test_completion_choices_with_logprobs_and_stop(client):
         assert "." not in c.text
         assert c.logprobs.text_offset[0] == 0
     assert r.usage.prompt_tokens == 4
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(client, server):
+    prompts = ["Once upon a time", "The capital of France is", "def fib(n):"]
+    ids = tokenize_prompt(server, prompts[1])
+    batch = client.completions.create(model=MODEL, prompt=[prompts[0], ids, prompts[2]],
+                                      max_tokens=8, temperature=0.8, seed=5, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    alone_prompt_tokens = alone_completion_tokens = 0
+    for p, prompt in enumerate(prompts):
+        for j in range(2):
+            one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                            temperature=0.8, seed=5 + j)
+            assert batch.choices[2 * p + j].text == one.choices[0].text, (p, j)
+            assert batch.choices[2 * p + j].finish_reason == one.choices[0].finish_reason
+            alone_completion_tokens += one.usage.completion_tokens
+        alone_prompt_tokens += one.usage.prompt_tokens
+    # Each prompt counted once; every choice's completion.
+    assert batch.usage.prompt_tokens == alone_prompt_tokens
+    assert batch.usage.completion_tokens == alone_completion_tokens
+    # Streamed: the same text per index.
+    stream = client.completions.create(model=MODEL, prompt=[prompts[0], ids, prompts[2]],
+                                       max_tokens=8, temperature=0.8, seed=5, n=2, stream=True)
+    got = [""] * 6
+    for chunk in stream:
+        for c in chunk.choices:
+            got[c.index] += c.text
+    assert got == [c.text for c in batch.choices]
+    # A bad prompt anywhere in the batch refuses the whole request, naming it.
+    r = requests.post(server.url("/v1/completions"), timeout=60,
+                      json={"model": MODEL, "prompt": ["a", [1, 99999999]], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert_pool_clean(wait_pool_idle(server))
 
 
 def test_a_dropped_stream_frees_every_choice(server):

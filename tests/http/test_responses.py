@@ -29,6 +29,7 @@ def test_a_response_is_the_chat_answer_of_the_same_conversation(client):
     r = client.responses.create(model=MODEL, temperature=0, max_output_tokens=24,
                                 instructions="You are brief.", input=QUESTION)
     assert r.object == "response" and r.id.startswith("resp_")
+    assert r.instructions == "You are brief." and r.temperature == 0 and r.top_p == 1
     assert r.status == "completed" and r.incomplete_details is None
     assert r.output_text == chat.choices[0].message.content
     assert "Paris" in r.output_text
@@ -51,6 +52,9 @@ def test_a_response_is_the_chat_answer_of_the_same_conversation(client):
 def test_a_streamed_response_sends_every_event_in_order(client):
     full = client.responses.create(model=MODEL, temperature=0, max_output_tokens=6,
                                    input="Write a long story about a lighthouse.")
+    warm = client.responses.create(model=MODEL, temperature=0.7, top_p=0.9,
+                                   max_output_tokens=2, input="Hi")
+    assert (warm.temperature, warm.top_p) == (0.7, 0.9), "as sent, not as f32"
     assert full.status == "incomplete"
     assert full.incomplete_details.reason == "max_output_tokens"
     assert full.usage.output_tokens == 6

@@ -19,6 +19,10 @@ pub const CONTENT_PARTS_MAX: usize = 256;
 /// engine with its own pages, and counts against the tenant's
 /// `max_concurrent`.
 pub const CHOICES_MAX: usize = 16;
+/// Most prompts in one `/v1/completions` request (a batch), and most
+/// sequences (prompts × `n`) it may run.
+pub const PROMPTS_MAX: usize = 64;
+pub const SEQUENCES_MAX: usize = 64;
 /// Largest `top_logprobs` (chat) / `logprobs` (completions).
 pub const TOP_LOGPROBS_MAX: usize = request::TOP_LOGPROBS_MAX;
 /// The roles a chat message may have.
@@ -76,8 +80,15 @@ pub struct GenParams {
     pub endpoint: Endpoint,
     pub model: Option<String>,
     pub input: Input,
-    /// `n`: choices to generate for the prompt, 1 to [`CHOICES_MAX`].
+    /// The other prompts of a `/v1/completions` batch (`prompt` as an array
+    /// of strings or of token arrays), after `input`; choice `n × p + j` is
+    /// prompt p's j-th.
+    pub more_inputs: Vec<Input>,
+    /// `n`: choices to generate for each prompt, 1 to [`CHOICES_MAX`].
     pub n: usize,
+    /// The Responses API's `instructions` (also the first, system, message
+    /// of `input`), echoed in the response.
+    pub instructions: Option<String>,
     /// `max_completion_tokens`, else `max_tokens`; `None`: the default.
     pub max_tokens: Option<usize>,
     pub temperature: f32,
@@ -501,7 +512,9 @@ fn parse_common(endpoint: Endpoint, input: Input, f: &Fields<'_>) -> Result<GenP
         endpoint,
         model,
         input,
+        more_inputs: Vec::new(),
         n,
+        instructions: None,
         max_tokens: max_tokens.map(|m| m as usize),
         temperature,
         top_p,
@@ -797,8 +810,9 @@ pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
         }
     }
     let mut msgs = Vec::new();
-    if let Some(s) = f.string("instructions")? {
-        msgs.push(("system".to_string(), s.to_string()));
+    let instructions = f.string("instructions")?.map(str::to_string);
+    if let Some(s) = &instructions {
+        msgs.push(("system".to_string(), s.clone()));
     }
     match f.get("input") {
         None => return Err(ApiError::missing("input")),
@@ -861,7 +875,9 @@ pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
             ))
         }
     }
-    parse_common(Endpoint::Responses, Input::Chat(msgs), &f)
+    let mut p = parse_common(Endpoint::Responses, Input::Chat(msgs), &f)?;
+    p.instructions = instructions;
+    Ok(p)
 }
 
 /// Parses and validates a `/v1/completions` body.
@@ -874,30 +890,44 @@ pub fn parse_completion(body: &[u8]) -> Result<GenParams, ApiError> {
     if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix", "suffix is not supported"));
     }
+    let mut batch = Vec::new();
     let input = match f.get("prompt") {
         None => return Err(ApiError::missing("prompt")),
         Some(Value::String(s)) => Input::Text(s.clone()),
         Some(Value::Array(a)) if a.is_empty() => {
             return Err(ApiError::invalid_value("prompt", "the prompt is empty"))
         }
-        Some(Value::Array(a)) => match &a[0] {
-            Value::Number(_) => Input::Tokens(parse_token_ids(a, "prompt")?),
-            Value::String(_) | Value::Array(_) if a.len() > 1 => {
-                return Err(ApiError::unsupported(
+        Some(Value::Array(a)) if a[0].is_number() => Input::Tokens(parse_token_ids(a, "prompt")?),
+        // A batch: strings, or arrays of token ids (one kind or both).
+        Some(Value::Array(a)) => {
+            if a.len() > PROMPTS_MAX {
+                return Err(ApiError::invalid_value(
                     "prompt",
-                    "only one prompt per request is supported (no batches; `n` asks for \
-                     several choices of one prompt)",
-                ))
+                    format!("at most {PROMPTS_MAX} prompts, got {}", a.len()),
+                ));
             }
-            Value::String(s) => Input::Text(s.clone()),
-            Value::Array(ids) => Input::Tokens(parse_token_ids(ids, "prompt[0]")?),
-            v => {
-                return Err(ApiError::invalid_type(
-                    "prompt[0]",
-                    &format!("a string or a token id, got {}", type_name(v)),
-                ))
+            for (i, p) in a.iter().enumerate() {
+                batch.push(match p {
+                    Value::String(s) => Input::Text(s.clone()),
+                    Value::Array(ids) if ids.is_empty() => {
+                        return Err(ApiError::invalid_value(
+                            format!("prompt[{i}]"),
+                            "the prompt is empty",
+                        ))
+                    }
+                    Value::Array(ids) => {
+                        Input::Tokens(parse_token_ids(ids, &format!("prompt[{i}]"))?)
+                    }
+                    v => {
+                        return Err(ApiError::invalid_type(
+                            format!("prompt[{i}]"),
+                            &format!("a string or an array of token ids, got {}", type_name(v)),
+                        ))
+                    }
+                });
             }
-        },
+            batch.remove(0)
+        }
         Some(v) => {
             return Err(ApiError::invalid_type(
                 "prompt",
@@ -908,7 +938,19 @@ pub fn parse_completion(body: &[u8]) -> Result<GenParams, ApiError> {
             ))
         }
     };
-    parse_common(Endpoint::Completions, input, &f)
+    let mut p = parse_common(Endpoint::Completions, input, &f)?;
+    if (1 + batch.len()) * p.n > SEQUENCES_MAX {
+        return Err(ApiError::invalid_value(
+            "n",
+            format!(
+                "{} prompts × n = {} is more than {SEQUENCES_MAX} sequences",
+                1 + batch.len(),
+                p.n
+            ),
+        ));
+    }
+    p.more_inputs = batch;
+    Ok(p)
 }
 
 // ---- response shapes -------------------------------------------------------
@@ -1458,9 +1500,20 @@ mod tests {
         assert_eq!(p.input, Input::Tokens(vec![4, 5]));
         let p = completion(json!({"prompt": "x", "logprobs": 3})).expect("logprobs");
         assert_eq!(p.logprobs, Some(3));
+        let p = completion(json!({"prompt": ["a", [7, 8], "c"], "n": 2})).expect("a batch");
+        assert_eq!(p.input, Input::Text("a".into()));
+        assert_eq!(
+            p.more_inputs,
+            vec![Input::Tokens(vec![7, 8]), Input::Text("c".into())]
+        );
+        assert_eq!(p.n, 2);
+        let many: Vec<Value> = (0..=PROMPTS_MAX).map(|i| json!(i.to_string())).collect();
         for (body, param) in [
-            (json!({"prompt": ["a", "b"]}), "prompt"),
-            (json!({"prompt": [[1], [2]]}), "prompt"),
+            (json!({"prompt": many}), "prompt"),
+            (json!({"prompt": ["a", "b", "c", "d", "e"], "n": 16}), "n"),
+            (json!({"prompt": ["a", []]}), "prompt[1]"),
+            (json!({"prompt": ["a", 3]}), "prompt[1]"),
+            (json!({"prompt": [[1], ["x"]]}), "prompt[1][0]"),
             (json!({"prompt": []}), "prompt"),
             (json!({"prompt": 5}), "prompt"),
             (json!({"prompt": [1, -2]}), "prompt[1]"),

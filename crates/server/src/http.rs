@@ -277,7 +277,7 @@ async fn tokenize_route(
             .map_err(ApiError::unauthorized)?;
         let bytes = read_body(body, &headers, st.cfg.max_body_bytes, st.cfg.body_timeout).await?;
         let input = api::parse_tokenize(&bytes)?;
-        let (ids, _) = tokenize(&st, &input)?;
+        let (ids, _) = tokenize(&st, &input, "messages")?;
         Ok::<_, ApiError>(serde_json::json!({
             "count": ids.len(),
             "max_model_len": st.max_request(),
@@ -522,7 +522,13 @@ async fn read_body(
 /// [`tokenizer::encode_chat`]: in chat messages only the template's text
 /// may produce special tokens), shared with `isoserve generate` and
 /// `isoserve tokenize`.
-fn tokenize(st: &AppState, input: &Input) -> Result<(Vec<u32>, String), ApiError> {
+/// `chat_param` names the field of chat messages in errors (`messages`, or
+/// the Responses API's `input`).
+fn tokenize(
+    st: &AppState,
+    input: &Input,
+    chat_param: &str,
+) -> Result<(Vec<u32>, String), ApiError> {
     match input {
         Input::Tokens(ids) => Ok((ids.clone(), format!("{ids:?}"))),
         Input::Text(t) => {
@@ -531,23 +537,26 @@ fn tokenize(st: &AppState, input: &Input) -> Result<(Vec<u32>, String), ApiError
             Ok((ids, t.clone()))
         }
         Input::Chat(msgs) => {
-            let p = chat_prompt(st, msgs)?;
+            let p = chat_prompt(st, msgs, chat_param)?;
             Ok((p.ids, p.text))
         }
     }
 }
 
-fn chat_prompt(st: &AppState, msgs: &[(String, String)]) -> Result<tokenizer::Prompt, ApiError> {
+fn chat_prompt(
+    st: &AppState,
+    msgs: &[(String, String)],
+    param: &str,
+) -> Result<tokenizer::Prompt, ApiError> {
     let template = st
         .template
         .as_ref()
-        .ok_or_else(|| ApiError::bad_prompt("messages", "the model has no chat template"))?;
+        .ok_or_else(|| ApiError::bad_prompt(param, "the model has no chat template"))?;
     let ms: Vec<ChatMessage> = msgs
         .iter()
         .map(|(r, c)| ChatMessage::new(r.as_str(), c.as_str()))
         .collect();
-    tokenizer::encode_chat(&st.tokenizer, template, &ms)
-        .map_err(|e| ApiError::bad_prompt("messages", e))
+    tokenizer::encode_chat(&st.tokenizer, template, &ms).map_err(|e| ApiError::bad_prompt(param, e))
 }
 
 async fn admit(
@@ -580,23 +589,35 @@ async fn admit(
         }
     }
     // Tokenising a multi-megabyte prompt is CPU work: off the async workers.
-    let (ids, text, params) = {
+    // A batch's prompts one after another (`more_inputs`).
+    let (prompts, params) = {
         let st2 = st.clone();
         tokio::task::spawn_blocking(move || {
-            tokenize(&st2, &params.input).map(|(ids, text)| (ids, text, params))
+            std::iter::once(&params.input)
+                .chain(&params.more_inputs)
+                .map(|input| tokenize(&st2, input, ep.prompt_param()))
+                .collect::<Result<Vec<_>, _>>()
+                .map(|prompts| (prompts, params))
         })
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))??
     };
-    tr.rec.prompt_tokens = ids.len();
+    tr.rec.prompt_tokens = prompts.iter().map(|(ids, _)| ids.len()).sum();
     if st.cfg.log_prompts {
-        tr.rec.prompt = Some(text);
+        let texts: Vec<&str> = prompts.iter().map(|(_, t)| t.as_str()).collect();
+        tr.rec.prompt = Some(texts.join("\n"));
     }
-    let max_tokens = params.max_tokens.unwrap_or_else(|| {
-        st.max_request()
-            .saturating_sub(ids.len())
-            .clamp(1, st.cfg.default_max_tokens)
-    });
+    let mut prompts = prompts.into_iter().map(|(ids, _)| ids);
+    let ids = prompts.next().expect("one prompt at least");
+    let more_prompts: Vec<Vec<u32>> = prompts.collect();
+    let max_tokens_for = |len: usize| {
+        params.max_tokens.unwrap_or_else(|| {
+            st.max_request()
+                .saturating_sub(len)
+                .clamp(1, st.cfg.default_max_tokens)
+        })
+    };
+    let max_tokens = max_tokens_for(ids.len());
     let req = GenRequest {
         tenant: tenant.id,
         prompt: ids,
@@ -650,33 +671,41 @@ async fn admit(
     } else {
         st.max_request()
     };
-    request::validate(&req, window, st.vocab).map_err(|e| engine_err(&e))?;
+    // Every prompt of a batch is checked before anything is queued.
+    let mut reqs = vec![req];
+    for ids in more_prompts {
+        let mut r = reqs[0].clone();
+        r.max_tokens = max_tokens_for(ids.len());
+        r.prompt = ids;
+        reqs.push(r);
+    }
+    for r in &reqs {
+        request::validate(r, window, st.vocab).map_err(|e| engine_err(&e))?;
+    }
     // Each choice is a sequence of its own in the engine and counts as one
-    // of the tenant's concurrent requests: `n` cannot multiply a tenant's
-    // share past what the operator allowed.
+    // of the tenant's concurrent requests: `n` (or a batch) cannot multiply
+    // a tenant's share past what the operator allowed.
     let n = params.n;
-    if n > tenant.max_concurrent {
+    let sequences = n * reqs.len();
+    if sequences > tenant.max_concurrent {
         return Err(ApiError::invalid_value(
             "n",
             format!(
-                "{n} choices are more than this tenant may run at once (max_concurrent {})",
+                "{} prompts × {n} choices are more than this tenant may run at once \
+                 (max_concurrent {})",
+                reqs.len(),
                 tenant.max_concurrent
             ),
         ));
     }
-    let need = (req.prompt.len() + req.max_tokens) as u64;
-    let mut permits = Vec::with_capacity(n);
-    let mut handles = Vec::with_capacity(n);
-    let refund = |permits: &mut Vec<TenantPermit>| permits.iter_mut().for_each(|p| p.refund());
-    for i in 0..n {
-        let mut permit = match st.tenants.admit(&tenant, need, Instant::now()) {
-            Ok(p) => p,
-            Err(e) => {
-                // Choices already submitted are cancelled as `handles` drops.
-                refund(&mut permits);
-                return Err(e.into());
-            }
-        };
+    // Sequence k is prompt k / n's choice k % n; all admitted or none.
+    let needs: Vec<u64> = (0..sequences)
+        .map(|k| (reqs[k / n].prompt.len() + reqs[k / n].max_tokens) as u64)
+        .collect();
+    let mut permits = st.tenants.admit_all(&tenant, &needs, Instant::now())?;
+    let mut handles = Vec::with_capacity(sequences);
+    for k in 0..sequences {
+        let (req, i) = (&reqs[k / n], k % n);
         // Choice i samples with seed + i: choice 0 is what n = 1 gives.
         let mut choice = req.clone();
         choice.params.seed = req.params.seed.wrapping_add(i as u64);
@@ -684,11 +713,11 @@ async fn admit(
             Ok(h) => {
                 tr.pages.push(h.pages_cell());
                 handles.push(h);
-                permits.push(permit);
             }
             Err(e) => {
-                permit.refund();
-                refund(&mut permits);
+                // Sequences already submitted are cancelled as `handles`
+                // drops; none ran, so every permit's tokens go back.
+                permits.iter_mut().for_each(TenantPermit::refund);
                 return Err(engine_err(&e));
             }
         }
@@ -722,6 +751,7 @@ async fn generate(st: Arc<AppState>, ep: Endpoint, headers: HeaderMap, body: Bod
         temperature: adm.params.temperature,
         top_p: adm.params.top_p,
         max_tokens: adm.params.max_tokens,
+        instructions: adm.params.instructions.clone(),
         seq: AtomicU64::new(0),
     };
     if adm.params.stream {
@@ -745,6 +775,7 @@ struct Shaper {
     temperature: f32,
     top_p: f32,
     max_tokens: Option<usize>,
+    instructions: Option<String>,
     /// The Responses API's `sequence_number` of the next stream event.
     seq: AtomicU64,
 }
@@ -1056,10 +1087,10 @@ impl Shaper {
         let incomplete = (status == "incomplete").then(|| json!({"reason": "max_output_tokens"}));
         json!({"id": self.id, "object": "response", "created_at": self.created,
                "status": status, "model": self.model(), "output": output, "usage": usage,
-               "error": null, "incomplete_details": incomplete, "instructions": null,
-               "max_output_tokens": self.max_tokens, "metadata": {},
-               "parallel_tool_calls": false, "temperature": self.temperature,
-               "top_p": self.top_p, "tool_choice": "none", "tools": [],
+               "error": null, "incomplete_details": incomplete,
+               "instructions": self.instructions, "max_output_tokens": self.max_tokens,
+               "metadata": {}, "parallel_tool_calls": false,
+               "temperature": shown_f32(self.temperature), "top_p": shown_f32(self.top_p), "tool_choice": "none", "tools": [],
                "text": {"format": {"type": "text"}}, "truncation": "disabled",
                "store": false, "background": false, "previous_response_id": null,
                "reasoning": {"effort": null, "summary": null}})
@@ -1104,12 +1135,25 @@ impl Shaper {
         out
     }
 
-    /// An error after the stream started: an error event, then `[DONE]`.
+    /// An error after the stream started: an error event, then `[DONE]`;
+    /// for the Responses API, `response.failed` with the error in the
+    /// response.
     fn error(&self, e: &ApiError) -> Vec<u8> {
+        if self.ep == Endpoint::Responses {
+            let mut r = self.response_obj("failed", vec![], None);
+            r["error"] = json!({"code": e.code.unwrap_or(e.kind), "message": e.message});
+            return self.event("response.failed", json!({"response": r}));
+        }
         let mut out = sse(&e.body());
         out.extend_from_slice(SSE_DONE);
         out
     }
+}
+
+/// An f32 as JSON shows the decimal the client sent (0.7, not
+/// 0.699999988079071): its shortest round-trip text, read as f64.
+fn shown_f32(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 /// A finished response's status: `incomplete` when it ran out of
@@ -1152,17 +1196,19 @@ fn choice_events(handles: Vec<RequestHandle>) -> ChoiceEvents {
     }))
 }
 
-/// The request's end from its choices' ends: the prompt counted once (as
-/// OpenAI's usage does), completions summed, pages summed, the longest
-/// queue wait; cached tokens and finish reason of the first choice.
-fn combined(dones: &[DoneEvent]) -> DoneEvent {
+/// The request's end from its sequences' ends (`n` choices of each
+/// prompt): each prompt counted once (as OpenAI's usage does), with its
+/// first choice's cached tokens; completions summed, pages summed, the
+/// longest queue wait; the finish reason of the first choice.
+fn combined(dones: &[DoneEvent], n: usize) -> DoneEvent {
     let first = &dones[0];
+    let firsts = || dones.iter().step_by(n.max(1));
     DoneEvent {
         finish: first.finish,
         usage: request::Usage {
-            prompt_tokens: first.usage.prompt_tokens,
+            prompt_tokens: firsts().map(|d| d.usage.prompt_tokens).sum(),
             completion_tokens: dones.iter().map(|d| d.usage.completion_tokens).sum(),
-            cached_tokens: first.usage.cached_tokens,
+            cached_tokens: firsts().map(|d| d.usage.cached_tokens).sum(),
         },
         tail_text: String::new(),
         queue_ms: dones.iter().map(|d| d.queue_ms).fold(0.0, f64::max),
@@ -1177,9 +1223,9 @@ fn combined(dones: &[DoneEvent]) -> DoneEvent {
 async fn full_response(sh: Shaper, adm: Admitted, mut tr: Tracker) -> Response {
     let Admitted {
         handles,
+        params,
         permits: _permits,
         inflight: _inflight,
-        ..
     } = adm;
     let n = handles.len();
     let mut texts = vec![String::new(); n];
@@ -1214,7 +1260,7 @@ async fn full_response(sh: Shaper, adm: Admitted, mut tr: Tracker) -> Response {
         tr.failed(&e);
         return e.into_response();
     };
-    let all = combined(&dones);
+    let all = combined(&dones, params.n);
     tr.finished(&all);
     for (text, d) in texts.iter_mut().zip(&dones) {
         text.push_str(&d.tail_text);
@@ -1305,6 +1351,8 @@ struct Streaming {
     phase: Phase,
     /// Characters sent so far per choice (completions' `text_offset`).
     offsets: Vec<usize>,
+    /// Choices per prompt.
+    n: usize,
     /// Text so far per choice, and the tokens (with log-probabilities,
     /// when asked for): the Responses API repeats them at the end.
     texts: Vec<String>,
@@ -1350,7 +1398,7 @@ impl Streaming {
                     if self.dones.iter().all(Option::is_some) {
                         self.phase = Phase::End;
                         let dones: Vec<DoneEvent> = self.dones.iter().flatten().cloned().collect();
-                        let all = combined(&dones);
+                        let all = combined(&dones, self.n);
                         self.tr.finished(&all);
                         out.extend(self.sh.end(&all, &self.texts[0], &self.tokens[0]));
                     }
@@ -1383,6 +1431,7 @@ fn stream_response(sh: Shaper, adm: Admitted, tr: Tracker) -> Response {
         tr,
         phase: Phase::Start,
         offsets: vec![0; n],
+        n: adm.params.n,
         texts: vec![String::new(); n],
         tokens: vec![Vec::new(); n],
         dones: vec![None; n],

@@ -545,15 +545,32 @@ impl Tenants {
         tokens: u64,
         now: Instant,
     ) -> Result<TenantPermit, LimitError> {
+        let mut p = self.admit_all(tenant, &[tokens], now)?;
+        Ok(p.pop().expect("one permit for one request"))
+    }
+
+    /// Admits the sequences of one request (`n` choices, a batch of
+    /// prompts), `tokens[i]` each, all or none, under one lock: the limits
+    /// see their sum, so a request that could never fit is told so (not
+    /// 429 forever), and two requests cannot each take half the slots and
+    /// both fail. One permit per sequence, each charged its own tokens.
+    pub fn admit_all(
+        &self,
+        tenant: &Arc<Tenant>,
+        tokens_each: &[u64],
+        now: Instant,
+    ) -> Result<Vec<TenantPermit>, LimitError> {
         let sec = self.second(now);
+        let k = tokens_each.len();
+        let tokens: u64 = tokens_each.iter().fold(0u64, |a, &t| a.saturating_add(t));
         let mut u = tenant.lock();
-        if u.running >= tenant.max_concurrent {
+        if u.running.saturating_add(k) > tenant.max_concurrent {
             return Err(LimitError::Concurrency {
                 tenant: tenant.name.clone(),
                 limit: tenant.max_concurrent,
             });
         }
-        let mut charged = None;
+        let mut charged = false;
         if let Some(limit) = tenant.max_tokens_per_minute {
             if tokens > limit {
                 return Err(LimitError::RequestTooLarge {
@@ -595,14 +612,17 @@ impl Tenants {
                 _ => u.window.push_back((sec, tokens)),
             }
             u.window_sum += tokens;
-            charged = Some((sec, tokens));
+            charged = true;
         }
-        u.running += 1;
+        u.running += k;
         drop(u);
-        Ok(TenantPermit {
-            tenant: tenant.clone(),
-            charged,
-        })
+        Ok(tokens_each
+            .iter()
+            .map(|&t| TenantPermit {
+                tenant: tenant.clone(),
+                charged: charged.then_some((sec, t)),
+            })
+            .collect())
     }
 }
 
@@ -774,6 +794,39 @@ mod tests {
         drop(p1);
         assert_eq!(a.running(), 1);
         assert!(t.admit(&a, 1, now).is_ok());
+    }
+
+    /// A request's sequences (`n` choices) are admitted all or none: their
+    /// sum meets the limits, and a refusal takes nothing.
+    #[test]
+    fn a_requests_sequences_are_admitted_all_or_none() {
+        let t = two();
+        let a = t.authenticate(Some(b"Bearer key-a")).expect("a");
+        let t0 = t.epoch;
+        // Three sequences against max_concurrent 2: refused, nothing held.
+        let e = t.admit_all(&a, &[1, 1, 1], t0).unwrap_err();
+        assert!(matches!(e, LimitError::Concurrency { limit: 2, .. }));
+        assert_eq!(a.running(), 0);
+        // 2 × 60 tokens against 100 a minute: can never fit, though each
+        // alone would (not a 429 to retry forever).
+        let e = t.admit_all(&a, &[60, 60], t0).unwrap_err();
+        assert!(
+            matches!(e, LimitError::RequestTooLarge { need: 120, .. }),
+            "{e:?}"
+        );
+        assert_eq!(a.running(), 0);
+        let mut ps = t.admit_all(&a, &[30, 40], t0).expect("70 of 100");
+        assert_eq!((ps.len(), a.running()), (2, 2));
+        // Each permit refunds its own share: 40 back, 30 stay charged.
+        ps[1].refund();
+        drop(ps);
+        assert_eq!(a.running(), 0);
+        let e = t.admit(&a, 71, t0).unwrap_err();
+        assert!(
+            matches!(e, LimitError::TokensPerMinute { used: 30, .. }),
+            "{e:?}"
+        );
+        assert!(t.admit(&a, 70, t0).is_ok(), "the refusals charged nothing");
     }
 
     #[test]
