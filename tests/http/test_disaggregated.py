@@ -339,7 +339,28 @@ def test_kill9_decode_mid_stream_and_mid_transfer(pd_set, tmp_root):
     ok = chat(gw, PROMPTS[0])
     assert ok.status_code == 200, ok.text
     assert "Paris" in ok.json()["choices"][0]["message"]["content"]
-    pool_free(d3)
+    # The Responses API's stream ends a lost decode with `response.failed`
+    # carrying the error (not a chat-style error chunk).
+    body = {"model": MODEL, "temperature": 0, "max_output_tokens": 1000, "ignore_eos": True,
+            "input": "Count from one to one thousand.", "stream": True}
+    st = Stream(gw, "/v1/responses", body, timeout=120)
+    assert st.status == 200
+    events = st.json_events()
+    got = [next(events) for _ in range(6)]
+    assert got[-1]["type"] == "response.output_text.delta", got
+    d3.kill()
+    rest = list(events)
+    assert rest[-1]["type"] == "response.failed", rest[-3:]
+    failed = rest[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "decode_lost", failed
+    assert [e["sequence_number"] for e in got + rest] == list(range(len(got) + len(rest)))
+    pool_free(p)
+    d4 = Node("decode", tmp_root, "decode-0", port=d.port)
+    pd_set["decode"] = d4
+    wait_until(lambda: healthy(gw), what="gateway to pair again")
+    ok = chat(gw, PROMPTS[0])
+    assert ok.status_code == 200, ok.text
+    pool_free(d4)
     pool_free(p)
 
 
