@@ -104,6 +104,11 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, server):
     # Each prompt counted once; every choice's completion.
     assert batch.usage.prompt_tokens == alone_prompt_tokens
     assert batch.usage.completion_tokens == alone_completion_tokens
+    # One request-log line for the whole batch, with its sums.
+    [rec] = [r for r in server.log_records() if r["id"] == batch.id]
+    assert (rec["sequences"], rec["outcome"]) == (6, "finished"), rec
+    assert rec["prompt_tokens"] == alone_prompt_tokens
+    assert rec["output_tokens"] == alone_completion_tokens
     # Streamed: the same text per index.
     stream = client.completions.create(model=MODEL, prompt=[prompts[0], ids, prompts[2]],
                                        max_tokens=8, temperature=0.8, seed=5, n=2, stream=True)

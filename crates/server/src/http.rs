@@ -703,6 +703,7 @@ async fn admit(
         .map(|k| (reqs[k / n].prompt.len() + reqs[k / n].max_tokens) as u64)
         .collect();
     let mut permits = st.tenants.admit_all(&tenant, &needs, Instant::now())?;
+    tr.rec.sequences = sequences;
     let mut handles = Vec::with_capacity(sequences);
     for k in 0..sequences {
         let (req, i) = (&reqs[k / n], k % n);

@@ -19,6 +19,9 @@ pub struct LogRecord {
     /// The tenant's name (`null` when the request was refused before
     /// authentication succeeded).
     pub tenant: Option<String>,
+    /// Engine sequences the request ran: its prompts × `n` (0 when it was
+    /// refused before admission). Token counts and pages are their sums.
+    pub sequences: usize,
     pub prompt_tokens: usize,
     /// Prompt tokens served from the prefix cache (K11).
     pub cached_tokens: usize,
