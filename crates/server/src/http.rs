@@ -1101,37 +1101,34 @@ impl Shaper {
     /// `[DONE]`; for the Responses API, `response.completed` (or
     /// `.incomplete`) with the whole response.
     fn end(&self, all: &DoneEvent, text: &str, logprobs: &[TokenEvent]) -> Vec<u8> {
-        if self.ep == Endpoint::Responses {
-            let status = response_status(all);
-            let item = self.message_item(all, text, logprobs);
-            return self.event(
-                &format!("response.{status}"),
-                json!({"response": self.response_obj(status, vec![item], Some(all))}),
-            );
-        }
-        let usage = &all.usage;
-        let mut out = Vec::new();
-        if self.include_usage {
-            let usage = Some(Some(Usage::of(usage)));
-            out.extend(match self.ep {
-                Endpoint::Chat | Endpoint::Responses => sse(&ChatChunk {
-                    id: self.id.clone(),
-                    object: "chat.completion.chunk".into(),
-                    created: self.created,
-                    model: self.model(),
-                    choices: Vec::new(),
-                    usage,
-                }),
-                Endpoint::Completions => sse(&Completion {
-                    id: self.id.clone(),
-                    object: "text_completion".into(),
-                    created: self.created,
-                    model: self.model(),
-                    choices: Vec::new(),
-                    usage,
-                }),
-            });
-        }
+        let usage = Some(Some(Usage::of(&all.usage)));
+        let mut out = match self.ep {
+            Endpoint::Responses => {
+                let status = response_status(all);
+                let item = self.message_item(all, text, logprobs);
+                return self.event(
+                    &format!("response.{status}"),
+                    json!({"response": self.response_obj(status, vec![item], Some(all))}),
+                );
+            }
+            _ if !self.include_usage => Vec::new(),
+            Endpoint::Chat => sse(&ChatChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk".into(),
+                created: self.created,
+                model: self.model(),
+                choices: Vec::new(),
+                usage,
+            }),
+            Endpoint::Completions => sse(&Completion {
+                id: self.id.clone(),
+                object: "text_completion".into(),
+                created: self.created,
+                model: self.model(),
+                choices: Vec::new(),
+                usage,
+            }),
+        };
         out.extend_from_slice(SSE_DONE);
         out
     }
