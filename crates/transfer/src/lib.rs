@@ -13,7 +13,7 @@
 //! * [`fair`] — which waiting request a node gives free pages to next:
 //!   fewest pages held per tenant weight first (K13).
 //!
-//! The lifecycle (`../shared/DESIGN.md`): the gateway reserves pages on
+//! The lifecycle (`docs/design.md` at the repository root): the gateway reserves pages on
 //! decode (decode checks its own limit), then asks prefill to compute into
 //! them (prefill checks its own limit); a refusal anywhere ends the request
 //! everywhere with that node's original error (K9). Prefill sends pages in
