@@ -30,11 +30,13 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
 use request::console::{NodeView, PageState, TransferView, GRID_CELLS_MAX};
 use serde::Serialize;
 
 use crate::error::ApiError;
-use crate::AppState;
+use crate::state::{unix_now, AppState};
 
 const PAGE_HTML: &str = include_str!("../console/index.html");
 const PAGE_JS: &str = include_str!("../console/console.js");
@@ -95,7 +97,7 @@ fn check_operator(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
                     "the console is the operator's: a tenant's key does not open it",
                 ))
             } else {
-                Err(ApiError::unauthorized(why))
+                Err(ApiError::from(why))
             }
         }
     }
@@ -138,6 +140,18 @@ fn secure(h: &mut HeaderMap) {
         HeaderValue::from_static("no-referrer"),
     );
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+}
+
+/// The console's routes: the page, its script and style, and the snapshot
+/// it polls — on the API port and the operations listener alike, the
+/// operator's key on both.
+pub(crate) fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/console", get(page))
+        .route("/console/", get(page))
+        .route("/console/console.js", get(script))
+        .route("/console/console.css", get(style))
+        .route("/console/snapshot", get(snapshot_route))
 }
 
 pub(crate) async fn page(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -587,9 +601,9 @@ pub(crate) fn build(st: &AppState, nodes: Vec<NodeView>) -> Snapshot {
         })
         .collect();
     Snapshot {
-        t_ms: crate::unix_now() * 1000,
+        t_ms: unix_now() * 1000,
         model: st.cfg.model_id.clone(),
-        uptime_s: crate::unix_now().saturating_sub(st.started),
+        uptime_s: unix_now().saturating_sub(st.started),
         mode: if st.engine.kv_capacity_tokens().is_some() {
             "unified"
         } else {

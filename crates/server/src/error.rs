@@ -196,18 +196,9 @@ impl ApiError {
         .param(param)
     }
 
-    /// 401: wrong or missing API key.
-    pub fn unauthorized(why: crate::tenants::AuthError) -> ApiError {
-        use crate::tenants::{AuthError, API_KEY_BYTES_MAX};
-        let message = match why {
-            AuthError::Missing => "You didn't provide an API key. You need to provide your API key \
-                 in an Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
-                .to_string(),
-            AuthError::TooLong => format!(
-                "The API key provided is longer than {API_KEY_BYTES_MAX} bytes, the most accepted."
-            ),
-            AuthError::Wrong => "Incorrect API key provided.".to_string(),
-        };
+    /// 401: wrong or missing API key (the message per cause is
+    /// `tenants`' `From<AuthError>`).
+    pub fn unauthorized(message: String) -> ApiError {
         ApiError::new(
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
@@ -582,7 +573,11 @@ pub enum ServerError {
         source: std::io::Error,
     },
     #[error("invalid tenants file {path}: {why}")]
-    TenantsInvalid { path: String, why: String },
+    TenantsInvalid {
+        path: String,
+        #[source]
+        why: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("cannot open the request log {path}: {source}")]
     RequestLog {
         path: String,

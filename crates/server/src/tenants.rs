@@ -48,6 +48,36 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{ApiError, ServerError};
 
+/// Why a tenants file (or its specs) is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TenantsError {
+    #[error("no [[tenant]] entries")]
+    NoTenants,
+    #[error("more than {TENANTS_MAX} tenants")]
+    TooMany,
+    #[error("tenant #{index}: name must be 1 to 128 bytes")]
+    BadName { index: usize },
+    #[error("tenant `{tenant}`: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)")]
+    BadKeyHash { tenant: String },
+    #[error("tenant `{tenant}`: {field} must be positive")]
+    NotPositive { tenant: String, field: &'static str },
+    #[error("tenant `{tenant}`: cache_group must be 1 to 128 bytes")]
+    BadCacheGroup { tenant: String },
+    #[error("tenant `{tenant}`: weight must be 1 to {WEIGHT_MAX}")]
+    BadWeight { tenant: String },
+    #[error("tenant name `{tenant}` appears twice")]
+    DuplicateName { tenant: String },
+    #[error("tenant `{tenant}` has the same api_key_sha256 as another tenant")]
+    DuplicateKey { tenant: String },
+    /// The TOML itself (its parser's message).
+    #[error("{0}")]
+    Toml(String),
+    #[error("[operator]: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)")]
+    OperatorKeyHash,
+    #[error("[operator]: api_key_sha256 is also a tenant's key")]
+    OperatorIsTenant,
+}
+
 /// Default concurrency limit of a tenant that does not set one.
 pub const MAX_CONCURRENT_DEFAULT: usize = 64;
 /// Upper bound on tenants in one file.
@@ -187,6 +217,22 @@ impl LimitError {
     }
 }
 
+/// Where the circle between the tenants and the API's errors breaks: the
+/// error module knows nothing of tenants.
+impl From<AuthError> for ApiError {
+    fn from(why: AuthError) -> ApiError {
+        ApiError::unauthorized(match why {
+            AuthError::Missing => "You didn't provide an API key. You need to provide your API key \
+                 in an Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+                .to_string(),
+            AuthError::TooLong => format!(
+                "The API key provided is longer than {API_KEY_BYTES_MAX} bytes, the most accepted."
+            ),
+            AuthError::Wrong => "Incorrect API key provided.".to_string(),
+        })
+    }
+}
+
 impl From<LimitError> for ApiError {
     fn from(e: LimitError) -> ApiError {
         if let LimitError::RequestTooLarge { .. } = e {
@@ -301,59 +347,48 @@ impl Tenants {
 
     /// Tenants from specs (validated: names and hashes unique and well
     /// formed, limits positive).
-    pub fn from_specs(specs: Vec<TenantSpec>) -> Result<Tenants, String> {
+    pub fn from_specs(specs: Vec<TenantSpec>) -> Result<Tenants, TenantsError> {
         if specs.is_empty() {
-            return Err("no [[tenant]] entries".into());
+            return Err(TenantsError::NoTenants);
         }
         if specs.len() > TENANTS_MAX {
-            return Err(format!("more than {TENANTS_MAX} tenants"));
+            return Err(TenantsError::TooMany);
         }
         let mut list: Vec<Arc<Tenant>> = Vec::with_capacity(specs.len());
         for (i, s) in specs.into_iter().enumerate() {
             if s.name.is_empty() || s.name.len() > 128 {
-                return Err(format!("tenant #{}: name must be 1 to 128 bytes", i + 1));
+                return Err(TenantsError::BadName { index: i + 1 });
             }
-            let key_hash = parse_hex32(&s.api_key_sha256).ok_or_else(|| {
-                format!(
-                    "tenant `{}`: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)",
-                    s.name
-                )
-            })?;
+            let key_hash =
+                parse_hex32(&s.api_key_sha256).ok_or_else(|| TenantsError::BadKeyHash {
+                    tenant: s.name.clone(),
+                })?;
             if s.max_concurrent == Some(0) {
-                return Err(format!(
-                    "tenant `{}`: max_concurrent must be positive",
-                    s.name
-                ));
+                return Err(TenantsError::NotPositive {
+                    tenant: s.name,
+                    field: "max_concurrent",
+                });
             }
             if s.max_tokens_per_minute == Some(0) {
-                return Err(format!(
-                    "tenant `{}`: max_tokens_per_minute must be positive",
-                    s.name
-                ));
+                return Err(TenantsError::NotPositive {
+                    tenant: s.name,
+                    field: "max_tokens_per_minute",
+                });
             }
             if let Some(g) = &s.cache_group {
                 if g.is_empty() || g.len() > 128 {
-                    return Err(format!(
-                        "tenant `{}`: cache_group must be 1 to 128 bytes",
-                        s.name
-                    ));
+                    return Err(TenantsError::BadCacheGroup { tenant: s.name });
                 }
             }
             let weight = s.weight.unwrap_or(1);
             if !(1..=WEIGHT_MAX).contains(&weight) {
-                return Err(format!(
-                    "tenant `{}`: weight must be 1 to {WEIGHT_MAX}",
-                    s.name
-                ));
+                return Err(TenantsError::BadWeight { tenant: s.name });
             }
             if list.iter().any(|t| t.name == s.name) {
-                return Err(format!("tenant name `{}` appears twice", s.name));
+                return Err(TenantsError::DuplicateName { tenant: s.name });
             }
             if list.iter().any(|t| t.key_hash == key_hash) {
-                return Err(format!(
-                    "tenant `{}` has the same api_key_sha256 as another tenant",
-                    s.name
-                ));
+                return Err(TenantsError::DuplicateKey { tenant: s.name });
             }
             list.push(Arc::new(Tenant {
                 id: request::TenantId(i as u64 + 1),
@@ -416,8 +451,8 @@ impl Tenants {
     }
 
     /// Parses the TOML text of a tenants file.
-    pub fn from_toml(text: &str) -> Result<Tenants, String> {
-        let f: TenantsFile = toml::from_str(text).map_err(|e| e.to_string())?;
+    pub fn from_toml(text: &str) -> Result<Tenants, TenantsError> {
+        let f: TenantsFile = toml::from_str(text).map_err(|e| TenantsError::Toml(e.to_string()))?;
         let mut t = Tenants::from_specs(f.tenant)?;
         if let Some(op) = f.operator {
             t.set_operator(&op.api_key_sha256)?;
@@ -433,7 +468,7 @@ impl Tenants {
         })?;
         Tenants::from_toml(&text).map_err(|why| ServerError::TenantsInvalid {
             path: path.display().to_string(),
-            why,
+            why: Box::new(why),
         })
     }
 
@@ -504,12 +539,10 @@ impl Tenants {
     }
 
     /// Sets the operator's key (its SHA-256, hex), which reads `/metrics`.
-    pub fn set_operator(&mut self, api_key_sha256: &str) -> Result<(), String> {
-        let h = parse_hex32(api_key_sha256).ok_or_else(|| {
-            "[operator]: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)".to_string()
-        })?;
+    pub fn set_operator(&mut self, api_key_sha256: &str) -> Result<(), TenantsError> {
+        let h = parse_hex32(api_key_sha256).ok_or(TenantsError::OperatorKeyHash)?;
         if self.list.iter().any(|t| t.key_hash == h) {
-            return Err("[operator]: api_key_sha256 is also a tenant's key".into());
+            return Err(TenantsError::OperatorIsTenant);
         }
         self.operator_key_hash = Some(h);
         Ok(())
@@ -691,176 +724,4 @@ pub fn key_sha256_hex(key: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn two() -> Tenants {
-        let text = format!(
-            "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{}\"\nmax_concurrent = 2\nmax_tokens_per_minute = 100\n\n\
-             [[tenant]]\nname = \"b\"\napi_key_sha256 = \"{}\"\n",
-            key_sha256_hex("key-a"),
-            key_sha256_hex("key-b").to_uppercase()
-        );
-        Tenants::from_toml(&text).expect("valid file")
-    }
-
-    #[test]
-    fn ct_eq_matches_plain_equality() {
-        let a = sha256(b"x");
-        let mut b = a;
-        assert_eq!(ct_eq(&a, &b), 1);
-        for i in 0..32 {
-            for bit in 0..8 {
-                b = a;
-                b[i] ^= 1 << bit;
-                assert_eq!(ct_eq(&a, &b), 0, "byte {i} bit {bit}");
-            }
-        }
-        assert_eq!(ct_eq(&[0; 32], &[0xff; 32]), 0);
-    }
-
-    #[test]
-    fn sha256_of_known_input() {
-        // SHA-256("test"), the example in the module docs.
-        assert_eq!(
-            key_sha256_hex("test"),
-            "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
-        );
-    }
-
-    #[test]
-    fn keys_map_to_their_tenants_and_ids() {
-        let t = two();
-        let a = t.authenticate(Some(b"Bearer key-a")).expect("a");
-        assert_eq!((a.name.as_str(), a.id), ("a", request::TenantId(1)));
-        // Upper-case hex in the file and a lower-case scheme both work.
-        let b = t.authenticate(Some(b"bearer  key-b ")).expect("b");
-        assert_eq!((b.name.as_str(), b.id), ("b", request::TenantId(2)));
-        assert_eq!(b.max_concurrent, MAX_CONCURRENT_DEFAULT);
-    }
-
-    #[test]
-    fn wrong_or_missing_keys_are_refused() {
-        let t = two();
-        let e = |h: Option<&[u8]>| t.authenticate(h).err();
-        assert_eq!(e(Some(b"Bearer key-c")), Some(AuthError::Wrong));
-        assert_eq!(e(Some(b"Bearer ")), Some(AuthError::Missing));
-        assert_eq!(e(Some(b"Basic a2V5LWE=")), Some(AuthError::Missing));
-        assert_eq!(e(None), Some(AuthError::Missing));
-        let long = [b'x'; API_KEY_BYTES_MAX + 10];
-        let mut v = b"Bearer ".to_vec();
-        v.extend_from_slice(&long);
-        assert_eq!(e(Some(&v)), Some(AuthError::TooLong));
-    }
-
-    #[test]
-    fn anonymous_accepts_anything() {
-        let t = Tenants::anonymous();
-        assert_eq!(t.authenticate(None).expect("ok").id, request::TenantId(0));
-        assert!(t.authenticate(Some(b"Bearer whatever")).is_ok());
-    }
-
-    #[test]
-    fn invalid_files_are_refused_with_a_reason() {
-        assert!(Tenants::from_toml("")
-            .unwrap_err()
-            .contains("no [[tenant]]"));
-        let bad_hex = "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"xyz\"\n";
-        assert!(Tenants::from_toml(bad_hex).unwrap_err().contains("64 hex"));
-        let h = key_sha256_hex("k");
-        let dup = format!(
-            "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{h}\"\n[[tenant]]\nname = \"b\"\napi_key_sha256 = \"{h}\"\n"
-        );
-        assert!(Tenants::from_toml(&dup)
-            .unwrap_err()
-            .contains("same api_key"));
-        let unknown = format!("[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{h}\"\nfoo = 1\n");
-        assert!(Tenants::from_toml(&unknown).unwrap_err().contains("foo"));
-        let zero =
-            format!("[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{h}\"\nmax_concurrent = 0\n");
-        assert!(Tenants::from_toml(&zero).unwrap_err().contains("positive"));
-    }
-
-    #[test]
-    fn concurrency_limit_and_release_on_drop() {
-        let t = two();
-        let a = t.authenticate(Some(b"Bearer key-a")).expect("a");
-        let now = Instant::now();
-        let p1 = t.admit(&a, 1, now).expect("1st");
-        let _p2 = t.admit(&a, 1, now).expect("2nd");
-        let e = t.admit(&a, 1, now).unwrap_err();
-        assert!(matches!(e, LimitError::Concurrency { limit: 2, .. }));
-        assert_eq!(e.retry_after(), 1);
-        drop(p1);
-        assert_eq!(a.running(), 1);
-        assert!(t.admit(&a, 1, now).is_ok());
-    }
-
-    /// A request's sequences (`n` choices) are admitted all or none: their
-    /// sum meets the limits, and a refusal takes nothing.
-    #[test]
-    fn a_requests_sequences_are_admitted_all_or_none() {
-        let t = two();
-        let a = t.authenticate(Some(b"Bearer key-a")).expect("a");
-        let t0 = t.epoch;
-        // Three sequences against max_concurrent 2: refused, nothing held.
-        let e = t.admit_all(&a, &[1, 1, 1], t0).unwrap_err();
-        assert!(matches!(e, LimitError::Concurrency { limit: 2, .. }));
-        assert_eq!(a.running(), 0);
-        // 2 × 60 tokens against 100 a minute: can never fit, though each
-        // alone would (not a 429 to retry forever).
-        let e = t.admit_all(&a, &[60, 60], t0).unwrap_err();
-        assert!(
-            matches!(e, LimitError::RequestTooLarge { need: 120, .. }),
-            "{e:?}"
-        );
-        assert_eq!(a.running(), 0);
-        let mut ps = t.admit_all(&a, &[30, 40], t0).expect("70 of 100");
-        assert_eq!((ps.len(), a.running()), (2, 2));
-        // Each permit refunds its own share: 40 back, 30 stay charged.
-        ps[1].refund();
-        drop(ps);
-        assert_eq!(a.running(), 0);
-        let e = t.admit(&a, 71, t0).unwrap_err();
-        assert!(
-            matches!(e, LimitError::TokensPerMinute { used: 30, .. }),
-            "{e:?}"
-        );
-        assert!(t.admit(&a, 70, t0).is_ok(), "the refusals charged nothing");
-    }
-
-    #[test]
-    fn tokens_per_minute_slide_and_refund() {
-        let t = two();
-        let a = t.authenticate(Some(b"Bearer key-a")).expect("a");
-        let t0 = t.epoch;
-        drop(t.admit(&a, 60, t0).expect("60"));
-        let later = t0 + Duration::from_secs(10);
-        drop(t.admit(&a, 30, later).expect("90"));
-        let e = t.admit(&a, 20, later).unwrap_err();
-        match &e {
-            LimitError::TokensPerMinute {
-                used, retry_after, ..
-            } => {
-                assert_eq!(*used, 90);
-                // The 60 tokens of second 0 expire at second 60.
-                assert_eq!(*retry_after, 50);
-            }
-            other => panic!("{other:?}"),
-        }
-        // After the window slides past second 0, 60 tokens are free again.
-        let slid = t0 + Duration::from_secs(61);
-        let mut p = t.admit(&a, 60, slid).expect("after slide");
-        p.refund();
-        drop(p);
-        assert!(t.admit(&a, 70, slid).is_ok(), "refund gave the tokens back");
-        let big = t.admit(&a, 101, slid).unwrap_err();
-        assert!(matches!(big, LimitError::RequestTooLarge { .. }));
-        // It can never fit: a 400 that says so, not a 429 to retry.
-        let api: ApiError = big.into();
-        assert_eq!(api.status.as_u16(), 400);
-        assert_eq!(api.code, Some("request_exceeds_tokens_per_minute"));
-        assert_eq!(api.retry_after, None);
-        assert!(api.message.contains("never fit"), "{}", api.message);
-    }
-}
+mod tests;

@@ -1,0 +1,396 @@
+//! `POST /v1/responses`: OpenAI's Responses API, stateless. Text or
+//! message items in (with `instructions`); a `response` object out, or its
+//! `response.*` events with sequence numbers.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use request::{DoneEvent, TokenEvent};
+use serde_json::{json, Value};
+
+use super::fields::{parse_common, parse_content, parse_object, type_name, Fields, Variant};
+use super::{
+    sse, Base, Choice, GenParams, Generate, Input, Shaper, TokenLogprob, MESSAGES_MAX,
+    TOP_LOGPROBS_MAX,
+};
+use crate::error::ApiError;
+use crate::state::AppState;
+
+pub(crate) async fn handle(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    crate::http::generate(st, &Responses, headers, body).await
+}
+
+/// The endpoint.
+pub(crate) struct Responses;
+
+impl Generate for Responses {
+    fn name(&self) -> &'static str {
+        "responses"
+    }
+    fn id_prefix(&self) -> &'static str {
+        "resp_"
+    }
+    fn prompt_param(&self) -> &'static str {
+        "input"
+    }
+    fn logprobs_param(&self) -> &'static str {
+        "top_logprobs"
+    }
+    fn parse(&self, body: &[u8]) -> Result<GenParams, ApiError> {
+        parse_responses(body)
+    }
+    fn shaper(&self, base: Base, p: &GenParams) -> Box<dyn Shaper> {
+        Box::new(ResponseShaper {
+            base,
+            logprobs: p.logprobs.is_some(),
+            temperature: p.temperature,
+            top_p: p.top_p,
+            max_tokens: p.max_tokens,
+            instructions: p.instructions.clone(),
+            seq: 0,
+            texts: Vec::new(),
+            tokens: Vec::new(),
+        })
+    }
+}
+
+const VARIANT: Variant = Variant {
+    max_tokens: |f| f.int_in("max_output_tokens", 1, request::MAX_TOKENS_MAX as i64),
+    logprobs,
+};
+
+/// Log-probabilities come with the output text when `include` names
+/// them; `top_logprobs` alternatives each.
+fn logprobs(f: &Fields<'_>) -> Result<Option<usize>, ApiError> {
+    let top = f.int_in("top_logprobs", 0, TOP_LOGPROBS_MAX as i64)?;
+    let on = match f.get("include") {
+        None => false,
+        Some(Value::Array(a)) => {
+            let mut on = false;
+            for (i, v) in a.iter().enumerate() {
+                match v.as_str() {
+                    Some("message.output_text.logprobs") => on = true,
+                    Some(other) => {
+                        return Err(ApiError::unsupported(
+                            &format!("include[{i}]"),
+                            &format!(
+                                "`{other}` is not supported (only \
+                                 `message.output_text.logprobs`)"
+                            ),
+                        ))
+                    }
+                    None => {
+                        return Err(ApiError::invalid_type(format!("include[{i}]"), "a string"))
+                    }
+                }
+            }
+            on
+        }
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "include",
+                &format!("an array, got {}", type_name(v)),
+            ))
+        }
+    };
+    Ok(on.then_some(top.unwrap_or(0) as usize))
+}
+
+/// Parses and validates a `/v1/responses` body: `input` (a string, or
+/// messages as `{role, content}` items whose content is a string or
+/// `input_text`/`output_text` parts), `instructions` (a system message
+/// first), `max_output_tokens`, the sampling fields, `stream`. Nothing is
+/// stored, so what needs a stored response or a tool is refused:
+/// `previous_response_id`, `conversation`, `background`, tools, and a
+/// `text.format` other than `text`.
+pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
+    let obj = parse_object(body)?;
+    let f = Fields(&obj);
+    for field in ["previous_response_id", "conversation"] {
+        if f.get(field).is_some() {
+            return Err(ApiError::unsupported(
+                field,
+                "this server stores no responses or conversations: send the whole \
+                 conversation in `input`",
+            ));
+        }
+    }
+    if f.bool("background")?.unwrap_or(false) {
+        return Err(ApiError::unsupported(
+            "background",
+            "background responses are not supported",
+        ));
+    }
+    if f.get("n").is_some() {
+        return Err(ApiError::unsupported(
+            "n",
+            "the Responses API has one output; ask /v1/chat/completions for `n` choices",
+        ));
+    }
+    match f.get("text") {
+        None => {}
+        Some(Value::Object(t)) => match t.get("format").filter(|v| !v.is_null()) {
+            None => {}
+            Some(Value::Object(fm)) if fm.get("type").and_then(Value::as_str) == Some("text") => {}
+            Some(_) => {
+                return Err(ApiError::unsupported(
+                    "text.format",
+                    "only `{\"type\": \"text\"}`: this server does not constrain output",
+                ))
+            }
+        },
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "text",
+                &format!("an object, got {}", type_name(v)),
+            ))
+        }
+    }
+    let mut msgs = Vec::new();
+    let instructions = f.string("instructions")?.map(str::to_string);
+    if let Some(s) = &instructions {
+        msgs.push(("system".to_string(), s.clone()));
+    }
+    match f.get("input") {
+        None => return Err(ApiError::missing("input")),
+        Some(Value::String(s)) => msgs.push(("user".to_string(), s.clone())),
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return Err(ApiError::invalid_value("input", "the input is empty"));
+            }
+            if items.len() > MESSAGES_MAX {
+                return Err(ApiError::invalid_value(
+                    "input",
+                    format!("at most {MESSAGES_MAX} items"),
+                ));
+            }
+            for (i, item) in items.iter().enumerate() {
+                let at = format!("input[{i}]");
+                let Value::Object(m) = item else {
+                    return Err(ApiError::invalid_type(
+                        at,
+                        &format!("an object, got {}", type_name(item)),
+                    ));
+                };
+                let mf = Fields(m);
+                match mf
+                    .string("type")
+                    .map_err(|_| ApiError::invalid_type(format!("{at}.type"), "a string"))?
+                {
+                    None | Some("message") => {}
+                    Some(ty) => {
+                        return Err(ApiError::unsupported(
+                            &format!("{at}.type"),
+                            &format!(
+                                "input items of type `{ty}` are not supported (only messages)"
+                            ),
+                        ))
+                    }
+                }
+                let role = mf
+                    .string("role")
+                    .map_err(|_| ApiError::invalid_type(format!("{at}.role"), "a string"))?
+                    .ok_or_else(|| ApiError::missing(&format!("{at}.role")))?;
+                let role = match role {
+                    "user" | "assistant" | "system" => role,
+                    "developer" => "system",
+                    other => {
+                        return Err(ApiError::invalid_value(
+                            format!("{at}.role"),
+                            format!("`{other}` is not one of user, assistant, system, developer"),
+                        ))
+                    }
+                };
+                let content = parse_content(mf.get("content"), &format!("{at}.content"))?;
+                msgs.push((role.to_string(), content));
+            }
+        }
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "input",
+                &format!("a string or an array of messages, got {}", type_name(v)),
+            ))
+        }
+    }
+    let mut p = parse_common(&VARIANT, Input::Chat(msgs), &f)?;
+    p.instructions = instructions;
+    Ok(p)
+}
+
+// ---- shaping -----------------------------------------------------------------
+
+struct ResponseShaper {
+    base: Base,
+    logprobs: bool,
+    /// What a response echoes of its request.
+    temperature: f32,
+    top_p: f32,
+    max_tokens: Option<usize>,
+    instructions: Option<String>,
+    /// The `sequence_number` of the next stream event.
+    seq: u64,
+    /// Text so far per choice, and its tokens (with log-probabilities,
+    /// when asked for): the end repeats them.
+    texts: Vec<String>,
+    tokens: Vec<Vec<TokenEvent>>,
+}
+
+/// An f32 as JSON shows the decimal the client sent (0.7, not
+/// 0.699999988079071): its shortest round-trip text, read as f64.
+fn shown_f32(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}
+
+/// A finished response's status: `incomplete` when it ran out of
+/// `max_output_tokens`.
+fn response_status(d: &DoneEvent) -> &'static str {
+    match d.finish {
+        request::FinishReason::Length => "incomplete",
+        request::FinishReason::Stop => "completed",
+    }
+}
+
+impl ResponseShaper {
+    /// The output message's id: the response's, renamed.
+    fn message_id(&self) -> String {
+        format!("msg_{}", self.base.id.trim_start_matches("resp_"))
+    }
+
+    /// One stream event: `event:` names it, `data:` carries it with its
+    /// `type` and `sequence_number`.
+    fn event(&mut self, ty: &str, mut v: Value) -> Vec<u8> {
+        v["type"] = Value::from(ty);
+        v["sequence_number"] = Value::from(self.seq);
+        self.seq += 1;
+        let mut out = format!("event: {ty}\n").into_bytes();
+        out.extend(sse(&v));
+        out
+    }
+
+    /// The output message of a finished choice.
+    fn message_item(&self, d: &DoneEvent, text: &str, logprobs: &[TokenEvent]) -> Value {
+        let lp: Vec<TokenLogprob> = if self.logprobs {
+            logprobs.iter().map(|t| self.base.chat_logprob(t)).collect()
+        } else {
+            Vec::new()
+        };
+        json!({"type": "message", "id": self.message_id(), "status": response_status(d),
+               "role": "assistant",
+               "content": [{"type": "output_text", "text": text, "annotations": [],
+                            "logprobs": lp}]})
+    }
+
+    /// The response object: `in_progress` with no output yet, or the end
+    /// with its output and usage.
+    fn response_obj(&self, status: &str, output: Vec<Value>, done: Option<&DoneEvent>) -> Value {
+        let usage = done.map(|d| {
+            let u = &d.usage;
+            json!({"input_tokens": u.prompt_tokens,
+                   "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                   "output_tokens": u.completion_tokens,
+                   "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": u.prompt_tokens + u.completion_tokens})
+        });
+        let incomplete = (status == "incomplete").then(|| json!({"reason": "max_output_tokens"}));
+        json!({"id": self.base.id, "object": "response", "created_at": self.base.created,
+               "status": status, "model": self.base.model(), "output": output, "usage": usage,
+               "error": null, "incomplete_details": incomplete,
+               "instructions": self.instructions, "max_output_tokens": self.max_tokens,
+               "metadata": {}, "parallel_tool_calls": false,
+               "temperature": shown_f32(self.temperature), "top_p": shown_f32(self.top_p),
+               "tool_choice": "none", "tools": [],
+               "text": {"format": {"type": "text"}}, "truncation": "disabled",
+               "store": false, "background": false, "previous_response_id": null,
+               "reasoning": {"effort": null, "summary": null}})
+    }
+}
+
+impl Shaper for ResponseShaper {
+    fn start(&mut self, choices: usize) -> Option<Vec<u8>> {
+        self.texts = vec![String::new(); choices];
+        self.tokens = vec![Vec::new(); choices];
+        let created = json!({"response": self.response_obj("in_progress", vec![], None)});
+        let mut out = self.event("response.created", created.clone());
+        out.extend(self.event("response.in_progress", created));
+        let item = json!({"output_index": 0, "item": {
+            "type": "message", "id": self.message_id(), "status": "in_progress",
+            "role": "assistant", "content": []}});
+        out.extend(self.event("response.output_item.added", item));
+        let part = json!({"item_id": self.message_id(), "output_index": 0, "content_index": 0,
+                          "part": {"type": "output_text", "text": "", "annotations": [],
+                                   "logprobs": []}});
+        out.extend(self.event("response.content_part.added", part));
+        Some(out)
+    }
+
+    fn token(&mut self, index: usize, t: TokenEvent) -> Vec<u8> {
+        let lp: Vec<TokenLogprob> = self
+            .logprobs
+            .then(|| self.base.chat_logprob(&t))
+            .into_iter()
+            .collect();
+        let delta = json!({"item_id": self.message_id(), "output_index": 0, "content_index": 0,
+                           "delta": t.text, "logprobs": lp});
+        let out = self.event("response.output_text.delta", delta);
+        self.texts[index].push_str(&t.text);
+        if self.logprobs {
+            self.tokens[index].push(t);
+        }
+        out
+    }
+
+    /// The held-back tail, then the text, part and item done.
+    fn finish_choice(&mut self, index: usize, d: &DoneEvent) -> Vec<u8> {
+        self.texts[index].push_str(&d.tail_text);
+        let mut out = Vec::new();
+        if !d.tail_text.is_empty() {
+            let tail = json!({"item_id": self.message_id(), "output_index": 0,
+                              "content_index": 0, "delta": d.tail_text, "logprobs": []});
+            out.extend(self.event("response.output_text.delta", tail));
+        }
+        let text = &self.texts[index];
+        let item = self.message_item(d, text, &self.tokens[index]);
+        let part = item["content"][0].clone();
+        let text_done = json!({"item_id": self.message_id(), "output_index": 0,
+                               "content_index": 0, "text": text,
+                               "logprobs": part["logprobs"]});
+        let part_done = json!({"item_id": self.message_id(), "output_index": 0,
+                               "content_index": 0, "part": part});
+        out.extend(self.event("response.output_text.done", text_done));
+        out.extend(self.event("response.content_part.done", part_done));
+        out.extend(self.event(
+            "response.output_item.done",
+            json!({"output_index": 0, "item": item}),
+        ));
+        out
+    }
+
+    /// `response.completed` (or `.incomplete`) with the whole response.
+    fn end(&mut self, all: &DoneEvent) -> Vec<u8> {
+        let status = response_status(all);
+        let item = self.message_item(all, &self.texts[0], &self.tokens[0]);
+        let response = json!({"response": self.response_obj(status, vec![item], Some(all))});
+        self.event(&format!("response.{status}"), response)
+    }
+
+    /// `response.failed`, the error in the response.
+    fn error(&mut self, e: &ApiError) -> Vec<u8> {
+        let mut r = self.response_obj("failed", vec![], None);
+        r["error"] = json!({"code": e.code.unwrap_or(e.kind), "message": e.message});
+        self.event("response.failed", json!({"response": r}))
+    }
+
+    fn full(&mut self, choices: Vec<Choice>, all: &DoneEvent) -> Response {
+        let first = &choices[0];
+        let item = self.message_item(&first.done, &first.text, &first.tokens);
+        Json(self.response_obj(response_status(all), vec![item], Some(all))).into_response()
+    }
+}

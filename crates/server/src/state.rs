@@ -1,0 +1,115 @@
+//! The state every handler shares ([`AppState`]), and the in-flight count
+//! that shutdown waits on.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use request::Backend;
+use tokenizer::{ChatTemplate, Tokenizer};
+use tokio::sync::futures::Notified;
+use tokio::sync::Notify;
+
+use crate::config::ServerConfig;
+use crate::metrics::Metrics;
+use crate::reqlog::RequestLog;
+use crate::tenants::Tenants;
+
+/// Shared state of every handler.
+pub(crate) struct AppState {
+    pub engine: Arc<dyn Backend>,
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+    pub tenants: Tenants,
+    pub metrics: Metrics,
+    pub reqlog: Option<RequestLog>,
+    pub cfg: ServerConfig,
+    pub vocab: usize,
+    pub started: u64,
+    pub console: crate::console::ConsoleState,
+    shutting_down: AtomicBool,
+    inflight: AtomicUsize,
+    inflight_changed: Notify,
+}
+
+impl AppState {
+    pub fn new(
+        engine: Arc<dyn Backend>,
+        tokenizer: Tokenizer,
+        template: Option<ChatTemplate>,
+        tenants: Tenants,
+        reqlog: Option<RequestLog>,
+        cfg: ServerConfig,
+    ) -> AppState {
+        let vocab = tokenizer.vocab_size();
+        AppState {
+            engine,
+            tokenizer,
+            template,
+            tenants,
+            metrics: Metrics::new(),
+            reqlog,
+            cfg,
+            vocab,
+            started: unix_now(),
+            console: crate::console::ConsoleState::default(),
+            shutting_down: AtomicBool::new(false),
+            inflight: AtomicUsize::new(0),
+            inflight_changed: Notify::new(),
+        }
+    }
+
+    /// From now on, new requests get 503 and `/health` says so.
+    pub fn begin_shutdown(&self) {
+        let was = self.shutting_down.swap(true, Ordering::SeqCst);
+        // One shutdown per server: the drain runs once.
+        assert!(!was, "shutdown begun twice");
+    }
+
+    /// Resolves when the in-flight count next changes (create it before
+    /// reading the count, so no change is missed).
+    pub fn inflight_changed(&self) -> Notified<'_> {
+        self.inflight_changed.notified()
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::SeqCst)
+    }
+
+    /// The advertised limit now (K8).
+    pub fn max_request(&self) -> usize {
+        self.engine.max_request_tokens()
+    }
+}
+
+/// An admitted request's place in the in-flight count (what shutdown waits
+/// for); released on drop.
+pub(crate) struct InflightGuard(Arc<AppState>);
+
+impl InflightGuard {
+    pub fn new(st: &Arc<AppState>) -> InflightGuard {
+        st.inflight.fetch_add(1, Ordering::SeqCst);
+        InflightGuard(st.clone())
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        let before = self.0.inflight.fetch_sub(1, Ordering::SeqCst);
+        // Each guard added one: the count never goes below zero.
+        assert!(before > 0, "in-flight count underflow");
+        self.0.inflight_changed.notify_waiters();
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
