@@ -23,7 +23,7 @@ pub struct ServerConfig {
     /// Time to receive a request head.
     pub header_timeout: Duration,
     /// Most open connections; beyond it a connection gets 503 (`/health`
-    /// is still answered: [`door`]).
+    /// is still answered: [`door`](crate::door)).
     pub max_connections: usize,
     /// Most open connections from one client address; beyond it 429.
     pub max_connections_per_client: usize,

@@ -16,9 +16,9 @@
 //!   holds a slot that long at most); hyper's header timeout bounds the
 //!   rest of the head and the idle time between keep-alive requests.
 //!
-//! [`ServerConfig::max_connections_per_client`]: crate::ServerConfig::max_connections_per_client
-//! [`ServerConfig::max_connections`]: crate::ServerConfig::max_connections
-//! [`ServerConfig::first_byte_timeout`]: crate::ServerConfig::first_byte_timeout
+//! [`ServerConfig::max_connections_per_client`]: crate::config::ServerConfig::max_connections_per_client
+//! [`ServerConfig::max_connections`]: crate::config::ServerConfig::max_connections
+//! [`ServerConfig::first_byte_timeout`]: crate::config::ServerConfig::first_byte_timeout
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -129,7 +129,7 @@ pub(crate) enum Head {
     /// Well formed (as far as the door checks): hyper takes it from here.
     Fine,
     /// Malformed: answer this error and close.
-    Refuse(crate::ApiError),
+    Refuse(crate::error::ApiError),
     /// The connection ended or stalled before a whole head arrived.
     Gone,
 }
@@ -145,7 +145,7 @@ pub(crate) async fn first_head(
     max_headers: usize,
     timeout: Duration,
 ) -> Head {
-    use crate::ApiError;
+    use crate::error::ApiError;
     let deadline = tokio::time::Instant::now() + timeout;
     let mut buf = vec![0u8; limit + 1];
     let mut seen = 0;
@@ -187,7 +187,7 @@ pub(crate) async fn first_head(
 }
 
 fn check_lengths(headers: &[httparse::Header<'_>]) -> Head {
-    use crate::ApiError;
+    use crate::error::ApiError;
     let mut length: Option<u64> = None;
     for h in headers
         .iter()
@@ -216,7 +216,7 @@ fn check_lengths(headers: &[httparse::Header<'_>]) -> Head {
 
 /// Writes `e` as a whole HTTP/1.1 response (OpenAI's JSON error, then
 /// `Connection: close`) and closes the connection; bounded by a second.
-pub(crate) async fn answer_and_close(mut tcp: tokio::net::TcpStream, e: &crate::ApiError) {
+pub(crate) async fn answer_and_close(mut tcp: tokio::net::TcpStream, e: &crate::error::ApiError) {
     use tokio::io::AsyncWriteExt;
     let body = serde_json::to_vec(&e.body()).unwrap_or_default();
     let head = format!(
@@ -286,8 +286,8 @@ impl<S> JsonErrors<S> {
 
 /// The error hyper's bare response at the start of `buf` stands for, if
 /// `buf` is exactly such a response.
-fn bare_error(buf: &[u8], header_limit: usize) -> Option<crate::ApiError> {
-    use crate::ApiError;
+fn bare_error(buf: &[u8], header_limit: usize) -> Option<crate::error::ApiError> {
+    use crate::error::ApiError;
     let rest = buf.strip_prefix(b"HTTP/1.1 ")?;
     let end = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
     if end != buf.len() {
@@ -309,7 +309,7 @@ fn bare_error(buf: &[u8], header_limit: usize) -> Option<crate::ApiError> {
 }
 
 /// `e` as a whole HTTP/1.1 response that closes the connection.
-fn response_bytes(e: &crate::ApiError) -> Vec<u8> {
+fn response_bytes(e: &crate::error::ApiError) -> Vec<u8> {
     let body = serde_json::to_vec(&e.body()).unwrap_or_default();
     let mut out = format!(
         "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",

@@ -28,7 +28,7 @@
 //!   dropped, and the engine frees the request's pages at its next step.
 //! * **Limits.** Body size, body read time, header size and count, header
 //!   read time, connections, stop strings, `top_logprobs`, `max_tokens`,
-//!   messages and content parts are all bounded ([`ServerConfig`], [`api`]).
+//!   messages and content parts are all bounded ([`ServerConfig`], [`openai`]).
 //! * **Shutdown.** [`Server::run`] stops admitting when its shutdown future
 //!   resolves (new requests get 503, `/health` 503), lets running requests
 //!   finish for up to [`ServerConfig::shutdown_grace`], then cancels the rest

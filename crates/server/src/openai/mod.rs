@@ -3,16 +3,16 @@
 //! not: [`chat`], [`completions`], [`responses`], [`models`]. What they
 //! share lives here: the parsed request ([`GenParams`]), the usage and
 //! log-probability shapes, and the two traits that `http`'s admission and
-//! streaming loop drive ([`Generate`] for a generation endpoint,
-//! [`Shaper`] for one request's answer).
+//! streaming loop drive (`Generate` for a generation endpoint, `Shaper`
+//! for one request's answer).
 //!
 //! Requests are parsed from a `serde_json::Value` by hand rather than with a
 //! derived `Deserialize`, so that a wrong type or value is reported with the
 //! exact field (`messages[2].content[0].text`, `max_tokens`, ...) and
-//! unknown fields are ignored, as OpenAI does ([`fields`]).
+//! unknown fields are ignored, as OpenAI does (`fields`).
 //!
 //! Adding a generation endpoint: a module here with its parser, a
-//! [`Generate`] and a [`Shaper`], and one line in `http::router`.
+//! `Generate` and a `Shaper`, and one line in `http::router`.
 
 pub mod chat;
 pub mod completions;
