@@ -28,6 +28,8 @@
 //! assert!(!report.by_tenant.contains_key("zeta"));
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod read;
 
 use std::collections::BTreeMap;

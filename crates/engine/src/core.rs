@@ -55,10 +55,14 @@ pub(crate) enum Sink {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outcome {
     /// A token, the end or a failure of a remote request.
-    Event { req: u64, conn: u64, event: Event },
+    Event {
+        req: RequestId,
+        conn: u64,
+        event: Event,
+    },
     /// Prefill computed the prompt and sampled the first token.
     Computed {
-        req: u64,
+        req: RequestId,
         first: u32,
         /// (logprob, top alternatives) when asked for.
         logprobs: Option<(f32, Vec<(u32, f32)>)>,
@@ -147,7 +151,7 @@ fn emit(outbox: &mut Vec<Outcome>, a: &Active, event: Event) {
             }
         },
         Sink::Remote { conn } => outbox.push(Outcome::Event {
-            req: a.id.0,
+            req: a.id,
             conn: *conn,
             event,
         }),
@@ -156,7 +160,7 @@ fn emit(outbox: &mut Vec<Outcome>, a: &Active, event: Event) {
 
 /// A request the decode role starts from transferred KV.
 pub struct DecodeJob {
-    pub req: u64,
+    pub req: RequestId,
     pub owner: Owner,
     pub conn: u64,
     pub prompt: Vec<u32>,
@@ -176,7 +180,7 @@ pub struct DecodeJob {
 
 /// A prompt the prefill role computes into its own pages.
 pub struct PrefillJob {
-    pub req: u64,
+    pub req: RequestId,
     pub owner: Owner,
     pub prompt: Vec<u32>,
     pub params: model::sample::SamplingParams,
@@ -567,10 +571,10 @@ impl<F: Forward> Core<F> {
         }
         let need_pages = (sub.req.prompt.len() + sub.req.max_tokens).div_ceil(ps);
         let priority = sub.req.priority;
-        let owner = Owner::scoped(sub.id, sub.req.tenant, sub.req.scope());
+        let owner = Owner::request(sub.id, sub.req.tenant, sub.req.cache_scope);
         #[cfg(feature = "fault-incident")]
         let owner = match self.global_scope {
-            true => Owner::scoped(sub.id, sub.req.tenant, kv::Scope::derived(0)),
+            true => Owner::request(sub.id, sub.req.tenant, Some(kv::Scope::derived(0))),
             false => owner,
         };
         // The longest cached prefix of whole pages in the request's scope
@@ -1028,7 +1032,7 @@ impl<F: Forward> Core<F> {
                 .map(|_| lp.get(next as usize).copied().unwrap_or(f32::NEG_INFINITY));
             if a.mode == Mode::PrefillOnly {
                 self.outbox.push(Outcome::Computed {
-                    req: a.id.0,
+                    req: a.id,
                     first: next,
                     logprobs: logprob.map(|l| (l, top)),
                     sampler_state: a.sampler.rng_state(),
@@ -1123,7 +1127,7 @@ impl<F: Forward> Core<F> {
         self.tenant(job.owner.tenant, job.weight);
         self.running.push(Active {
             mode: Mode::PrefillOnly,
-            id: RequestId(job.req),
+            id: job.req,
             owner: job.owner,
             seq: 0,
             priority: job.priority,
@@ -1159,7 +1163,7 @@ impl<F: Forward> Core<F> {
         self.tenant(job.owner.tenant, job.weight);
         let mut a = Active {
             mode: Mode::DecodeOnly,
-            id: RequestId(job.req),
+            id: job.req,
             owner: job.owner,
             seq: 0,
             priority: job.priority,
@@ -1206,10 +1210,9 @@ impl<F: Forward> Core<F> {
 
     /// Takes a PD request out of the batch without touching its pages (its
     /// transfer machine stopped it and frees them).
-    pub fn stop_remote(&mut self, req: u64) -> bool {
+    pub fn stop_remote(&mut self, req: RequestId) -> bool {
         let before = self.running.len();
-        self.running
-            .retain(|a| a.mode == Mode::Full || a.id.0 != req);
+        self.running.retain(|a| a.mode == Mode::Full || a.id != req);
         before != self.running.len()
     }
 

@@ -39,6 +39,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod console;
 pub mod core;
 

@@ -26,6 +26,8 @@
 //! # }
 //! ```
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -43,6 +45,13 @@ use transfer::Identity;
 
 use transfer::node::NetEvent;
 use transport::{Transport, TransportConfig};
+
+/// Requests in flight at once on a gateway that sets no limit (each holds
+/// a client's event channel and a slot of the machine's table).
+pub const REQUESTS_MAX_DEFAULT: usize = 4096;
+/// Transport events queued for the gateway's loop before the transport
+/// waits (back-pressure on the node connections, not a drop).
+pub const NET_EVENTS_MAX: usize = 4096;
 
 /// Settings of a gateway.
 #[derive(Clone, Debug)]
@@ -78,7 +87,7 @@ impl GatewayOptions {
             fingerprint,
             model_window_tokens: window,
             max_context: None,
-            requests_max: 4096,
+            requests_max: REQUESTS_MAX_DEFAULT,
             prefill,
             decode,
             transport: TransportConfig::default(),
@@ -121,7 +130,7 @@ struct State {
     gw: Gateway,
     /// Requests ended because their client fell too far behind.
     too_slow_total: u64,
-    clients: HashMap<u64, Client>,
+    clients: HashMap<RequestId, Client>,
     /// Connection → node index.
     conn_node: HashMap<u64, usize>,
 }
@@ -330,7 +339,7 @@ impl Inner {
         self.execute(st, out);
     }
 
-    fn cancel(&self, req: u64) {
+    fn cancel(&self, req: RequestId) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let st = &mut *st;
         if st.clients.remove(&req).is_none() {
@@ -346,7 +355,7 @@ impl GatewayBackend {
     /// Starts the gateway (inside a tokio runtime): connects to every node
     /// and keeps reconnecting.
     pub fn start(opts: GatewayOptions) -> GatewayBackend {
-        let (tx, mut rx) = mpsc::channel(4096);
+        let (tx, mut rx) = mpsc::channel(NET_EVENTS_MAX);
         let transport = Transport::new(
             opts.transport.clone(),
             tokio::runtime::Handle::current(),
@@ -633,7 +642,7 @@ impl Backend for GatewayBackend {
             return Err(RequestError::ShuttingDown);
         }
         let n = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
-        let id = (self.inner.nonce << 40) | n;
+        let id = RequestId((self.inner.nonce << 40) | n);
         let (etx, erx) = request::event_channel();
         let pages = Arc::new(AtomicU64::new(request::PAGES_UNKNOWN));
         // The request span: under the caller's `traceparent`, or a new
@@ -661,7 +670,7 @@ impl Backend for GatewayBackend {
             );
             if let Err(r) = st.gw.submit(
                 id,
-                req.tenant.0,
+                req.tenant,
                 req.prompt,
                 req.max_tokens.min(u32::MAX as usize) as u32,
                 spec,
@@ -674,7 +683,7 @@ impl Backend for GatewayBackend {
         }
         let weak = Arc::downgrade(&self.inner);
         Ok(RequestHandle::new(
-            RequestId(id),
+            id,
             erx,
             Box::new(move || {
                 if let Some(i) = weak.upgrade() {
@@ -703,7 +712,7 @@ impl Backend for GatewayBackend {
         if drain {
             return;
         }
-        let ids: Vec<u64> = {
+        let ids: Vec<RequestId> = {
             let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
             st.clients.keys().copied().collect()
         };

@@ -92,7 +92,7 @@ fn bench(c: &mut Criterion) {
         let mut bytes = vec![0u8; shape.data_bytes()];
         pool.export_page(h, OWNER, &mut bytes).unwrap();
         g.bench_function("checksum_xxh3", |b| {
-            b.iter(|| black_box(page_checksum(1, 1, 0, black_box(&bytes))))
+            b.iter(|| black_box(page_checksum(kv::RequestId(1), 1, 0, black_box(&bytes))))
         });
         g.bench_function("checksum_crc32c", |b| {
             b.iter(|| black_box(crc32c::crc32c(black_box(&bytes))))

@@ -7,7 +7,7 @@
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use crate::Owner;
+use crate::{Owner, RequestId};
 
 /// Domain separators so that a canary can never equal a checksum seed.
 const CANARY_DOMAIN: u64 = 0x6b76_2d63_616e_6172; // "kv-canar"
@@ -37,9 +37,9 @@ pub fn canary_value(owner: Owner, epoch: u64, index: u32) -> u64 {
 /// The checksum of a page's bytes bound to (request, epoch, position in the
 /// sequence): the same bytes sent for another request, to another epoch of
 /// the destination page or at another position give another digest (K6).
-pub fn page_checksum(request: u64, epoch: u64, position: u32, bytes: &[u8]) -> u64 {
+pub fn page_checksum(request: RequestId, epoch: u64, position: u32, bytes: &[u8]) -> u64 {
     let mut buf = [0u8; 28];
-    buf[0..8].copy_from_slice(&request.to_le_bytes());
+    buf[0..8].copy_from_slice(&request.0.to_le_bytes());
     buf[8..16].copy_from_slice(&epoch.to_le_bytes());
     buf[16..20].copy_from_slice(&position.to_le_bytes());
     buf[20..28].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
@@ -64,7 +64,7 @@ mod tests {
             base,
             canary_value(Owner::new(RequestId(1), TenantId(9)), 3, 4)
         );
-        let other_scope = Owner::scoped(RequestId(1), TenantId(2), crate::Scope::derived(7));
+        let other_scope = Owner::request(RequestId(1), TenantId(2), Some(crate::Scope::derived(7)));
         assert_ne!(base, canary_value(other_scope, 3, 4));
         assert_ne!(base, canary_value(o, 5, 4));
         assert_ne!(base, canary_value(o, 3, 5));
@@ -74,14 +74,14 @@ mod tests {
     #[test]
     fn checksum_binds_request_epoch_position_and_bytes() {
         let bytes = vec![7u8; 4096];
-        let base = page_checksum(1, 3, 0, &bytes);
-        assert_eq!(base, page_checksum(1, 3, 0, &bytes));
-        assert_ne!(base, page_checksum(2, 3, 0, &bytes));
-        assert_ne!(base, page_checksum(1, 5, 0, &bytes));
-        assert_ne!(base, page_checksum(1, 3, 1, &bytes));
+        let base = page_checksum(RequestId(1), 3, 0, &bytes);
+        assert_eq!(base, page_checksum(RequestId(1), 3, 0, &bytes));
+        assert_ne!(base, page_checksum(RequestId(2), 3, 0, &bytes));
+        assert_ne!(base, page_checksum(RequestId(1), 5, 0, &bytes));
+        assert_ne!(base, page_checksum(RequestId(1), 3, 1, &bytes));
         let mut flipped = bytes.clone();
         flipped[4000] ^= 1;
-        assert_ne!(base, page_checksum(1, 3, 0, &flipped));
-        assert_ne!(base, page_checksum(1, 3, 0, &bytes[..4095]));
+        assert_ne!(base, page_checksum(RequestId(1), 3, 0, &flipped));
+        assert_ne!(base, page_checksum(RequestId(1), 3, 0, &bytes[..4095]));
     }
 }

@@ -159,22 +159,40 @@ impl Owner {
     /// request's.
     pub const CACHE_REQUEST: RequestId = RequestId(u64::MAX - 1);
 
-    /// A request of `tenant` in the tenant's own cache scope.
-    pub const fn new(request: RequestId, tenant: TenantId) -> Owner {
+    /// The owner of request `request` of `tenant`, whose serving layer
+    /// gave it `cache_scope` (`None`: the tenant's own, [`Scope::of`]).
+    /// The one constructor of a request's owner: the engine and the
+    /// transfer machines both build theirs here.
+    ///
+    /// The ids are types, so a tenant cannot be passed as a request:
+    ///
+    /// ```compile_fail
+    /// use kv::{Owner, RequestId, TenantId};
+    /// let (request, tenant) = (RequestId(7), TenantId(3));
+    /// let _ = Owner::request(tenant, request, None);
+    /// ```
+    ///
+    /// ```
+    /// use kv::{Owner, RequestId, Scope, TenantId};
+    /// let owner = Owner::request(RequestId(7), TenantId(3), None);
+    /// assert_eq!(owner.scope, Scope::tenant(TenantId(3)));
+    /// ```
+    pub const fn request(
+        request: RequestId,
+        tenant: TenantId,
+        cache_scope: Option<Scope>,
+    ) -> Owner {
         Owner {
             request,
             tenant,
-            scope: Scope::tenant(tenant),
+            scope: Scope::of(tenant, cache_scope),
         }
     }
 
-    /// A request of `tenant` in `scope`.
-    pub const fn scoped(request: RequestId, tenant: TenantId, scope: Scope) -> Owner {
-        Owner {
-            request,
-            tenant,
-            scope,
-        }
+    /// A request of `tenant` in the tenant's own cache scope (tests'
+    /// shorthand for [`Owner::request`] with no scope).
+    pub const fn new(request: RequestId, tenant: TenantId) -> Owner {
+        Owner::request(request, tenant, None)
     }
 
     /// The owner the pool records for a cached page of `scope`: no request

@@ -1286,7 +1286,7 @@ impl Pool {
     /// computed, bound to (request, epoch, position) (K6). Counts a mismatch.
     pub fn verify_checksum(
         &self,
-        request: u64,
+        request: crate::RequestId,
         epoch: u64,
         position: u32,
         bytes: &[u8],

@@ -406,23 +406,23 @@ fn scenario_checksum(faults: Faults) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     check(slots == 3, "export slot count")?;
     let d = alloc(&mut dst, BOB, 1)[0];
-    let sum = page_checksum(BOB.request.0, d.epoch, 0, &bytes);
+    let sum = page_checksum(BOB.request, d.epoch, 0, &bytes);
     // Clean transfer verifies.
     check(
-        dst.verify_checksum(BOB.request.0, d.epoch, 0, &bytes, sum)
+        dst.verify_checksum(BOB.request, d.epoch, 0, &bytes, sum)
             .is_ok(),
         "clean",
     )?;
     // One bit flipped on the wire.
     bytes[100] ^= 0x10;
-    let bad = dst.verify_checksum(BOB.request.0, d.epoch, 0, &bytes, sum);
+    let bad = dst.verify_checksum(BOB.request, d.epoch, 0, &bytes, sum);
     check(
         matches!(bad, Err(KvError::ChecksumMismatch { .. })),
         "corruption missed",
     )?;
     bytes[100] ^= 0x10;
     // Right bytes, wrong position in the sequence (pages swapped).
-    let swapped = dst.verify_checksum(BOB.request.0, d.epoch, 1, &bytes, sum);
+    let swapped = dst.verify_checksum(BOB.request, d.epoch, 1, &bytes, sum);
     check(swapped.is_err(), "page at wrong position accepted")?;
     check(dst.stats().checksum_mismatch == 2, "mismatches not counted")
 }
@@ -769,7 +769,7 @@ fn scenario_scope(faults: Faults) -> Result<(), String> {
         "out-of-scope acquire accepted",
     )?;
     // A salt-narrowed scope of Alice's own tenant is another scope too.
-    let salted = Owner::scoped(RequestId(4), ALICE.tenant, Scope::derived(99));
+    let salted = Owner::request(RequestId(4), ALICE.tenant, Some(Scope::derived(99)));
     check(
         p.read_layer(c, salted, 0, 1).is_err(),
         "salted scope read served",

@@ -23,6 +23,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod node;
 pub mod role;
 mod spans;

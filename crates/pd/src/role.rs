@@ -30,7 +30,7 @@ use engine::{
     CapacityInfo, Core, DecodeJob, EngineConfig, EngineStats, Event, Outcome, PrefillJob,
     StartError,
 };
-use kv::{DType, Pool};
+use kv::{DType, Pool, RequestId, TenantId};
 use model::Model;
 use request::FinishReason;
 use tokenizer::Tokenizer;
@@ -398,13 +398,13 @@ const LOAD_REPORT_INTERVAL: Duration = Duration::from_millis(250);
 struct CoreEngine {
     core: Core,
     /// Decode: when each transfer's first page arrived (for `/metrics`).
-    transfer_started: HashMap<u64, Instant>,
+    transfer_started: HashMap<RequestId, Instant>,
     transfer_seconds_total: f64,
     transfers_timed_total: u64,
     outbox: Vec<Outcome>,
     /// Prefill: requests whose compute started since the loop last looked
     /// (their `queue` span ends there).
-    computing: Vec<u64>,
+    computing: Vec<RequestId>,
 }
 
 impl CoreEngine {
@@ -420,7 +420,7 @@ impl CoreEngine {
     }
 
     /// A page of a transfer arrived: start its clock.
-    fn page_arrived(&mut self, req: u64) {
+    fn page_arrived(&mut self, req: RequestId) {
         if self.transfer_started.len() >= TIMED_TRANSFERS_MAX {
             self.transfer_started.clear();
         }
@@ -439,7 +439,7 @@ impl NodeEngine for CoreEngine {
     /// machine's check (it counts it, and prefill tells decode at once).
     fn check(
         &mut self,
-        tenant: u64,
+        tenant: TenantId,
         tokens: &[u32],
         max_tokens: u32,
         gen: &GenSpec,
@@ -451,7 +451,7 @@ impl NodeEngine for CoreEngine {
         })
     }
 
-    fn stop(&mut self, req: u64) {
+    fn stop(&mut self, req: RequestId) {
         self.core.stop_remote(req);
     }
 

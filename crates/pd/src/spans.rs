@@ -19,6 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::SystemTime;
 
 use request::trace::TraceContext;
+use request::RequestId;
 use telemetry::{Span, Telemetry};
 use transfer::wire::Message;
 
@@ -33,8 +34,8 @@ struct Open {
 
 pub(crate) struct NodeSpans {
     telemetry: Telemetry,
-    open: HashMap<u64, Open>,
-    order: VecDeque<u64>,
+    open: HashMap<RequestId, Open>,
+    order: VecDeque<RequestId>,
 }
 
 impl NodeSpans {
@@ -46,7 +47,7 @@ impl NodeSpans {
         }
     }
 
-    fn begin(&mut self, req: u64, parent: TraceContext, phase: &'static str) {
+    fn begin(&mut self, req: RequestId, parent: TraceContext, phase: &'static str) {
         if self.open.contains_key(&req) {
             return;
         }
@@ -74,7 +75,7 @@ impl NodeSpans {
     /// `None`); then `next` begins, or the request is forgotten.
     fn end(
         &mut self,
-        req: u64,
+        req: RequestId,
         phase: Option<&'static str>,
         next: Option<&'static str>,
         error: Option<String>,
@@ -181,7 +182,7 @@ impl NodeSpans {
     }
 
     /// Prefill: the engine started computing `req` (its pages allocated).
-    pub(crate) fn computing(&mut self, req: u64) {
+    pub(crate) fn computing(&mut self, req: RequestId) {
         self.end(req, Some("queue"), Some("prefill"), None, vec![]);
     }
 
@@ -194,6 +195,7 @@ impl NodeSpans {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use request::TenantId;
     use transfer::wire::{GenSpec, Refusal, WirePage};
 
     fn traced() -> GenSpec {
@@ -218,19 +220,19 @@ mod tests {
         let gen = traced();
         let parent = *gen.trace.clone().unwrap();
         s.inbound(&Message::Reserve {
-            req: 7,
-            tenant: 1,
+            req: RequestId(7),
+            tenant: TenantId(1),
             prefill: "p".into(),
             tokens: vec![1, 2],
             max_tokens: 3,
             gen,
         });
         s.outbound(&Message::Reserved {
-            req: 7,
+            req: RequestId(7),
             pages: vec![WirePage { index: 1, epoch: 1 }],
         });
         s.inbound(&Message::Done {
-            req: 7,
+            req: RequestId(7),
             first_token: 5,
             first_logprobs: None,
             sampler_state: 0,
@@ -240,7 +242,7 @@ mod tests {
             digest: 0,
         });
         s.outbound(&Message::Finished {
-            req: 7,
+            req: RequestId(7),
             finish: 1,
             prompt_tokens: 2,
             cached_tokens: 0,
@@ -253,7 +255,9 @@ mod tests {
             vec![("queue", None), ("transfer", None), ("decode", None)]
         );
         let k = kept.lock().unwrap();
-        assert!(k.iter().all(|sp| sp.parent == parent && sp.req == 7));
+        assert!(k
+            .iter()
+            .all(|sp| sp.parent == parent && sp.req == RequestId(7)));
         // Phases follow each other: each starts where the previous ended.
         assert!(k.windows(2).all(|w| w[0].end == w[1].start));
         assert_eq!(k[2].attrs, vec![("isoserve.completion_tokens", 3)]);
@@ -266,8 +270,8 @@ mod tests {
         let (t, kept) = Telemetry::keeping("isoserve-prefill");
         let mut s = NodeSpans::new(t);
         let prefill = |req| Message::Prefill {
-            req,
-            tenant: 1,
+            req: RequestId(req),
+            tenant: TenantId(1),
             decode: "d:1".into(),
             tokens: vec![1],
             max_tokens: 1,
@@ -276,9 +280,9 @@ mod tests {
         };
         s.inbound(&prefill(1));
         // Done before compute started is not the prefill phase's end.
-        s.computing(1);
+        s.computing(RequestId(1));
         s.outbound(&Message::Done {
-            req: 1,
+            req: RequestId(1),
             first_token: 5,
             first_logprobs: None,
             sampler_state: 0,
@@ -289,7 +293,7 @@ mod tests {
         });
         s.inbound(&prefill(2));
         s.outbound(&Message::Rejected {
-            req: 2,
+            req: RequestId(2),
             error: Refusal {
                 status: 503,
                 code: "draining".into(),
@@ -297,7 +301,7 @@ mod tests {
             },
         });
         s.inbound(&prefill(3));
-        s.inbound(&Message::Cancel { req: 3 });
+        s.inbound(&Message::Cancel { req: RequestId(3) });
         assert_eq!(
             names(&kept),
             vec![
@@ -315,8 +319,8 @@ mod tests {
         let (t, kept) = Telemetry::keeping("isoserve-decode");
         let mut s = NodeSpans::new(t);
         let reserve = |req, gen| Message::Reserve {
-            req,
-            tenant: 1,
+            req: RequestId(req),
+            tenant: TenantId(1),
             prefill: "p".into(),
             tokens: vec![1],
             max_tokens: 1,
@@ -324,7 +328,7 @@ mod tests {
         };
         s.inbound(&reserve(1, GenSpec::greedy()));
         s.outbound(&Message::Reserved {
-            req: 1,
+            req: RequestId(1),
             pages: vec![],
         });
         assert_eq!((s.tracked(), kept.lock().unwrap().len()), (0, 0));
@@ -334,12 +338,12 @@ mod tests {
         assert_eq!(s.tracked(), TRACKED_MAX);
         // The oldest were dropped: their ends record nothing.
         s.outbound(&Message::Reserved {
-            req: 0,
+            req: RequestId(0),
             pages: vec![],
         });
         assert_eq!(kept.lock().unwrap().len(), 0);
         s.outbound(&Message::Reserved {
-            req: TRACKED_MAX as u64 + 9,
+            req: RequestId(TRACKED_MAX as u64 + 9),
             pages: vec![],
         });
         assert_eq!(kept.lock().unwrap().len(), 1);

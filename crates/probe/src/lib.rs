@@ -42,6 +42,8 @@
 //! assert_eq!(s.found_in("nothing to see"), None);
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod checks;
 pub mod http;
 pub mod run;

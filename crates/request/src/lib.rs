@@ -18,6 +18,8 @@
 //! assert!(validate(&req, 11, 1000).is_ok());
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod console;
 pub mod trace;
 
@@ -32,9 +34,23 @@ use tokio::sync::mpsc as tmpsc;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
 
+/// Shown as its number (messages name a request by it).
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// Tenant id (the API-key holder a request belongs to).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TenantId(pub u64);
+
+/// Shown as its number.
+impl std::fmt::Display for TenantId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// A prefix-cache scope (K11): the set of requests that may read each
 /// other's cached pages. Opaque to the pool, which only compares it; the
@@ -56,6 +72,17 @@ impl Scope {
     /// A scope derived by hashing (a sharing group, a salt).
     pub const fn derived(hash: u64) -> Scope {
         Scope(hash | Scope::DERIVED_BIT)
+    }
+
+    /// The scope a request of `tenant` runs in: the one the serving layer
+    /// derived for it (`cache_scope`), else the tenant's own. The rule is
+    /// written here only; the engine and the transfer machines both reach
+    /// it through `kv::Owner::request`.
+    pub const fn of(tenant: TenantId, cache_scope: Option<Scope>) -> Scope {
+        match cache_scope {
+            Some(s) => s,
+            None => Scope::tenant(tenant),
+        }
     }
 }
 
@@ -307,7 +334,7 @@ pub struct GenRequest {
 impl GenRequest {
     /// The cache scope the request runs in.
     pub fn scope(&self) -> Scope {
-        self.cache_scope.unwrap_or(Scope::tenant(self.tenant))
+        Scope::of(self.tenant, self.cache_scope)
     }
 
     pub fn greedy(tenant: TenantId, prompt: Vec<u32>, max_tokens: usize) -> GenRequest {

@@ -61,6 +61,8 @@
 //! [`config`], [`tenants`], [`error`], [`metrics`], [`reqlog`], [`door`].
 //! Nothing imports back into this file.
 
+#![forbid(unsafe_code)]
+
 mod accounting;
 pub mod config;
 mod console;

@@ -14,12 +14,14 @@
 //! use std::time::{Duration, SystemTime};
 //! use telemetry::{Span, Telemetry};
 //! let t = Telemetry::logs_only("isoserve-decode");
-//! let root = t.start("request", None, 7);
+//! let root = t.start("request", None, request::RequestId(7));
 //! let ctx = root.context(); // what the wire carries to the nodes
 //! let now = SystemTime::now();
-//! t.record(&Span::new("decode", ctx, now, now + Duration::from_millis(3), 7));
+//! t.record(&Span::new("decode", ctx, now, now + Duration::from_millis(3), request::RequestId(7)));
 //! root.end(true);
 //! ```
+
+#![forbid(unsafe_code)]
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -32,6 +34,7 @@ use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracerProvider};
 use request::trace::TraceContext;
+use request::RequestId;
 use thiserror::Error;
 
 /// How often the exporter sends what it has batched (also the longest a
@@ -79,7 +82,7 @@ pub struct Span {
     pub parent: TraceContext,
     pub start: SystemTime,
     pub end: SystemTime,
-    pub req: u64,
+    pub req: RequestId,
     /// Ended by a failure (its code), or `None`.
     pub error: Option<String>,
     pub attrs: Vec<(&'static str, i64)>,
@@ -91,7 +94,7 @@ impl Span {
         parent: TraceContext,
         start: SystemTime,
         end: SystemTime,
-        req: u64,
+        req: RequestId,
     ) -> Span {
         Span {
             name,
@@ -193,7 +196,7 @@ fn log_span(
     name: &str,
     parent: &TraceContext,
     span_id: &[u8; 8],
-    req: u64,
+    req: RequestId,
     ms: f64,
     error: Option<&str>,
 ) {
@@ -202,7 +205,7 @@ fn log_span(
         target: "isoserve::span",
         service,
         span = name,
-        req,
+        req = req.0,
         trace_id = %parent.trace_hex(),
         span_id = %span_hex,
         parent_id = %parent.span_hex(),
@@ -286,7 +289,12 @@ impl Telemetry {
     /// Opens a span that stays open while the request runs (the gateway's
     /// `request` span), under `parent` (the caller's `traceparent`) or at
     /// the root of a new trace.
-    pub fn start(&self, name: &'static str, parent: Option<TraceContext>, req: u64) -> OpenSpan {
+    pub fn start(
+        &self,
+        name: &'static str,
+        parent: Option<TraceContext>,
+        req: RequestId,
+    ) -> OpenSpan {
         let (parent, root) = match parent {
             Some(p) => (p, false),
             None => (new_trace(), true),
@@ -298,7 +306,7 @@ impl Telemetry {
                 .span_builder(name)
                 .with_kind(SpanKind::Server)
                 .with_start_time(start)
-                .with_attributes([KeyValue::new("isoserve.request_id", req as i64)]);
+                .with_attributes([KeyValue::new("isoserve.request_id", req.0 as i64)]);
             if root {
                 o.tracer.build_with_context(b, &Context::new())
             } else {
@@ -337,7 +345,7 @@ impl Telemetry {
             * 1e3;
         let mut id = None;
         if let Some(o) = &self.otlp {
-            let mut attrs = vec![KeyValue::new("isoserve.request_id", span.req as i64)];
+            let mut attrs = vec![KeyValue::new("isoserve.request_id", span.req.0 as i64)];
             attrs.extend(span.attrs.iter().map(|&(k, v)| KeyValue::new(k, v)));
             let b = o
                 .tracer
@@ -382,7 +390,7 @@ impl Telemetry {
 pub struct OpenSpan {
     service: Arc<str>,
     name: &'static str,
-    req: u64,
+    req: RequestId,
     ctx: TraceContext,
     parent: Option<TraceContext>,
     start: SystemTime,
@@ -455,12 +463,12 @@ mod tests {
         assert_ne!(new_trace_id(), [0; 16]);
         let t = Telemetry::logs_only("x");
         let parent = new_trace();
-        let s = t.start("request", Some(parent), 1);
+        let s = t.start("request", Some(parent), RequestId(1));
         assert_eq!(s.context().trace_id, parent.trace_id);
         assert_ne!(s.context().span_id, parent.span_id);
         s.end(true);
         // Without a parent: a new sampled trace.
-        let s = t.start("request", None, 2);
+        let s = t.start("request", None, RequestId(2));
         assert!(s.context().sampled());
         s.end(false);
     }

@@ -13,7 +13,7 @@
 //!
 //! ```
 //! use testkit::world::{ClientSpec, World, WorldParams};
-//! let mut w = World::new(WorldParams::default(), vec![ClientSpec::new(1, vec![5, 6, 7], 2)]);
+//! let mut w = World::new(WorldParams::default(), vec![ClientSpec::new(kv::TenantId(1), vec![5, 6, 7], 2)]);
 //! // Take the first possible event until nothing is left to do.
 //! for _ in 0..200 {
 //!     if !w.step_first() {
@@ -25,6 +25,8 @@
 //! let outcomes = w.check_end().expect("content and pools check out");
 //! assert_eq!(outcomes[0].end, Some(Ok(2)));
 //! ```
+
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 

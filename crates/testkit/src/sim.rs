@@ -19,6 +19,8 @@
 
 use std::collections::BTreeMap;
 
+use kv::TenantId;
+
 pub use crate::world::{reference_next, reference_tokens, Outcome, VOCAB};
 use crate::world::{ClientSpec, Node, World, WorldParams};
 use transfer::decode::DecodeNode;
@@ -236,7 +238,7 @@ impl Sim {
         let mut rng = SimRng::new(seed);
         let clients = (0..cfg.requests)
             .map(|_| {
-                let tenant = 1 + rng.below(cfg.tenants);
+                let tenant = TenantId(1 + rng.below(cfg.tenants));
                 let len = 1 + rng.below(cfg.prompt_tokens_max as u64) as usize;
                 // Half the prompts open with one of two shared "system
                 // prompts" (any tenant may send either), so the prefix
@@ -259,7 +261,7 @@ impl Sim {
 
     /// A run over the given requests `(tenant, prompt, max_tokens)`, in
     /// order, instead of random ones.
-    pub fn scripted(seed: u64, cfg: SimConfig, requests: &[(u64, Vec<u32>, u32)]) -> Sim {
+    pub fn scripted(seed: u64, cfg: SimConfig, requests: &[(TenantId, Vec<u32>, u32)]) -> Sim {
         let clients = requests
             .iter()
             .map(|(t, p, m)| ClientSpec::new(*t, p.clone(), *m))

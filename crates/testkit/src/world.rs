@@ -18,7 +18,7 @@
 //!
 //! ```
 //! use testkit::world::{ClientSpec, Node, World, WorldParams};
-//! let mut w = World::new(WorldParams::default(), vec![ClientSpec::new(1, vec![5, 6, 7], 2)]);
+//! let mut w = World::new(WorldParams::default(), vec![ClientSpec::new(kv::TenantId(1), vec![5, 6, 7], 2)]);
 //! // Take the first possible event until nothing is left to do.
 //! for _ in 0..200 {
 //!     if !w.step_first() {
@@ -34,7 +34,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use kv::{LayerView, Owner, PageRef, Pool, PoolOptions, PrefixKeys, Scope, TenantId};
+use kv::{LayerView, Owner, PageRef, Pool, PoolOptions, PrefixKeys, RequestId, Scope, TenantId};
 
 use transfer::decode::{DecodeConfig, DecodeNode, DecodeStart};
 use transfer::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
@@ -190,7 +190,7 @@ pub fn identity(node: &str, ps: u32, limit: u32) -> transfer::Identity {
 pub struct StandInPrefill {
     pub pool: Pool,
     page_size: usize,
-    pub jobs: BTreeMap<u64, ComputeJob>,
+    pub jobs: BTreeMap<RequestId, ComputeJob>,
     reports: Vec<PrefillReport>,
 }
 
@@ -206,7 +206,7 @@ impl StandInPrefill {
 
     /// Runs one job: writes the prompt's KV past its cached prefix, reads
     /// all of it back (cached pages included) for the first token.
-    pub fn run(&mut self, req: u64) {
+    pub fn run(&mut self, req: RequestId) {
         let Some(job) = self.jobs.remove(&req) else {
             return;
         };
@@ -252,14 +252,14 @@ impl NodeEngine for StandInPrefill {
     }
     fn check(
         &mut self,
-        _: u64,
+        _: TenantId,
         tokens: &[u32],
         max_tokens: u32,
         _: &GenSpec,
     ) -> Result<(), Refusal> {
         stand_in_check(tokens, max_tokens)
     }
-    fn stop(&mut self, req: u64) {
+    fn stop(&mut self, req: RequestId) {
         self.jobs.remove(&req);
     }
     fn running(&mut self) -> usize {
@@ -280,7 +280,7 @@ impl PrefillEngine for StandInPrefill {
 /// world checks it against the client's prompt (K3/K10) and canaries (K7).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Start {
-    pub req: u64,
+    pub req: RequestId,
     pub tokens: Vec<u32>,
     /// The next token read from the pages through the pool.
     pub read: Result<u32, String>,
@@ -294,7 +294,7 @@ pub struct Start {
 pub struct StandInDecode {
     pub pool: Pool,
     page_size: usize,
-    pub decoding: BTreeMap<u64, Decoding>,
+    pub decoding: BTreeMap<RequestId, Decoding>,
     reports: Vec<DecodeReport>,
     /// Starts since the world last looked.
     pub starts: Vec<Start>,
@@ -312,7 +312,7 @@ impl StandInDecode {
     }
 
     /// One decode step of one request.
-    pub fn step(&mut self, req: u64) {
+    pub fn step(&mut self, req: RequestId) {
         let ps = self.page_size;
         let Some(d) = self.decoding.get_mut(&req) else {
             return;
@@ -362,14 +362,14 @@ impl NodeEngine for StandInDecode {
     }
     fn check(
         &mut self,
-        _: u64,
+        _: TenantId,
         tokens: &[u32],
         max_tokens: u32,
         _: &GenSpec,
     ) -> Result<(), Refusal> {
         stand_in_check(tokens, max_tokens)
     }
-    fn stop(&mut self, req: u64) {
+    fn stop(&mut self, req: RequestId) {
         self.decoding.remove(&req);
     }
     fn running(&mut self) -> usize {
@@ -466,13 +466,13 @@ impl Default for WorldParams {
 /// A client's request: `(tenant, prompt, max_tokens)`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ClientSpec {
-    pub tenant: u64,
+    pub tenant: TenantId,
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
 }
 
 impl ClientSpec {
-    pub fn new(tenant: u64, prompt: Vec<u32>, max_tokens: u32) -> ClientSpec {
+    pub fn new(tenant: TenantId, prompt: Vec<u32>, max_tokens: u32) -> ClientSpec {
         ClientSpec {
             tenant,
             prompt,
@@ -543,8 +543,8 @@ struct Client {
 /// One client request at the end of a run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Outcome {
-    pub req: u64,
-    pub tenant: u64,
+    pub req: RequestId,
+    pub tenant: TenantId,
     pub prompt: Vec<u32>,
     /// Tokens the client received.
     pub tokens: Vec<u32>,
@@ -605,8 +605,8 @@ pub struct World {
     gw_links: [Option<ConnId>; 2],
     /// Dials prefill has asked for.
     dials: VecDeque<String>,
-    clients: BTreeMap<u64, Client>,
-    next_req: u64,
+    clients: BTreeMap<RequestId, Client>,
+    next_req: RequestId,
     pub counters: WorldCounters,
     /// Everything an event saw go wrong (an invariant broken mid-event: a
     /// write through a stale handle, a wrong token, an event after a
@@ -622,7 +622,7 @@ pub struct World {
 const GATEWAY_WINDOW_TOKENS: u32 = 64;
 
 /// The first request's id; requests are numbered in submission order.
-pub const FIRST_REQUEST: u64 = 100;
+pub const FIRST_REQUEST: RequestId = RequestId(100);
 
 impl World {
     pub fn new(params: WorldParams, clients: Vec<ClientSpec>) -> World {
@@ -644,7 +644,7 @@ impl World {
                     status: None,
                     cancelled: false,
                 };
-                (FIRST_REQUEST + i as u64, c)
+                (RequestId(FIRST_REQUEST.0 + i as u64), c)
             })
             .collect();
         let pool = |pages| {
@@ -769,10 +769,10 @@ impl World {
     pub fn has_dials(&self) -> bool {
         !self.dials.is_empty()
     }
-    pub fn jobs(&self) -> Vec<u64> {
+    pub fn jobs(&self) -> Vec<RequestId> {
         self.prefill.engine.jobs.keys().copied().collect()
     }
-    pub fn decoding(&self) -> Vec<u64> {
+    pub fn decoding(&self) -> Vec<RequestId> {
         self.decode.engine.decoding.keys().copied().collect()
     }
     /// Whether the gateway has no link to prefill (0) or decode (1) while
@@ -786,13 +786,13 @@ impl World {
         self.gw_links[which].is_none() && self.up(node)
     }
     /// The next request to submit, if any.
-    pub fn next_client(&self) -> Option<u64> {
+    pub fn next_client(&self) -> Option<RequestId> {
         self.clients
             .contains_key(&self.next_req)
             .then_some(self.next_req)
     }
     /// Submitted requests that have not ended and were not cancelled.
-    pub fn in_flight(&self) -> Vec<u64> {
+    pub fn in_flight(&self) -> Vec<RequestId> {
         self.clients
             .iter()
             .filter(|(&k, c)| k < self.next_req && c.end.is_none() && !c.cancelled)
@@ -1191,7 +1191,7 @@ impl World {
             // id, with its top two bits flipped for a re-placement
             // (`transfer::gateway`'s `wire_id`); the world's client ids are
             // small, so masking those bits gives the client back.
-            let client = st.req & !(3u64 << 62);
+            let client = RequestId(st.req.0 & !(3u64 << 62));
             let prompt = self.clients.get(&client).map(|c| c.spec.prompt.clone());
             match (&prompt, &st.read) {
                 (Some(p), Ok(t)) if *p == st.tokens && *t == reference_next(p) => {}
@@ -1223,7 +1223,7 @@ impl World {
         }
     }
 
-    fn client_event(&mut self, req: u64, event: ClientEvent) {
+    fn client_event(&mut self, req: RequestId, event: ClientEvent) {
         self.trace(|| format!("client {req} <- {event:?}"));
         let Some(c) = self.clients.get_mut(&req) else {
             return;
@@ -1262,7 +1262,7 @@ impl World {
 
     /// Prefill's engine runs one job: writes the prompt's KV, reads it
     /// back for the first token.
-    pub fn compute(&mut self, req: u64) {
+    pub fn compute(&mut self, req: RequestId) {
         if !self.prefill.engine.jobs.contains_key(&req) {
             return;
         }
@@ -1274,7 +1274,7 @@ impl World {
     }
 
     /// Decode's engine runs one step of one request.
-    pub fn decode_step(&mut self, req: u64) {
+    pub fn decode_step(&mut self, req: RequestId) {
         self.decode.engine.step(req);
         let mut cmds = Vec::new();
         self.decode.reports(&mut cmds);
@@ -1348,7 +1348,7 @@ impl World {
         let Some(c) = self.clients.get(&req) else {
             return;
         };
-        self.next_req += 1;
+        self.next_req = RequestId(self.next_req.0 + 1);
         let (tenant, prompt, max_tokens) =
             (c.spec.tenant, c.spec.prompt.clone(), c.spec.max_tokens);
         self.trace(|| format!("client {req} submits {} tokens", prompt.len()));
@@ -1363,7 +1363,7 @@ impl World {
     }
 
     /// A client cancels its request (hangs up).
-    pub fn cancel(&mut self, req: u64) {
+    pub fn cancel(&mut self, req: RequestId) {
         let Some(c) = self.clients.get_mut(&req) else {
             return;
         };
@@ -1391,7 +1391,45 @@ impl World {
         self.check_pools()?;
         self.check_ownership()?;
         self.check_refusals()?;
-        self.check_k4_across()
+        self.check_k4_across()?;
+        self.check_engines()
+    }
+
+    /// No engine runs a request that the machines have ended: every
+    /// request in decode's batch is one decode's machine still holds, and
+    /// every prompt prefill's engine computes is one prefill's machine
+    /// still holds. (A machine that ends a request frees its pages; an
+    /// engine still running it would read and write pages that are no
+    /// longer its own.)
+    pub fn check_engines(&self) -> Result<(), String> {
+        if self.decode_up {
+            if let Some(req) = self
+                .decode
+                .engine
+                .decoding
+                .keys()
+                .find(|&&r| self.decode.machine.phase_of(r).is_none())
+            {
+                return Err(format!(
+                    "engines: decode's engine runs request {req}, which decode's machine has ended"
+                ));
+            }
+        }
+        if self.prefill_up {
+            if let Some(req) = self
+                .prefill
+                .engine
+                .jobs
+                .keys()
+                .find(|&&r| self.prefill.machine.phase_of(r).is_none())
+            {
+                return Err(format!(
+                    "engines: prefill's engine computes request {req}, which prefill's machine \
+                     has ended"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Each live node's pool is consistent (the free list is a set of
@@ -1445,14 +1483,14 @@ impl World {
     /// (these clients carry no cache salt).
     pub fn check_ownership(&self) -> Result<(), String> {
         use transfer::decode::DecodePhase;
-        type Holding = (u64, Owner, Vec<PageRef>, Vec<bool>);
+        type Holding = (RequestId, Owner, Vec<PageRef>, Vec<bool>);
         let check = |pool: &Pool, name: &str, holdings: Vec<Holding>| {
             let mut seen = BTreeSet::new();
             for (req, owner, pages, shared) in holdings {
                 let tenant = self
                     .clients
                     .get(&req)
-                    .map_or(owner.tenant, |c| TenantId(c.spec.tenant));
+                    .map_or(owner.tenant, |c| c.spec.tenant);
                 for (i, h) in pages.into_iter().enumerate() {
                     let cached = shared.get(i).copied().unwrap_or(false);
                     let expected = match cached {

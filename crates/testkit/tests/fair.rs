@@ -11,6 +11,7 @@ use transfer::decode::{DecodeAction, DecodeConfig, DecodeNode};
 use transfer::prefill::{PrefillAction, PrefillConfig, PrefillNode};
 use transfer::wire::{GenSpec, Message, WirePage, ROLE_GATEWAY};
 use transfer::ConnId;
+use transfer::{RequestId, TenantId};
 
 const PAGE_TOKENS: u32 = 4;
 const POOL_PAGES: u64 = 16;
@@ -53,7 +54,7 @@ fn reserved(out: &[DecodeAction]) -> Vec<u64> {
             DecodeAction::Send {
                 msg: Message::Reserved { req, .. },
                 ..
-            } => Some(*req),
+            } => Some(req.0),
             _ => None,
         })
         .collect()
@@ -75,8 +76,8 @@ fn reserve_pages(
 ) -> Vec<u64> {
     let mut out = Vec::new();
     let msg = Message::Reserve {
-        req,
-        tenant,
+        req: RequestId(req),
+        tenant: TenantId(tenant),
         prefill: "prefill-0".into(),
         tokens: prompt(pages / 2),
         max_tokens: pages / 2 * PAGE_TOKENS,
@@ -88,7 +89,14 @@ fn reserve_pages(
 
 fn cancel_decode(node: &mut DecodeNode, pool: &mut Pool, req: u64) -> Vec<u64> {
     let mut out = Vec::new();
-    node.message(pool, GATEWAY, Message::Cancel { req }, &mut out);
+    node.message(
+        pool,
+        GATEWAY,
+        Message::Cancel {
+            req: RequestId(req),
+        },
+        &mut out,
+    );
     reserved(&out)
 }
 
@@ -156,7 +164,7 @@ fn prefill_node() -> (PrefillNode, Pool) {
 fn computing(out: &[PrefillAction]) -> Vec<u64> {
     out.iter()
         .filter_map(|a| match a {
-            PrefillAction::Compute(job) => Some(job.req),
+            PrefillAction::Compute(job) => Some(job.req.0),
             _ => None,
         })
         .collect()
@@ -167,8 +175,8 @@ fn prefill(node: &mut PrefillNode, pool: &mut Pool, req: u64, tenant: u64, g: Ge
     let mut out = Vec::new();
     let pages = (0..8).map(|i| WirePage { index: i, epoch: 1 }).collect();
     let msg = Message::Prefill {
-        req,
-        tenant,
+        req: RequestId(req),
+        tenant: TenantId(tenant),
         decode: "decode-0:7001".into(),
         tokens: prompt(8),
         max_tokens: 1,
@@ -181,7 +189,14 @@ fn prefill(node: &mut PrefillNode, pool: &mut Pool, req: u64, tenant: u64, g: Ge
 
 fn cancel_prefill(node: &mut PrefillNode, pool: &mut Pool, req: u64) -> Vec<u64> {
     let mut out = Vec::new();
-    node.message(pool, GATEWAY, Message::Cancel { req }, &mut out);
+    node.message(
+        pool,
+        GATEWAY,
+        Message::Cancel {
+            req: RequestId(req),
+        },
+        &mut out,
+    );
     computing(&out)
 }
 

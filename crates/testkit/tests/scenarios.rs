@@ -18,6 +18,7 @@ use transfer::decode::DecodeMutations;
 use transfer::gateway::GatewayMutations;
 use transfer::prefill::PrefillMutations;
 use transfer::wire::Message;
+use transfer::{RequestId, TenantId};
 
 fn quiet() -> SimConfig {
     SimConfig::quiet()
@@ -32,7 +33,7 @@ fn prompt(seed: u32, n: usize) -> Vec<u32> {
 fn outcome(r: &SimReport, req: u64) -> &Outcome {
     r.outcomes
         .iter()
-        .find(|o| o.req == req)
+        .find(|o| o.req == RequestId(req))
         .expect("request ran")
 }
 
@@ -47,7 +48,7 @@ fn assert_pools_free(r: &SimReport) {
 /// Prefill's pool is smaller than decode's and than the window; tenant 1's
 /// secret-bearing request runs first; tenant 2 sends a request that fits
 /// decode but not prefill, and the gateway is made to pass it on.
-fn incident() -> (SimConfig, Vec<(u64, Vec<u32>, u32)>) {
+fn incident() -> (SimConfig, Vec<(TenantId, Vec<u32>, u32)>) {
     let cfg = SimConfig {
         world: WorldParams {
             prefill_limit: 16,
@@ -56,7 +57,10 @@ fn incident() -> (SimConfig, Vec<(u64, Vec<u32>, u32)>) {
         },
         ..quiet()
     };
-    let reqs = vec![(1, prompt(1, 12), 4), (2, prompt(2, 22), 4)];
+    let reqs = vec![
+        (TenantId(1), prompt(1, 12), 4),
+        (TenantId(2), prompt(2, 22), 4),
+    ];
     (cfg, reqs)
 }
 
@@ -147,7 +151,7 @@ fn tamper_first_page(req: u64) -> testkit::sim::Tamper {
     let mut done = false;
     Box::new(move |m: &mut Message| {
         if let Message::Page { req: r, bytes, .. } = m {
-            if *r == req && !done {
+            if *r == RequestId(req) && !done {
                 done = true;
                 bytes[0] ^= 0x40;
                 return true;
@@ -159,7 +163,10 @@ fn tamper_first_page(req: u64) -> testkit::sim::Tamper {
 
 #[test]
 fn corrupted_page_bytes_fail_the_checksum_with_zero_tokens() {
-    let reqs = vec![(1, prompt(3, 10), 3), (2, prompt(4, 9), 3)];
+    let reqs = vec![
+        (TenantId(1), prompt(3, 10), 3),
+        (TenantId(2), prompt(4, 9), 3),
+    ];
     let mut sim = Sim::scripted(2, quiet(), &reqs);
     sim.set_tamper(tamper_first_page(100));
     let r = sim.run().expect("invariants hold");
@@ -177,7 +184,7 @@ fn corrupted_page_bytes_fail_the_checksum_with_zero_tokens() {
 
 #[test]
 fn without_the_checksum_corrupted_kv_reaches_the_client() {
-    let reqs = vec![(1, prompt(3, 10), 3)];
+    let reqs = vec![(TenantId(1), prompt(3, 10), 3)];
     let mut sim = Sim::scripted(2, quiet(), &reqs);
     sim.set_tamper(tamper_first_page(100));
     sim.decode_pool_mut().set_faults(kv::Faults {
@@ -194,7 +201,7 @@ fn without_the_checksum_corrupted_kv_reaches_the_client() {
 fn stale_reservation(req: u64) -> testkit::sim::Tamper {
     Box::new(move |m: &mut Message| {
         if let Message::Prefill { req: r, pages, .. } = m {
-            if *r == req {
+            if *r == RequestId(req) {
                 pages[0].epoch = pages[0].epoch.wrapping_sub(2);
                 return true;
             }
@@ -205,7 +212,10 @@ fn stale_reservation(req: u64) -> testkit::sim::Tamper {
 
 #[test]
 fn a_page_for_a_stale_handle_is_fenced() {
-    let reqs = vec![(1, prompt(5, 8), 2), (2, prompt(6, 8), 2)];
+    let reqs = vec![
+        (TenantId(1), prompt(5, 8), 2),
+        (TenantId(2), prompt(6, 8), 2),
+    ];
     let mut sim = Sim::scripted(3, quiet(), &reqs);
     sim.set_tamper(stale_reservation(101));
     let r = sim.run().expect("invariants hold");
@@ -292,13 +302,18 @@ fn run_with_a_stray_write(m: DecodeMutations) -> Result<Vec<testkit::world::Outc
     use testkit::world::{ClientSpec, World};
     let mut w = World::new(
         WorldParams::default(),
-        vec![ClientSpec::new(1, prompt(7, 6), 2)],
+        vec![ClientSpec::new(TenantId(1), prompt(7, 6), 2)],
     );
     w.decode.machine.set_mutations(m);
     let mut scribbled = false;
     for _ in 0..500 {
         if !scribbled {
-            if let Some(&h) = w.decode.machine.pages_of(100).and_then(|p| p.first()) {
+            if let Some(&h) = w
+                .decode
+                .machine
+                .pages_of(RequestId(100))
+                .and_then(|p| p.first())
+            {
                 w.decode.engine.pool.scribble_trailer(h.index);
                 w.counters.corruptions += 1;
                 scribbled = true;
@@ -359,8 +374,8 @@ fn a_prefill_link_seen_closed_late_spares_requests_reserved_since() {
     let mut w = World::new(
         WorldParams::default(),
         vec![
-            ClientSpec::new(1, prompt(3, 6), 2),
-            ClientSpec::new(2, prompt(4, 6), 2),
+            ClientSpec::new(TenantId(1), prompt(3, 6), 2),
+            ClientSpec::new(TenantId(2), prompt(4, 6), 2),
         ],
     );
     // Request 100 runs to its end over prefill's link to decode.
@@ -390,7 +405,15 @@ fn a_prefill_link_seen_closed_late_spares_requests_reserved_since() {
     w.submit_next();
     let prefill_sent = |w: &World| {
         w.frames().iter().any(|&(c, side, n)| {
-            (0..n).any(|i| matches!(w.peek(c, side, i), Some(Message::Prefill { req: 101, .. })))
+            (0..n).any(|i| {
+                matches!(
+                    w.peek(c, side, i),
+                    Some(Message::Prefill {
+                        req: RequestId(101),
+                        ..
+                    })
+                )
+            })
         })
     };
     for _ in 0..500 {
@@ -409,7 +432,10 @@ fn a_prefill_link_seen_closed_late_spares_requests_reserved_since() {
         w.check_step().expect("invariants hold");
     }
     let out = w.check_end().expect("invariants hold at the end");
-    let late = out.iter().find(|o| o.req == 101).expect("request 101 ran");
+    let late = out
+        .iter()
+        .find(|o| o.req == RequestId(101))
+        .expect("request 101 ran");
     assert_eq!(late.end, Some(Ok(2)), "{}", w.summary());
     assert_eq!(late.tokens, late.expected);
 }

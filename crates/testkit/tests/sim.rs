@@ -109,9 +109,37 @@ fn glue_that_starts_decode_before_the_verdict_is_caught() {
         sim.decode_glue_mut()
             .set_mutations(transfer::node::GlueMutations {
                 start_before_verdict: true,
+                ..Default::default()
             });
         if let Err(e) = sim.run() {
             assert!(e.contains("K3/K10"), "seed {seed}: {e}");
+            caught += 1;
+        }
+    }
+    assert!(caught > 0, "no seed of 300 caught the mutation");
+    eprintln!("{caught} of 300 seeds caught it");
+}
+
+/// The glue's `StopDecode` (a cancel while decoding) is what takes the
+/// request out of decode's engine: glue that ignores it leaves the engine
+/// running a request its machine ended and whose pages it freed, and the
+/// world's engine check catches it (without that check every other
+/// invariant stayed green).
+#[test]
+fn glue_that_ignores_stop_decode_is_caught() {
+    let mut caught = 0;
+    for seed in 0..300 {
+        let mut sim = Sim::new(seed, SimConfig::default());
+        sim.decode_glue_mut()
+            .set_mutations(transfer::node::GlueMutations {
+                skip_stop_decode: true,
+                ..Default::default()
+            });
+        if let Err(e) = sim.run() {
+            assert!(
+                e.contains("engines: decode's engine runs request"),
+                "seed {seed}: {e}"
+            );
             caught += 1;
         }
     }

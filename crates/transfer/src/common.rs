@@ -3,7 +3,7 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use kv::{Owner, RequestId, Scope, TenantId};
+use kv::{Owner, RequestId, TenantId};
 
 use crate::wire::{GenSpec, KvLayout, Message, Refusal, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL};
 
@@ -124,16 +124,29 @@ pub fn check_peer(
     Ok(())
 }
 
-/// Pages a sequence of `tokens` needs with `page_size` slots a page.
 /// A request's owner on every node: request, tenant, and the cache scope
-/// the gateway derived (the tenant's own when none). Prefill and decode
-/// must agree on it: the canary binds it (K7).
-pub fn request_owner(req: u64, tenant: u64, gen: &GenSpec) -> Owner {
-    let tenant = TenantId(tenant);
-    let scope = gen.cache_scope.map(Scope).unwrap_or(Scope::tenant(tenant));
-    Owner::scoped(RequestId(req), tenant, scope)
+/// the gateway derived (the tenant's own when none: `kv::Owner::request`,
+/// as the unified engine builds it). Prefill and decode must agree on it:
+/// the canary binds it (K7).
+///
+/// ```
+/// use transfer::{request_owner, wire::GenSpec, RequestId, TenantId};
+/// let (req, tenant) = (RequestId(7), TenantId(3));
+/// assert_eq!(request_owner(req, tenant, &GenSpec::greedy()).request, req);
+/// ```
+///
+/// The same call with the two swapped no longer compiles:
+///
+/// ```compile_fail
+/// use transfer::{request_owner, wire::GenSpec, RequestId, TenantId};
+/// let (req, tenant) = (RequestId(7), TenantId(3));
+/// let _ = request_owner(tenant, req, &GenSpec::greedy());
+/// ```
+pub fn request_owner(req: RequestId, tenant: TenantId, gen: &GenSpec) -> Owner {
+    Owner::request(req, tenant, gen.cache_scope)
 }
 
+/// Pages a sequence of `tokens` needs with `page_size` slots a page.
 pub fn pages_for(tokens: usize, page_size: u32) -> usize {
     tokens.div_ceil(page_size.max(1) as usize)
 }
@@ -270,7 +283,7 @@ pub fn check_request(
 /// A queued request as fair admission sees it (K13).
 pub(crate) fn waiting_of(owner: &Owner, gen: &GenSpec) -> crate::fair::Waiting {
     crate::fair::Waiting {
-        tenant: owner.tenant.0,
+        tenant: owner.tenant,
         weight: gen.weight,
         priority: gen.priority,
     }

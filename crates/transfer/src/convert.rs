@@ -2,7 +2,7 @@
 //! parameters, requests, errors (as the original error a node sends, K9)
 //! and log-probabilities, both ways. Pure functions, no state.
 
-use request::{GenRequest, RequestError, SamplingParams, Scope, TenantId};
+use request::{GenRequest, RequestError, SamplingParams, TenantId};
 
 use crate::wire::{GenSpec, Refusal, WireLogprobs};
 
@@ -45,7 +45,7 @@ pub fn gen_spec(req: &GenRequest) -> GenSpec {
             .iter()
             .map(|&(t, b)| (t, b.to_bits()))
             .collect(),
-        cache_scope: req.cache_scope.map(|s| s.0),
+        cache_scope: req.cache_scope,
         priority: req.priority,
         weight: req.weight.clamp(1, request::WEIGHT_MAX),
         trace: req.trace.map(Box::new),
@@ -54,16 +54,16 @@ pub fn gen_spec(req: &GenRequest) -> GenSpec {
 
 /// A request as a node receives it → the engine's request (to validate it
 /// with the same rules as the unified engine).
-pub fn gen_request(tenant: u64, tokens: &[u32], max_tokens: u32, g: &GenSpec) -> GenRequest {
+pub fn gen_request(tenant: TenantId, tokens: &[u32], max_tokens: u32, g: &GenSpec) -> GenRequest {
     GenRequest {
-        tenant: TenantId(tenant),
+        tenant,
         prompt: tokens.to_vec(),
         max_tokens: max_tokens as usize,
         params: params_of(g),
         stop: g.stop.clone(),
         ignore_eos: g.ignore_eos,
         logprobs: g.logprobs.map(usize::from),
-        cache_scope: g.cache_scope.map(Scope),
+        cache_scope: g.cache_scope,
         priority: g.priority,
         weight: g.weight,
         trace: g.trace.as_deref().copied(),

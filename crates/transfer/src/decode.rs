@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kv::{canary_value, FreeOutcome, KvError, Owner, PageRef, Pool};
+use kv::{canary_value, FreeOutcome, KvError, Owner, PageRef, Pool, RequestId, TenantId};
 
 use crate::common::waiting_of;
 use crate::common::{
@@ -84,7 +84,7 @@ pub enum DecodePhase {
 /// What the engine needs to start decoding a request whose KV arrived.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct DecodeStart {
-    pub req: u64,
+    pub req: RequestId,
     pub owner: Owner,
     /// The gateway connection tokens go to.
     pub conn: ConnId,
@@ -119,7 +119,7 @@ pub enum DecodeAction {
     StartDecode(Box<DecodeStart>),
     /// Stop decoding a request now (cancelled); the machine frees its pages.
     StopDecode {
-        req: u64,
+        req: RequestId,
     },
 }
 
@@ -200,8 +200,8 @@ pub struct DecodeNode {
     links: BTreeMap<ConnId, Link>,
     /// Live prefill links by node name (the newest connection wins).
     prefill_links: BTreeMap<String, ConnId>,
-    reqs: BTreeMap<u64, Req>,
-    waiting: VecDeque<u64>,
+    reqs: BTreeMap<RequestId, Req>,
+    waiting: VecDeque<RequestId>,
     /// Draining (SIGTERM): new requests are refused with
     /// [`refusal::draining`]; what is in flight finishes.
     draining: bool,
@@ -239,7 +239,7 @@ impl DecodeNode {
     }
 
     /// Requests known, by phase (for metrics and tests).
-    pub fn phase_of(&self, req: u64) -> Option<DecodePhase> {
+    pub fn phase_of(&self, req: RequestId) -> Option<DecodePhase> {
         self.reqs.get(&req).map(|r| r.phase)
     }
 
@@ -267,7 +267,7 @@ impl DecodeNode {
     }
 
     /// Every request this node knows, with its phase.
-    pub fn request_phases(&self) -> impl Iterator<Item = (u64, DecodePhase)> + '_ {
+    pub fn request_phases(&self) -> impl Iterator<Item = (RequestId, DecodePhase)> + '_ {
         self.reqs.iter().map(|(&k, r)| (k, r.phase))
     }
 
@@ -281,7 +281,7 @@ impl DecodeNode {
                 DecodePhase::Decoding | DecodePhase::Draining => continue,
             };
             out.push(request::console::TransferView {
-                request: req,
+                request: req.0,
                 tenant: r.owner.tenant.0,
                 from: r.prefill.clone(),
                 to: self.cfg.identity.node.clone(),
@@ -293,23 +293,23 @@ impl DecodeNode {
     }
 
     /// The pages a request holds (reserved or being decoded into).
-    pub fn pages_of(&self, req: u64) -> Option<&[PageRef]> {
+    pub fn pages_of(&self, req: RequestId) -> Option<&[PageRef]> {
         self.reqs.get(&req).map(|r| r.pages.as_slice())
     }
 
     /// The prefill link a request's transfer is bound to, once known.
-    pub fn link_of(&self, req: u64) -> Option<ConnId> {
+    pub fn link_of(&self, req: RequestId) -> Option<ConnId> {
         self.reqs.get(&req).and_then(|r| r.link)
     }
 
     /// Owner of a request's pages.
-    pub fn owner_of(&self, req: u64) -> Option<Owner> {
+    pub fn owner_of(&self, req: RequestId) -> Option<Owner> {
         self.reqs.get(&req).map(|r| r.owner)
     }
 
     /// A request as the gateway asked for it: (gateway connection, prompt,
     /// max_tokens, sampling).
-    pub fn request_of(&self, req: u64) -> Option<(ConnId, &[u32], u32, &GenSpec)> {
+    pub fn request_of(&self, req: RequestId) -> Option<(ConnId, &[u32], u32, &GenSpec)> {
         self.reqs
             .get(&req)
             .map(|r| (r.gateway, r.tokens.as_slice(), r.max_tokens, &r.gen))
@@ -336,7 +336,7 @@ impl DecodeNode {
         match link {
             Link::Handshaking => self.settle_handshakes(pool),
             Link::Gateway => {
-                let reqs: Vec<u64> = self
+                let reqs: Vec<RequestId> = self
                     .reqs
                     .iter()
                     .filter(|(_, r)| r.gateway == conn)
@@ -357,7 +357,7 @@ impl DecodeNode {
                 // other) and then travel on the next link. If prefill did
                 // lose it with this link, prefill fails it to the gateway,
                 // whose Cancel ends it here; a lost gateway cancels it too.
-                let reqs: Vec<u64> = self
+                let reqs: Vec<RequestId> = self
                     .reqs
                     .iter()
                     .filter(|(_, r)| r.link == Some(conn))
@@ -512,7 +512,7 @@ impl DecodeNode {
         if self.links.values().any(|l| *l == Link::Handshaking) {
             return;
         }
-        let waiting: Vec<u64> = self
+        let waiting: Vec<RequestId> = self
             .reqs
             .iter()
             .filter(|(_, r)| r.awaiting_handshake)
@@ -531,8 +531,8 @@ impl DecodeNode {
         &mut self,
         pool: &mut Pool,
         conn: ConnId,
-        req: u64,
-        tenant: u64,
+        req: RequestId,
+        tenant: TenantId,
         prefill: String,
         tokens: Vec<u32>,
         max_tokens: u32,
@@ -640,7 +640,7 @@ impl DecodeNode {
 
     /// Allocates a waiting request's pages (the caller checked they are
     /// free), leases the prompt's pages to the transfer, answers Reserved.
-    fn allocate(&mut self, pool: &mut Pool, req: u64, out: &mut Vec<DecodeAction>) {
+    fn allocate(&mut self, pool: &mut Pool, req: RequestId, out: &mut Vec<DecodeAction>) {
         let ps = self.cfg.identity.layout.page_size;
         let r = self.reqs.get_mut(&req).expect("allocate a known request");
         let need = pages_for(r.tokens.len() + r.max_tokens as usize, ps);
@@ -687,9 +687,9 @@ impl DecodeNode {
         let ps = self.cfg.identity.layout.page_size;
         let mut queue = std::mem::take(&mut self.waiting);
         queue.retain(|w| self.reqs.contains_key(w));
-        let mut held: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut held: BTreeMap<TenantId, u64> = BTreeMap::new();
         for r in self.reqs.values() {
-            *held.entry(r.owner.tenant.0).or_default() += r.pages.len() as u64;
+            *held.entry(r.owner.tenant).or_default() += r.pages.len() as u64;
         }
         let waiting = queue
             .iter()
@@ -888,7 +888,7 @@ impl DecodeNode {
         pool: &mut Pool,
         conn: ConnId,
         node: &str,
-        req: u64,
+        req: RequestId,
         first_token: u32,
         first_logprobs: Option<WireLogprobs>,
         sampler_state: u64,
@@ -996,7 +996,7 @@ impl DecodeNode {
         pool: &mut Pool,
         conn: ConnId,
         node: &str,
-        req: u64,
+        req: RequestId,
         error: Refusal,
         out: &mut Vec<DecodeAction>,
     ) {
@@ -1025,7 +1025,7 @@ impl DecodeNode {
     /// Ends the transfer of a request: its prompt pages are no longer
     /// leased (frees that were deferred complete now). A draining request
     /// is then gone.
-    fn end_transfer(&mut self, pool: &mut Pool, req: u64) {
+    fn end_transfer(&mut self, pool: &mut Pool, req: RequestId) {
         let Some(r) = self.reqs.get_mut(&req) else {
             return;
         };
@@ -1051,7 +1051,13 @@ impl DecodeNode {
 
     /// A request ends without tokens: the gateway gets `error`; pages are
     /// freed (leased ones when the transfer ends: prefill is asked to stop).
-    fn fail(&mut self, pool: &mut Pool, req: u64, error: Refusal, out: &mut Vec<DecodeAction>) {
+    fn fail(
+        &mut self,
+        pool: &mut Pool,
+        req: RequestId,
+        error: Refusal,
+        out: &mut Vec<DecodeAction>,
+    ) {
         let Some(r) = self.reqs.get(&req) else {
             return;
         };
@@ -1067,7 +1073,7 @@ impl DecodeNode {
     fn fail_ended(
         &mut self,
         pool: &mut Pool,
-        req: u64,
+        req: RequestId,
         error: Refusal,
         out: &mut Vec<DecodeAction>,
     ) {
@@ -1083,7 +1089,7 @@ impl DecodeNode {
     }
 
     /// Cancel from the gateway (or its link closed).
-    fn cancel(&mut self, pool: &mut Pool, req: u64, out: &mut Vec<DecodeAction>) {
+    fn cancel(&mut self, pool: &mut Pool, req: RequestId, out: &mut Vec<DecodeAction>) {
         let Some(phase) = self.phase_of(req) else {
             return;
         };
@@ -1101,7 +1107,7 @@ impl DecodeNode {
     fn drop_request(
         &mut self,
         pool: &mut Pool,
-        req: u64,
+        req: RequestId,
         ask_prefill: bool,
         out: &mut Vec<DecodeAction>,
     ) {
@@ -1162,7 +1168,7 @@ impl DecodeNode {
 
     /// Takes a decoding request out and frees its pages (`None` if it is
     /// not decoding: cancelled meanwhile, or unknown).
-    fn end_decoding(&mut self, pool: &mut Pool, req: u64) -> Option<Req> {
+    fn end_decoding(&mut self, pool: &mut Pool, req: RequestId) -> Option<Req> {
         if self.reqs.get(&req)?.phase != DecodePhase::Decoding {
             return None;
         }
@@ -1175,7 +1181,7 @@ impl DecodeNode {
     /// the gateway on `conn`, numbered (the first is prefill's).
     pub fn stream_token(
         &mut self,
-        req: u64,
+        req: RequestId,
         conn: ConnId,
         id: u32,
         text: String,
@@ -1204,7 +1210,7 @@ impl DecodeNode {
     pub fn decode_finished(
         &mut self,
         pool: &mut Pool,
-        req: u64,
+        req: RequestId,
         finish: u8,
         completion_tokens: u32,
         tail_text: String,
@@ -1233,7 +1239,7 @@ impl DecodeNode {
     pub fn decode_failed(
         &mut self,
         pool: &mut Pool,
-        req: u64,
+        req: RequestId,
         error: Refusal,
         out: &mut Vec<DecodeAction>,
     ) {

@@ -14,25 +14,28 @@
 //! ```
 //! use std::collections::BTreeMap;
 //! use transfer::fair::{next, Waiting};
+//! use transfer::TenantId;
 //!
 //! // Tenant 1 holds 40 pages and has two requests waiting; tenant 2, who
 //! // holds none, arrived last and goes first.
 //! let waiting = [
-//!     Waiting { tenant: 1, weight: 1, priority: 0 },
-//!     Waiting { tenant: 1, weight: 1, priority: 0 },
-//!     Waiting { tenant: 2, weight: 1, priority: 0 },
+//!     Waiting { tenant: TenantId(1), weight: 1, priority: 0 },
+//!     Waiting { tenant: TenantId(1), weight: 1, priority: 0 },
+//!     Waiting { tenant: TenantId(2), weight: 1, priority: 0 },
 //! ];
-//! let held = BTreeMap::from([(1, 40)]);
+//! let held = BTreeMap::from([(TenantId(1), 40)]);
 //! assert_eq!(next(&waiting, &held), Some(2));
 //! ```
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
+use kv::{RequestId, TenantId};
+
 /// A waiting request as the choice sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Waiting {
-    pub tenant: u64,
+    pub tenant: TenantId,
     /// The tenant's weight (at least 1).
     pub weight: u32,
     pub priority: i32,
@@ -40,9 +43,9 @@ pub struct Waiting {
 
 /// The index in `waiting` (arrival order) of the request to admit next;
 /// `held`: pages each tenant holds on the node now (absent: none).
-pub fn next(waiting: &[Waiting], held: &BTreeMap<u64, u64>) -> Option<usize> {
+pub fn next(waiting: &[Waiting], held: &BTreeMap<TenantId, u64>) -> Option<usize> {
     // Each tenant's first request by (priority, arrival).
-    let mut best: BTreeMap<u64, usize> = BTreeMap::new();
+    let mut best: BTreeMap<TenantId, usize> = BTreeMap::new();
     for (i, w) in waiting.iter().enumerate() {
         best.entry(w.tenant)
             .and_modify(|b| {
@@ -73,10 +76,10 @@ pub fn next(waiting: &[Waiting], held: &BTreeMap<u64, u64>) -> Option<usize> {
 /// tenant gained, or `None` when it does not fit — then admission stops
 /// (nobody passes it).
 pub fn admit(
-    queue: &mut std::collections::VecDeque<u64>,
+    queue: &mut std::collections::VecDeque<RequestId>,
     mut waiting: Vec<Waiting>,
-    mut held: BTreeMap<u64, u64>,
-    mut start: impl FnMut(u64) -> Option<u64>,
+    mut held: BTreeMap<TenantId, u64>,
+    mut start: impl FnMut(RequestId) -> Option<u64>,
 ) {
     debug_assert_eq!(queue.len(), waiting.len());
     while let Some(i) = next(&waiting, &held) {
@@ -93,7 +96,7 @@ pub fn admit(
 mod tests {
     use super::*;
 
-    fn w(tenant: u64, weight: u32, priority: i32) -> Waiting {
+    fn w(tenant: TenantId, weight: u32, priority: i32) -> Waiting {
         Waiting {
             tenant,
             weight,
@@ -108,32 +111,44 @@ mod tests {
 
     #[test]
     fn a_tenant_alone_is_served_in_priority_then_arrival_order() {
-        let q = [w(1, 1, 0), w(1, 1, -3), w(1, 1, -3), w(1, 1, 5)];
-        assert_eq!(next(&q, &BTreeMap::from([(1, 1000)])), Some(1));
+        let q = [
+            w(TenantId(1), 1, 0),
+            w(TenantId(1), 1, -3),
+            w(TenantId(1), 1, -3),
+            w(TenantId(1), 1, 5),
+        ];
+        assert_eq!(next(&q, &BTreeMap::from([(TenantId(1), 1000)])), Some(1));
     }
 
     #[test]
     fn the_tenant_holding_fewest_pages_per_weight_goes_first() {
-        let q = [w(1, 1, 0), w(2, 4, 0), w(3, 1, 0)];
+        let q = [
+            w(TenantId(1), 1, 0),
+            w(TenantId(2), 4, 0),
+            w(TenantId(3), 1, 0),
+        ];
         // Per weight: 1 → 10, 2 → 30/4 = 7.5, 3 → 8.
-        let held = BTreeMap::from([(1, 10), (2, 30), (3, 8)]);
+        let held = BTreeMap::from([(TenantId(1), 10), (TenantId(2), 30), (TenantId(3), 8)]);
         assert_eq!(next(&q, &held), Some(1));
         // Equal shares: the earlier arrival.
-        let held = BTreeMap::from([(1, 8), (2, 32), (3, 8)]);
+        let held = BTreeMap::from([(TenantId(1), 8), (TenantId(2), 32), (TenantId(3), 8)]);
         assert_eq!(next(&q, &held), Some(0));
     }
 
     #[test]
     fn priority_never_reaches_past_the_tenants_share() {
         // Tenant 1 asks for the best priority but holds more per weight.
-        let q = [w(1, 1, i32::MIN), w(2, 1, i32::MAX)];
-        assert_eq!(next(&q, &BTreeMap::from([(1, 2), (2, 1)])), Some(1));
+        let q = [w(TenantId(1), 1, i32::MIN), w(TenantId(2), 1, i32::MAX)];
+        assert_eq!(
+            next(&q, &BTreeMap::from([(TenantId(1), 2), (TenantId(2), 1)])),
+            Some(1)
+        );
     }
 
     #[test]
     fn huge_counts_and_weights_compare_without_overflow() {
-        let q = [w(1, 1000, 0), w(2, 1, 0)];
-        let held = BTreeMap::from([(1, u64::MAX), (2, u64::MAX / 999)]);
+        let q = [w(TenantId(1), 1000, 0), w(TenantId(2), 1, 0)];
+        let held = BTreeMap::from([(TenantId(1), u64::MAX), (TenantId(2), u64::MAX / 999)]);
         // 1: MAX/1000 per weight < 2: MAX/999.
         assert_eq!(next(&q, &held), Some(0));
     }

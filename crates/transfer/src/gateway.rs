@@ -14,6 +14,8 @@
 
 use std::collections::BTreeMap;
 
+use kv::{RequestId, TenantId};
+
 use crate::common::{check_peer, pages_for, refusal, ConnId, Identity, PeerHello};
 use crate::wire::{
     GenSpec, Message, Refusal, WireLogprobs, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
@@ -61,7 +63,7 @@ pub enum ClientEvent {
 pub enum GatewayAction {
     Send { conn: ConnId, msg: Message },
     Close { conn: ConnId },
-    Deliver { req: u64, event: ClientEvent },
+    Deliver { req: RequestId, event: ClientEvent },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -198,8 +200,8 @@ struct Req {
     /// re-placement gets another ([`wire_id`]), so nothing a node still
     /// holds of an earlier placement (a reservation waiting for its
     /// prefill's last word, a cancel tombstone) is ever taken for it.
-    client: u64,
-    tenant: u64,
+    client: RequestId,
+    tenant: TenantId,
     prefill: usize,
     decode: usize,
     tokens: Vec<u32>,
@@ -232,16 +234,16 @@ pub struct Gateway {
     nodes: Vec<NodeView>,
     conns: BTreeMap<ConnId, usize>,
     /// By wire id (see [`Req::client`]).
-    reqs: BTreeMap<u64, Req>,
+    reqs: BTreeMap<RequestId, Req>,
     /// Client id → wire id of its current placement.
-    clients: BTreeMap<u64, u64>,
+    clients: BTreeMap<RequestId, RequestId>,
     rotate: usize,
     stats: GatewayStats,
     /// Tenant → the prefill node (by name) its last request went to: its
     /// prefix cache is there (K11 keeps it the tenant's). Bounded: the
     /// oldest entries go first.
-    affinity: BTreeMap<u64, String>,
-    affinity_order: std::collections::VecDeque<u64>,
+    affinity: BTreeMap<TenantId, String>,
+    affinity_order: std::collections::VecDeque<TenantId>,
 }
 
 /// Tenants whose prefill node the gateway remembers.
@@ -254,9 +256,9 @@ pub const AFFINITY_SLACK_REQUESTS: usize = 2;
 /// client id itself first, then the client id with its top bits flipped —
 /// never another request's id on this gateway (a gateway's client ids
 /// share their top 24 bits), and never an earlier placement's.
-fn wire_id(client: u64, placement: u8) -> u64 {
+fn wire_id(client: RequestId, placement: u8) -> RequestId {
     debug_assert!((1..=PLACEMENTS_MAX).contains(&placement));
-    client ^ (u64::from(placement - 1) << 62)
+    RequestId(client.0 ^ (u64::from(placement - 1) << 62))
 }
 
 impl Gateway {
@@ -326,12 +328,12 @@ impl Gateway {
     }
 
     /// The client id of the request a node knows as `wire`.
-    pub fn client_of(&self, wire: u64) -> Option<u64> {
+    pub fn client_of(&self, wire: RequestId) -> Option<RequestId> {
         self.reqs.get(&wire).map(|r| r.client)
     }
 
     /// The phase of the request the client knows as `req`.
-    pub fn phase_of(&self, req: u64) -> Option<GatewayPhase> {
+    pub fn phase_of(&self, req: RequestId) -> Option<GatewayPhase> {
         let wire = self.clients.get(&req)?;
         self.reqs.get(wire).map(|r| r.phase)
     }
@@ -418,7 +420,7 @@ impl Gateway {
         }
         let role = n.role;
         let addr = n.addr.clone();
-        let reqs: Vec<u64> = self
+        let reqs: Vec<RequestId> = self
             .reqs
             .iter()
             .filter(|(_, r)| r.decode == node || r.prefill == node)
@@ -699,7 +701,7 @@ impl Gateway {
     /// counts only (to tell whether the reports moved a placement).
     fn pick_pair_for(
         &self,
-        tenant: Option<u64>,
+        tenant: Option<TenantId>,
         pages: u32,
         by_reports: bool,
     ) -> Option<(usize, usize, bool)> {
@@ -766,7 +768,7 @@ impl Gateway {
     }
 
     /// Remembers `tenant`'s prefill node (bounded; the oldest go first).
-    fn remember(&mut self, tenant: u64, prefill: &str) {
+    fn remember(&mut self, tenant: TenantId, prefill: &str) {
         if self.affinity.insert(tenant, prefill.to_string()).is_none() {
             self.affinity_order.push_back(tenant);
             while self.affinity_order.len() > AFFINITY_TENANTS_MAX {
@@ -783,8 +785,8 @@ impl Gateway {
     /// [`GatewayAction::Deliver`].
     pub fn submit(
         &mut self,
-        req: u64,
-        tenant: u64,
+        req: RequestId,
+        tenant: TenantId,
         tokens: Vec<u32>,
         max_tokens: u32,
         gen: GenSpec,
@@ -823,8 +825,8 @@ impl Gateway {
     #[allow(clippy::too_many_arguments)]
     fn place(
         &mut self,
-        req: u64,
-        tenant: u64,
+        req: RequestId,
+        tenant: TenantId,
         tokens: Vec<u32>,
         max_tokens: u32,
         gen: GenSpec,
@@ -903,7 +905,7 @@ impl Gateway {
     /// any token reached the client: release what the old pair holds
     /// (Cancel, as [`Self::end`]) and place it again under a new wire id;
     /// `error` is the client's answer if no other pair is up.
-    fn replace(&mut self, req: u64, error: Refusal, out: &mut Vec<GatewayAction>) {
+    fn replace(&mut self, req: RequestId, error: Refusal, out: &mut Vec<GatewayAction>) {
         let Some(r) = self.reqs.get(&req) else {
             return;
         };
@@ -931,7 +933,7 @@ impl Gateway {
 
     /// The client went away (or asked to stop): cooperative cancel on both
     /// nodes. Nothing more is delivered for the request.
-    pub fn cancel(&mut self, req: u64, out: &mut Vec<GatewayAction>) {
+    pub fn cancel(&mut self, req: RequestId, out: &mut Vec<GatewayAction>) {
         let Some(&req) = self.clients.get(&req) else {
             return;
         };
@@ -948,7 +950,7 @@ impl Gateway {
 
     /// Ends a request: `Cancel` to every node that may hold state for it,
     /// the error (if any) to the client.
-    fn end(&mut self, req: u64, error: Option<Refusal>, out: &mut Vec<GatewayAction>) {
+    fn end(&mut self, req: RequestId, error: Option<Refusal>, out: &mut Vec<GatewayAction>) {
         let Some(r) = self.reqs.get(&req) else {
             return;
         };
@@ -976,7 +978,7 @@ impl Gateway {
         self.remove(req);
     }
 
-    fn remove(&mut self, req: u64) {
+    fn remove(&mut self, req: RequestId) {
         if let Some(r) = self.reqs.remove(&req) {
             let gone = self.clients.remove(&r.client);
             debug_assert_eq!(gone, Some(req));

@@ -25,16 +25,19 @@
 //!
 //! ```
 //! use transfer::wire::{Message, WirePage};
+//! use transfer::RequestId;
 //!
 //! let mut buf = Vec::new();
-//! Message::Reserved { req: 7, pages: vec![WirePage { index: 3, epoch: 5 }] }.encode(&mut buf);
+//! Message::Reserved { req: RequestId(7), pages: vec![WirePage { index: 3, epoch: 5 }] }.encode(&mut buf);
 //! let (msg, used) = Message::decode(&buf)?.expect("a whole frame");
 //! assert_eq!(used, buf.len());
-//! assert!(matches!(msg, Message::Reserved { req: 7, .. }));
+//! assert!(matches!(msg, Message::Reserved { req: RequestId(7), .. }));
 //! // Half a frame is not an error, just not yet a message.
 //! assert!(Message::decode(&buf[..buf.len() - 1])?.is_none());
 //! # Ok::<(), transfer::wire::WireError>(())
 //! ```
+
+#![forbid(unsafe_code)]
 
 /// Whether a test-only mutation is on (always false without the
 /// `mutations` feature or `cfg(test)`).
@@ -61,6 +64,9 @@ pub mod prefill;
 pub mod wire;
 
 pub use common::{
-    check_peer, check_request, pages_for, refusal, role_name, short_hex, slots_at, transfer_digest,
-    ConnId, Identity, PeerHello,
+    check_peer, check_request, pages_for, refusal, request_owner, role_name, short_hex, slots_at,
+    transfer_digest, ConnId, Identity, PeerHello,
 };
+/// The identities every message names, typed (they are `u64` only inside
+/// [`wire`]'s encode and decode): the pool's, so one type end to end.
+pub use kv::{RequestId, Scope, TenantId};

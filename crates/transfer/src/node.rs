@@ -22,12 +22,12 @@
 //! use transfer::wire::Message;
 //! // A transport turns bytes into events for the glue, and carries out its
 //! // commands; `testkit::world::World` drives the same glue in tests.
-//! let ev = NetEvent::Message { conn: 3, msg: Message::Cancel { req: 7 } };
+//! let ev = NetEvent::Message { conn: 3, msg: Message::Cancel { req: transfer::RequestId(7) } };
 //! let cmd = NetCommand::Close { conn: 3 };
 //! assert!(matches!((ev, cmd), (NetEvent::Message { .. }, NetCommand::Close { conn: 3 })));
 //! ```
 
-use kv::Pool;
+use kv::{Pool, RequestId, TenantId};
 
 use crate::common::ConnId;
 use crate::decode::{DecodeAction, DecodeNode, DecodeStart};
@@ -75,20 +75,20 @@ pub enum NetCommand {
 pub enum PrefillReport {
     /// The prompt's KV is in its pages; the first token is sampled.
     Computed {
-        req: u64,
+        req: RequestId,
         first: u32,
         logprobs: Option<WireLogprobs>,
         sampler_state: u64,
     },
     /// The engine could not compute the prompt (a failed forward step).
-    Failed { req: u64, error: Refusal },
+    Failed { req: RequestId, error: Refusal },
 }
 
 /// What a decode node's engine reports back.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum DecodeReport {
     Token {
-        req: u64,
+        req: RequestId,
         conn: ConnId,
         id: u32,
         text: String,
@@ -96,13 +96,13 @@ pub enum DecodeReport {
     },
     /// `finish`: 0 stop, 1 length (as `Message::Finished`).
     Finished {
-        req: u64,
+        req: RequestId,
         finish: u8,
         completion_tokens: u32,
         tail_text: String,
     },
     Failed {
-        req: u64,
+        req: RequestId,
         error: Refusal,
     },
 }
@@ -117,14 +117,14 @@ pub trait NodeEngine {
     /// counted by the engine and sent back as the request's original error.
     fn check(
         &mut self,
-        tenant: u64,
+        tenant: TenantId,
         tokens: &[u32],
         max_tokens: u32,
         gen: &GenSpec,
     ) -> Result<(), Refusal>;
     /// Takes a request out of the engine's batch without touching its
     /// pages (the machine stopped it and frees them).
-    fn stop(&mut self, req: u64);
+    fn stop(&mut self, req: RequestId);
     /// Requests in the engine's batch (for [`Message::Load`]).
     fn running(&mut self) -> usize;
 }
@@ -178,6 +178,10 @@ pub struct GlueMutations {
     /// `Done` arrives, before the machine's completeness verdict (K10) is
     /// acted on; the machine's later `StartDecode` finds it running.
     pub start_before_verdict: bool,
+    /// Decode: `StopDecode` does nothing — the machine ends a request (a
+    /// cancel while it decodes) and frees its pages, but the engine keeps
+    /// running it.
+    pub skip_stop_decode: bool,
 }
 
 /// The engine's parameter check of a request arriving at a node (`Prefill`
@@ -322,7 +326,7 @@ pub struct Decode<E> {
     mutations: GlueMutations,
     /// `start_before_verdict` only: requests started on `Done`.
     #[cfg(any(test, feature = "mutations"))]
-    started_early: std::collections::BTreeSet<u64>,
+    started_early: std::collections::BTreeSet<RequestId>,
 }
 
 impl<E: DecodeEngine> Decode<E> {
@@ -478,7 +482,12 @@ impl<E: DecodeEngine> Decode<E> {
                 }
                 DecodeAction::StopDecode { req } => {
                     #[cfg(any(test, feature = "mutations"))]
-                    self.started_early.remove(&req);
+                    {
+                        self.started_early.remove(&req);
+                        if self.mutations.skip_stop_decode {
+                            continue;
+                        }
+                    }
                     self.engine.stop(req)
                 }
             }

@@ -24,7 +24,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use kv::{canary_value, page_checksum, FreeOutcome, Owner, PageRef, Pool, PrefixKeys, Scope};
+use kv::{
+    canary_value, page_checksum, FreeOutcome, Owner, PageRef, Pool, PrefixKeys, RequestId, Scope,
+    TenantId,
+};
 
 use crate::common::{
     check_peer, check_request, pages_for, refusal, request_owner, slots_at, transfer_digest,
@@ -84,7 +87,7 @@ pub enum PrefillPhase {
 /// and samples the first token, then calls [`PrefillNode::computed`].
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ComputeJob {
-    pub req: u64,
+    pub req: RequestId,
     pub owner: Owner,
     pub tokens: Vec<u32>,
     pub gen: GenSpec,
@@ -112,7 +115,7 @@ pub enum PrefillAction {
     Compute(Box<ComputeJob>),
     /// Stop computing a request now; the machine frees its pages.
     StopCompute {
-        req: u64,
+        req: RequestId,
     },
 }
 
@@ -189,10 +192,10 @@ pub struct PrefillNode {
     links: BTreeMap<ConnId, Link>,
     /// Decode links by address: the connection, or `None` while dialling.
     decode_links: BTreeMap<String, Option<ConnId>>,
-    reqs: BTreeMap<u64, Req>,
-    queue: VecDeque<u64>,
-    tombstones: VecDeque<u64>,
-    tombstone_set: BTreeSet<u64>,
+    reqs: BTreeMap<RequestId, Req>,
+    queue: VecDeque<RequestId>,
+    tombstones: VecDeque<RequestId>,
+    tombstone_set: BTreeSet<RequestId>,
     /// Draining (SIGTERM): new requests are refused with
     /// [`refusal::draining`]; what is in flight finishes.
     draining: bool,
@@ -231,7 +234,7 @@ impl PrefillNode {
         self.stats
     }
 
-    pub fn phase_of(&self, req: u64) -> Option<PrefillPhase> {
+    pub fn phase_of(&self, req: RequestId) -> Option<PrefillPhase> {
         self.reqs.get(&req).map(|r| r.phase)
     }
 
@@ -258,7 +261,7 @@ impl PrefillNode {
                 PrefillPhase::Queued | PrefillPhase::Computing => continue,
             };
             out.push(request::console::TransferView {
-                request: req,
+                request: req.0,
                 tenant: r.owner.tenant.0,
                 from: self.cfg.identity.node.clone(),
                 to: r.decode.clone(),
@@ -281,13 +284,13 @@ impl PrefillNode {
             .map(|(&c, _)| c)
     }
 
-    pub fn request_phases(&self) -> impl Iterator<Item = (u64, PrefillPhase)> + '_ {
+    pub fn request_phases(&self) -> impl Iterator<Item = (RequestId, PrefillPhase)> + '_ {
         self.reqs.iter().map(|(&k, r)| (k, r.phase))
     }
 
     /// Transfers that may still write decode's pages: `(request, link,
     /// destination pages)` of every request sending (for invariant checks).
-    pub fn sending(&self) -> impl Iterator<Item = (u64, Option<ConnId>, &[WirePage])> + '_ {
+    pub fn sending(&self) -> impl Iterator<Item = (RequestId, Option<ConnId>, &[WirePage])> + '_ {
         self.reqs
             .iter()
             .filter(|(_, r)| r.phase == PrefillPhase::Sending)
@@ -303,7 +306,7 @@ impl PrefillNode {
     /// The pages each request holds in this node's pool and has not freed
     /// yet: `(request, owner, pages, which are cached)` (for invariant
     /// checks).
-    pub fn holdings(&self) -> impl Iterator<Item = (u64, Owner, &[PageRef], &[bool])> + '_ {
+    pub fn holdings(&self) -> impl Iterator<Item = (RequestId, Owner, &[PageRef], &[bool])> + '_ {
         self.reqs
             .iter()
             .filter(|(_, r)| !r.freed)
@@ -369,7 +372,7 @@ impl PrefillNode {
         match link {
             Link::Incoming => {}
             Link::Gateway => {
-                let reqs: Vec<u64> = self
+                let reqs: Vec<RequestId> = self
                     .reqs
                     .iter()
                     .filter(|(_, r)| r.gateway == conn)
@@ -403,7 +406,7 @@ impl PrefillNode {
         error: Refusal,
         out: &mut Vec<PrefillAction>,
     ) {
-        let reqs: Vec<u64> = self
+        let reqs: Vec<RequestId> = self
             .reqs
             .iter()
             .filter(|(_, r)| r.decode == addr)
@@ -460,7 +463,7 @@ impl PrefillNode {
                                 up: true,
                             },
                         );
-                        let ready: Vec<u64> = self
+                        let ready: Vec<RequestId> = self
                             .reqs
                             .iter()
                             .filter(|(_, r)| r.decode == addr && r.phase == PrefillPhase::Ready)
@@ -565,8 +568,8 @@ impl PrefillNode {
         &mut self,
         pool: &mut Pool,
         conn: ConnId,
-        req: u64,
-        tenant: u64,
+        req: RequestId,
+        tenant: TenantId,
         decode: String,
         mut tokens: Vec<u32>,
         max_tokens: u32,
@@ -732,7 +735,7 @@ impl PrefillNode {
         }
     }
 
-    fn start_compute(&mut self, pool: &mut Pool, req: u64, out: &mut Vec<PrefillAction>) {
+    fn start_compute(&mut self, pool: &mut Pool, req: RequestId, out: &mut Vec<PrefillAction>) {
         let ps = self.cfg.identity.layout.page_size;
         let r = self.reqs.get_mut(&req).expect("known");
         let need = pages_for(r.tokens.len(), ps);
@@ -782,11 +785,11 @@ impl PrefillNode {
         let ps = self.cfg.identity.layout.page_size;
         let mut queue = std::mem::take(&mut self.queue);
         queue.retain(|q| self.reqs.contains_key(q));
-        let mut held: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut held: BTreeMap<TenantId, u64> = BTreeMap::new();
         // Pages a request still holds (a freed one, waiting for decode's
         // last word, gave its private pages back).
         for r in self.reqs.values().filter(|r| !r.freed) {
-            *held.entry(r.owner.tenant.0).or_default() += r.own.len() as u64;
+            *held.entry(r.owner.tenant).or_default() += r.own.len() as u64;
         }
         let waiting = queue
             .iter()
@@ -807,7 +810,7 @@ impl PrefillNode {
     pub fn computed(
         &mut self,
         pool: &mut Pool,
-        req: u64,
+        req: RequestId,
         first_token: u32,
         first_logprobs: Option<WireLogprobs>,
         sampler_state: u64,
@@ -841,7 +844,7 @@ impl PrefillNode {
     pub fn compute_failed(
         &mut self,
         pool: &mut Pool,
-        req: u64,
+        req: RequestId,
         error: Refusal,
         out: &mut Vec<PrefillAction>,
     ) {
@@ -871,7 +874,7 @@ impl PrefillNode {
     fn start_sending(
         &mut self,
         pool: &mut Pool,
-        req: u64,
+        req: RequestId,
         conn: ConnId,
         out: &mut Vec<PrefillAction>,
     ) {
@@ -880,7 +883,13 @@ impl PrefillNode {
     }
 
     /// Sends pages while the window allows; after the last one, `Done`.
-    fn pump(&mut self, pool: &mut Pool, req: u64, conn: ConnId, out: &mut Vec<PrefillAction>) {
+    fn pump(
+        &mut self,
+        pool: &mut Pool,
+        req: RequestId,
+        conn: ConnId,
+        out: &mut Vec<PrefillAction>,
+    ) {
         let ps = self.cfg.identity.layout.page_size;
         let data_bytes = pool.shape().data_bytes();
         let window = self.cfg.window_pages.max(1);
@@ -958,7 +967,7 @@ impl PrefillNode {
     fn abort_sending(
         &mut self,
         pool: &mut Pool,
-        req: u64,
+        req: RequestId,
         conn: ConnId,
         error: Refusal,
         out: &mut Vec<PrefillAction>,
@@ -984,7 +993,7 @@ impl PrefillNode {
     fn cancel(
         &mut self,
         pool: &mut Pool,
-        req: u64,
+        req: RequestId,
         from_decode: Option<ConnId>,
         out: &mut Vec<PrefillAction>,
     ) {
@@ -1057,7 +1066,7 @@ impl PrefillNode {
         }
     }
 
-    fn free_own(&mut self, pool: &mut Pool, req: u64) {
+    fn free_own(&mut self, pool: &mut Pool, req: RequestId) {
         let r = self.reqs.get_mut(&req).expect("known");
         if r.freed {
             return;
@@ -1079,7 +1088,7 @@ impl PrefillNode {
 
     /// The request is over on this node: release the transfer's leases and
     /// free the pages (deferred frees complete).
-    fn finish(&mut self, pool: &mut Pool, req: u64) {
+    fn finish(&mut self, pool: &mut Pool, req: RequestId) {
         self.free_own(pool, req);
         let r = self.reqs.remove(&req).expect("known");
         for &h in &r.own[..r.sent as usize] {

@@ -15,6 +15,7 @@
 //! allocation, so a corrupt or hostile peer gets an error, never a panic or
 //! a huge allocation. Page bytes travel as raw bytes (no JSON, no base64).
 
+use kv::{RequestId, Scope, TenantId};
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -80,7 +81,7 @@ pub struct GenSpec {
     /// tenant's, a sharing group's, or one narrowed by a cache salt);
     /// `None`: the tenant's own. A prefill node shares cached pages only
     /// within it (K11).
-    pub cache_scope: Option<u64>,
+    pub cache_scope: Option<Scope>,
     /// Order among the tenant's own requests (lower first, K13); the
     /// gateway already capped it at the tenant's `max_priority`.
     pub priority: i32,
@@ -180,8 +181,8 @@ pub enum Message {
     /// Gateway → decode: reserve pages for a whole request. Carries the
     /// request so decode can check it (K8) and later continue sampling.
     Reserve {
-        req: u64,
-        tenant: u64,
+        req: RequestId,
+        tenant: TenantId,
         /// Node name of the prefill node that will fill the pages.
         prefill: String,
         tokens: Vec<u32>,
@@ -189,14 +190,17 @@ pub enum Message {
         gen: GenSpec,
     },
     /// Decode → gateway: the reservation, page handles in sequence order.
-    Reserved { req: u64, pages: Vec<WirePage> },
+    Reserved {
+        req: RequestId,
+        pages: Vec<WirePage>,
+    },
     /// Any node → gateway, decode → gateway on prefill's behalf: the request
     /// is refused or failed; the original error travels unchanged (K9).
-    Rejected { req: u64, error: Refusal },
+    Rejected { req: RequestId, error: Refusal },
     /// Gateway → prefill: compute the prompt's KV into the reserved pages.
     Prefill {
-        req: u64,
-        tenant: u64,
+        req: RequestId,
+        tenant: TenantId,
         /// Address (`host:port`) of the decode node holding the pages.
         decode: String,
         tokens: Vec<u32>,
@@ -207,7 +211,7 @@ pub enum Message {
     },
     /// Prefill → decode: one page of KV.
     Page {
-        req: u64,
+        req: RequestId,
         /// Page position in the sequence.
         position: u32,
         dst: WirePage,
@@ -221,7 +225,7 @@ pub enum Message {
     },
     /// Prefill → decode: the transfer is complete.
     Done {
-        req: u64,
+        req: RequestId,
         first_token: u32,
         /// The first token's logprobs, when the request asked for them.
         first_logprobs: Option<WireLogprobs>,
@@ -238,19 +242,19 @@ pub enum Message {
     },
     /// Prefill → decode: no more pages will come for `req` (cancelled,
     /// refused or failed); `error` is the original reason.
-    Abort { req: u64, error: Refusal },
+    Abort { req: RequestId, error: Refusal },
     /// Decode → prefill: pages received so far (flow control).
-    Ack { req: u64, pages: u32 },
+    Ack { req: RequestId, pages: u32 },
     /// Decode → prefill: decode reads nothing more of this transfer (after
     /// Done or Abort): prefill may free its pages (K4).
-    Closed { req: u64 },
+    Closed { req: RequestId },
     /// Gateway → any, decode → prefill: cooperative cancel.
-    Cancel { req: u64 },
+    Cancel { req: RequestId },
     /// Decode → gateway: a generated token, the `index`-th of the request
     /// (0 is the one prefill sampled), so a stream that skipped or repeated
     /// a token is an error, never a wrong answer.
     Token {
-        req: u64,
+        req: RequestId,
         index: u32,
         id: u32,
         text: String,
@@ -258,7 +262,7 @@ pub enum Message {
     },
     /// Decode → gateway: the end of generation.
     Finished {
-        req: u64,
+        req: RequestId,
         /// 0 = stop, 1 = length.
         finish: u8,
         prompt_tokens: u32,
@@ -361,7 +365,7 @@ impl Message {
     }
 
     /// The request a message is about, if any.
-    pub fn req(&self) -> Option<u64> {
+    pub fn req(&self) -> Option<RequestId> {
         match self {
             Message::Hello { .. }
             | Message::Refuse { .. }
@@ -420,8 +424,8 @@ impl Message {
                 gen,
             } => {
                 w.u8(K_RESERVE);
-                w.u64(*req);
-                w.u64(*tenant);
+                w.u64(req.0);
+                w.u64(tenant.0);
                 w.str(prefill);
                 w.tokens(tokens);
                 w.u32(*max_tokens);
@@ -429,12 +433,12 @@ impl Message {
             }
             Message::Reserved { req, pages } => {
                 w.u8(K_RESERVED);
-                w.u64(*req);
+                w.u64(req.0);
                 w.pages(pages);
             }
             Message::Rejected { req, error } => {
                 w.u8(K_REJECTED);
-                w.u64(*req);
+                w.u64(req.0);
                 w.error(error);
             }
             Message::Prefill {
@@ -447,8 +451,8 @@ impl Message {
                 pages,
             } => {
                 w.u8(K_PREFILL);
-                w.u64(*req);
-                w.u64(*tenant);
+                w.u64(req.0);
+                w.u64(tenant.0);
                 w.str(decode);
                 w.tokens(tokens);
                 w.u32(*max_tokens);
@@ -465,7 +469,7 @@ impl Message {
                 bytes,
             } => {
                 w.u8(K_PAGE);
-                w.u64(*req);
+                w.u64(req.0);
                 w.u32(*position);
                 w.u32(dst.index);
                 w.u64(dst.epoch);
@@ -486,7 +490,7 @@ impl Message {
                 digest,
             } => {
                 w.u8(K_DONE);
-                w.u64(*req);
+                w.u64(req.0);
                 w.u32(*first_token);
                 w.logprobs(first_logprobs.as_ref());
                 w.u64(*sampler_state);
@@ -497,21 +501,21 @@ impl Message {
             }
             Message::Abort { req, error } => {
                 w.u8(K_ABORT);
-                w.u64(*req);
+                w.u64(req.0);
                 w.error(error);
             }
             Message::Ack { req, pages } => {
                 w.u8(K_ACK);
-                w.u64(*req);
+                w.u64(req.0);
                 w.u32(*pages);
             }
             Message::Closed { req } => {
                 w.u8(K_CLOSED);
-                w.u64(*req);
+                w.u64(req.0);
             }
             Message::Cancel { req } => {
                 w.u8(K_CANCEL);
-                w.u64(*req);
+                w.u64(req.0);
             }
             Message::Token {
                 req,
@@ -521,7 +525,7 @@ impl Message {
                 logprobs,
             } => {
                 w.u8(K_TOKEN);
-                w.u64(*req);
+                w.u64(req.0);
                 w.u32(*index);
                 w.u32(*id);
                 w.str(text);
@@ -537,7 +541,7 @@ impl Message {
                 tail_text,
             } => {
                 w.u8(K_FINISHED);
-                w.u64(*req);
+                w.u64(req.0);
                 w.u8(*finish);
                 w.u32(*prompt_tokens);
                 w.u32(*cached_tokens);
@@ -616,24 +620,24 @@ impl Message {
                 message: r.str("message")?,
             },
             K_RESERVE => Message::Reserve {
-                req: r.u64("req")?,
-                tenant: r.u64("tenant")?,
+                req: RequestId(r.u64("req")?),
+                tenant: TenantId(r.u64("tenant")?),
                 prefill: r.str("prefill")?,
                 tokens: r.tokens()?,
                 max_tokens: r.u32("max_tokens")?,
                 gen: r.gen()?,
             },
             K_RESERVED => Message::Reserved {
-                req: r.u64("req")?,
+                req: RequestId(r.u64("req")?),
                 pages: r.pages()?,
             },
             K_REJECTED => Message::Rejected {
-                req: r.u64("req")?,
+                req: RequestId(r.u64("req")?),
                 error: r.error()?,
             },
             K_PREFILL => Message::Prefill {
-                req: r.u64("req")?,
-                tenant: r.u64("tenant")?,
+                req: RequestId(r.u64("req")?),
+                tenant: TenantId(r.u64("tenant")?),
                 decode: r.str("decode")?,
                 tokens: r.tokens()?,
                 max_tokens: r.u32("max_tokens")?,
@@ -641,7 +645,7 @@ impl Message {
                 pages: r.pages()?,
             },
             K_PAGE => Message::Page {
-                req: r.u64("req")?,
+                req: RequestId(r.u64("req")?),
                 position: r.u32("position")?,
                 dst: WirePage {
                     index: r.u32("dst index")?,
@@ -656,7 +660,7 @@ impl Message {
                 },
             },
             K_DONE => Message::Done {
-                req: r.u64("req")?,
+                req: RequestId(r.u64("req")?),
                 first_token: r.u32("first_token")?,
                 first_logprobs: r.logprobs()?,
                 sampler_state: r.u64("sampler_state")?,
@@ -666,24 +670,28 @@ impl Message {
                 digest: r.u64("digest")?,
             },
             K_ABORT => Message::Abort {
-                req: r.u64("req")?,
+                req: RequestId(r.u64("req")?),
                 error: r.error()?,
             },
             K_ACK => Message::Ack {
-                req: r.u64("req")?,
+                req: RequestId(r.u64("req")?),
                 pages: r.u32("pages")?,
             },
-            K_CLOSED => Message::Closed { req: r.u64("req")? },
-            K_CANCEL => Message::Cancel { req: r.u64("req")? },
+            K_CLOSED => Message::Closed {
+                req: RequestId(r.u64("req")?),
+            },
+            K_CANCEL => Message::Cancel {
+                req: RequestId(r.u64("req")?),
+            },
             K_TOKEN => Message::Token {
-                req: r.u64("req")?,
+                req: RequestId(r.u64("req")?),
                 index: r.u32("index")?,
                 id: r.u32("id")?,
                 text: r.str("text")?,
                 logprobs: r.logprobs()?,
             },
             K_FINISHED => Message::Finished {
-                req: r.u64("req")?,
+                req: RequestId(r.u64("req")?),
                 finish: r.u8("finish")?,
                 prompt_tokens: r.u32("prompt_tokens")?,
                 cached_tokens: r.u32("cached_tokens")?,
@@ -795,7 +803,7 @@ impl Writer<'_> {
             None => self.u8(0),
             Some(s) => {
                 self.u8(1);
-                self.u64(s);
+                self.u64(s.0);
             }
         }
         self.u32(g.priority as u32);
@@ -967,7 +975,7 @@ impl<'a> Reader<'a> {
                 .push((self.u32("logit_bias token")?, self.u32("logit_bias value")?));
         }
         if self.bool("cache_scope")? {
-            g.cache_scope = Some(self.u64("cache_scope")?);
+            g.cache_scope = Some(Scope(self.u64("cache_scope")?));
         }
         g.priority = self.u32("priority")? as i32;
         g.weight = self.u32("weight")?;

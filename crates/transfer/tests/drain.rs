@@ -13,17 +13,25 @@ use common::{gateway, identity};
 use transfer::gateway::{ClientEvent, Gateway, GatewayAction, PLACEMENTS_MAX};
 use transfer::refusal;
 use transfer::wire::{GenSpec, Message, ROLE_DECODE};
+use transfer::{RequestId, TenantId};
 
-fn submit(gw: &mut Gateway, req: u64) -> Vec<GatewayAction> {
+fn submit(gw: &mut Gateway, req: RequestId) -> Vec<GatewayAction> {
     let mut out = Vec::new();
-    gw.submit(req, 1, vec![1, 2, 3], 4, GenSpec::default(), &mut out)
-        .unwrap();
+    gw.submit(
+        req,
+        TenantId(1),
+        vec![1, 2, 3],
+        4,
+        GenSpec::default(),
+        &mut out,
+    )
+    .unwrap();
     out
 }
 
 /// The decode connection a Reserve went to, and the request's id on the
 /// wire (a re-placement's differs from the client's).
-fn reserve_of(out: &[GatewayAction]) -> Option<(u64, u64)> {
+fn reserve_of(out: &[GatewayAction]) -> Option<(u64, RequestId)> {
     out.iter().find_map(|a| match a {
         GatewayAction::Send {
             conn,
@@ -35,12 +43,12 @@ fn reserve_of(out: &[GatewayAction]) -> Option<(u64, u64)> {
 
 /// The decode connection a Reserve for the client's `req` went to (its
 /// first placement: the wire id is the client id).
-fn reserved_on(out: &[GatewayAction], req: u64) -> Option<u64> {
+fn reserved_on(out: &[GatewayAction], req: RequestId) -> Option<u64> {
     reserve_of(out).filter(|&(_, w)| w == req).map(|(c, _)| c)
 }
 
 /// Decode's answer to a Reserve: one page reserved for `wire`.
-fn reserved(gw: &mut Gateway, conn: u64, wire: u64, out: &mut Vec<GatewayAction>) {
+fn reserved(gw: &mut Gateway, conn: u64, wire: RequestId, out: &mut Vec<GatewayAction>) {
     let page = transfer::wire::WirePage { index: 3, epoch: 1 };
     gw.message(
         conn,
@@ -63,7 +71,7 @@ fn prefill_of(out: &[GatewayAction]) -> Option<u64> {
     })
 }
 
-fn draining_reject(gw: &mut Gateway, conn: u64, req: u64, node: &str) -> Vec<GatewayAction> {
+fn draining_reject(gw: &mut Gateway, conn: u64, req: RequestId, node: &str) -> Vec<GatewayAction> {
     let mut out = Vec::new();
     gw.message(
         conn,
@@ -79,10 +87,10 @@ fn draining_reject(gw: &mut Gateway, conn: u64, req: u64, node: &str) -> Vec<Gat
 #[test]
 fn a_request_refused_by_a_draining_decode_goes_to_the_other_one() {
     let mut gw = gateway();
-    let out = submit(&mut gw, 1);
-    let first = reserved_on(&out, 1).expect("a Reserve");
+    let out = submit(&mut gw, RequestId(1));
+    let first = reserved_on(&out, RequestId(1)).expect("a Reserve");
     let (other, name) = if first == 20 { (21, "d0") } else { (20, "d1") };
-    let out = draining_reject(&mut gw, first, 1, name);
+    let out = draining_reject(&mut gw, first, RequestId(1), name);
     assert_eq!(reserve_of(&out).map(|(c, _)| c), Some(other), "{out:?}");
     assert!(
         !out.iter()
@@ -92,7 +100,7 @@ fn a_request_refused_by_a_draining_decode_goes_to_the_other_one() {
     assert_eq!(gw.stats().replaced_draining_total, 1);
     assert_eq!(gw.requests(), 1);
     // From now on nothing goes to the draining node.
-    for req in 2..8 {
+    for req in (2..8).map(RequestId) {
         assert_eq!(reserved_on(&submit(&mut gw, req), req), Some(other));
     }
     let drained = gw.nodes().iter().filter(|n| n.draining).count();
@@ -102,13 +110,13 @@ fn a_request_refused_by_a_draining_decode_goes_to_the_other_one() {
 #[test]
 fn a_draining_prefill_hands_the_request_to_the_other_prefill_and_frees_decode() {
     let mut gw = gateway();
-    let out = submit(&mut gw, 1);
-    let dconn = reserved_on(&out, 1).unwrap();
+    let out = submit(&mut gw, RequestId(1));
+    let dconn = reserved_on(&out, RequestId(1)).unwrap();
     let mut out = Vec::new();
     gw.message(
         dconn,
         Message::Reserved {
-            req: 1,
+            req: RequestId(1),
             pages: vec![transfer::wire::WirePage { index: 3, epoch: 1 }],
         },
         &mut out,
@@ -124,11 +132,11 @@ fn a_draining_prefill_hands_the_request_to_the_other_prefill_and_frees_decode() 
         })
         .expect("a Prefill");
     let name = if pconn == 10 { "p0" } else { "p1" };
-    let out = draining_reject(&mut gw, pconn, 1, name);
+    let out = draining_reject(&mut gw, pconn, RequestId(1), name);
     // Decode's reservation is cancelled, and the request reserved again.
     assert!(out.iter().any(|a| matches!(
         a,
-        GatewayAction::Send { conn, msg: Message::Cancel { req: 1 } } if *conn == dconn
+        GatewayAction::Send { conn, msg: Message::Cancel { req: RequestId(1) } } if *conn == dconn
     )));
     // The next prefill for it goes to the other prefill node.
     let (d2, wire) = reserve_of(&out).expect("reserved again");
@@ -154,7 +162,7 @@ fn a_draining_prefill_hands_the_request_to_the_other_prefill_and_frees_decode() 
 #[test]
 fn when_every_node_drains_the_request_fails_with_503_and_nothing_leaks() {
     let mut gw = gateway();
-    let mut out = submit(&mut gw, 1);
+    let mut out = submit(&mut gw, RequestId(1));
     let mut delivered = None;
     for round in 0..=PLACEMENTS_MAX {
         let Some((conn, wire)) = reserve_of(&out) else {
@@ -184,7 +192,10 @@ fn when_every_node_drains_the_request_fails_with_503_and_nothing_leaks() {
     gw.closed(20, &mut o);
     gw.connected(2, 30, &mut o);
     gw.message(30, identity("d0").hello(ROLE_DECODE), &mut o);
-    assert_eq!(reserved_on(&submit(&mut gw, 9), 9), Some(30));
+    assert_eq!(
+        reserved_on(&submit(&mut gw, RequestId(9)), RequestId(9)),
+        Some(30)
+    );
 }
 
 #[test]
@@ -192,13 +203,13 @@ fn a_request_refused_by_a_draining_node_fails_without_replacement() {
     // Once a token reached the client the request is never placed again:
     // only the pre-token phases move.
     let mut gw = gateway();
-    let out = submit(&mut gw, 1);
-    let dconn = reserved_on(&out, 1).unwrap();
+    let out = submit(&mut gw, RequestId(1));
+    let dconn = reserved_on(&out, RequestId(1)).unwrap();
     let mut out = Vec::new();
     gw.message(
         dconn,
         Message::Reserved {
-            req: 1,
+            req: RequestId(1),
             pages: vec![transfer::wire::WirePage { index: 3, epoch: 1 }],
         },
         &mut out,
@@ -206,7 +217,7 @@ fn a_request_refused_by_a_draining_node_fails_without_replacement() {
     gw.message(
         dconn,
         Message::Token {
-            req: 1,
+            req: RequestId(1),
             index: 0,
             id: 5,
             text: "x".into(),
@@ -214,8 +225,8 @@ fn a_request_refused_by_a_draining_node_fails_without_replacement() {
         },
         &mut out,
     );
-    let out = draining_reject(&mut gw, dconn, 1, "d");
-    assert!(reserved_on(&out, 1).is_none());
+    let out = draining_reject(&mut gw, dconn, RequestId(1), "d");
+    assert!(reserved_on(&out, RequestId(1)).is_none());
     assert!(out.iter().any(|a| matches!(
         a,
         GatewayAction::Deliver { event: ClientEvent::Error(e), .. } if e.code == "draining"
@@ -232,14 +243,18 @@ fn a_request_refused_by_a_draining_node_fails_without_replacement() {
 #[test]
 fn incident_replaced_request_reused_its_wire_id() {
     let mut gw = gateway();
-    let out = submit(&mut gw, 1);
+    let out = submit(&mut gw, RequestId(1));
     let (dconn, first) = reserve_of(&out).unwrap();
-    assert_eq!(first, 1, "a first placement is known by the client's id");
+    assert_eq!(
+        first,
+        RequestId(1),
+        "a first placement is known by the client's id"
+    );
     let mut out = Vec::new();
-    reserved(&mut gw, dconn, 1, &mut out);
+    reserved(&mut gw, dconn, RequestId(1), &mut out);
     let pconn = prefill_of(&out).unwrap();
     let name = if pconn == 10 { "p0" } else { "p1" };
-    let out = draining_reject(&mut gw, pconn, 1, name);
+    let out = draining_reject(&mut gw, pconn, RequestId(1), name);
     let (d2, wire) = reserve_of(&out).expect("placed again");
     assert_ne!(
         wire, first,
@@ -249,12 +264,12 @@ fn incident_replaced_request_reused_its_wire_id() {
     // the old decode's reservation answer is cancelled, the old prefill's
     // refusal ignored.
     let mut late = Vec::new();
-    reserved(&mut gw, dconn, 1, &mut late);
+    reserved(&mut gw, dconn, RequestId(1), &mut late);
     assert!(
         late.iter().all(|a| matches!(
             a,
             GatewayAction::Send {
-                msg: Message::Cancel { req: 1 },
+                msg: Message::Cancel { req: RequestId(1) },
                 ..
             }
         )),
@@ -263,7 +278,7 @@ fn incident_replaced_request_reused_its_wire_id() {
     gw.message(
         pconn,
         Message::Rejected {
-            req: 1,
+            req: RequestId(1),
             error: refusal::draining(name),
         },
         &mut late,
@@ -275,7 +290,7 @@ fn incident_replaced_request_reused_its_wire_id() {
         "{late:?}"
     );
     assert_eq!(
-        gw.phase_of(1),
+        gw.phase_of(RequestId(1)),
         Some(transfer::gateway::GatewayPhase::Reserving)
     );
     // The new placement runs to its end under its wire id; the client
@@ -307,23 +322,23 @@ fn incident_replaced_request_reused_its_wire_id() {
         },
         &mut out,
     );
-    let delivered: Vec<u64> = out
+    let delivered: Vec<RequestId> = out
         .iter()
         .filter_map(|a| match a {
             GatewayAction::Deliver { req, .. } => Some(*req),
             _ => None,
         })
         .collect();
-    assert_eq!(delivered, vec![1, 1]);
+    assert_eq!(delivered, vec![RequestId(1), RequestId(1)]);
     assert_eq!(gw.requests(), 0);
     assert!(gw.nodes().iter().all(|n| n.inflight == 0));
     // A client cancel finds the request by the client's id too.
-    let out = submit(&mut gw, 2);
+    let out = submit(&mut gw, RequestId(2));
     let (c2, _) = reserve_of(&out).unwrap();
-    let out = draining_reject(&mut gw, c2, 2, "dx");
+    let out = draining_reject(&mut gw, c2, RequestId(2), "dx");
     let (_, w2) = reserve_of(&out).unwrap();
     let mut out = Vec::new();
-    gw.cancel(2, &mut out);
+    gw.cancel(RequestId(2), &mut out);
     assert!(out.iter().any(
         |a| matches!(a, GatewayAction::Send { msg: Message::Cancel { req }, .. } if *req == w2)
     ));
@@ -340,17 +355,17 @@ fn incident_replaced_request_reused_its_wire_id() {
 #[test]
 fn a_node_lost_before_the_first_token_costs_the_request_nothing() {
     let mut gw = gateway();
-    let out = submit(&mut gw, 1);
+    let out = submit(&mut gw, RequestId(1));
     let (dconn, _) = reserve_of(&out).unwrap();
     let mut out = Vec::new();
-    reserved(&mut gw, dconn, 1, &mut out);
+    reserved(&mut gw, dconn, RequestId(1), &mut out);
     assert!(prefill_of(&out).is_some());
     // The decode node holding the reservation is lost mid-prefill.
     let mut out = Vec::new();
     gw.closed(dconn, &mut out);
     let (d2, wire) = reserve_of(&out).expect("placed again");
     assert_ne!(d2, dconn);
-    assert_ne!(wire, 1);
+    assert_ne!(wire, RequestId(1));
     assert!(
         !out.iter()
             .any(|a| matches!(a, GatewayAction::Deliver { .. })),
@@ -377,7 +392,7 @@ fn a_node_lost_before_the_first_token_costs_the_request_nothing() {
     gw.closed(d2, &mut out);
     let err = out.iter().find_map(|a| match a {
         GatewayAction::Deliver {
-            req: 1,
+            req: RequestId(1),
             event: ClientEvent::Error(e),
         } => Some(e.clone()),
         _ => None,
@@ -387,7 +402,14 @@ fn a_node_lost_before_the_first_token_costs_the_request_nothing() {
     assert!(gw.nodes().iter().all(|n| n.inflight == 0));
     // No decode node left: a new request is refused at once.
     let e = gw
-        .submit(2, 1, vec![1, 2, 3], 4, GenSpec::default(), &mut Vec::new())
+        .submit(
+            RequestId(2),
+            TenantId(1),
+            vec![1, 2, 3],
+            4,
+            GenSpec::default(),
+            &mut Vec::new(),
+        )
         .unwrap_err();
     assert_eq!(e.status, 503);
 }
@@ -400,16 +422,16 @@ fn a_node_lost_before_the_first_token_costs_the_request_nothing() {
 #[test]
 fn a_peer_lost_report_before_the_first_token_places_the_request_again() {
     let mut gw = gateway();
-    let out = submit(&mut gw, 1);
+    let out = submit(&mut gw, RequestId(1));
     let (dconn, _) = reserve_of(&out).unwrap();
     let mut out = Vec::new();
-    reserved(&mut gw, dconn, 1, &mut out);
+    reserved(&mut gw, dconn, RequestId(1), &mut out);
     let pconn = prefill_of(&out).unwrap();
     let mut out = Vec::new();
     gw.message(
         pconn,
         Message::Rejected {
-            req: 1,
+            req: RequestId(1),
             error: refusal::upstream("decode_lost", "the link to decode was lost"),
         },
         &mut out,

@@ -12,13 +12,21 @@ mod common;
 use common::{gateway, identity};
 use transfer::gateway::{Gateway, GatewayAction};
 use transfer::wire::{GenSpec, Message, WirePage, ROLE_DECODE, ROLE_PREFILL};
+use transfer::{RequestId, TenantId};
 
 /// Submits `req` for `tenant`, lets decode reserve, and returns the
 /// prefill connection its Prefill went to.
 fn place(gw: &mut Gateway, req: u64, tenant: u64) -> u64 {
     let mut out = Vec::new();
-    gw.submit(req, tenant, vec![1, 2, 3], 4, GenSpec::default(), &mut out)
-        .unwrap();
+    gw.submit(
+        RequestId(req),
+        TenantId(tenant),
+        vec![1, 2, 3],
+        4,
+        GenSpec::default(),
+        &mut out,
+    )
+    .unwrap();
     let dconn = out
         .iter()
         .find_map(|a| match a {
@@ -33,7 +41,7 @@ fn place(gw: &mut Gateway, req: u64, tenant: u64) -> u64 {
     gw.message(
         dconn,
         Message::Reserved {
-            req,
+            req: RequestId(req),
             pages: vec![WirePage {
                 index: req as u32,
                 epoch: 1,
@@ -56,13 +64,13 @@ fn place(gw: &mut Gateway, req: u64, tenant: u64) -> u64 {
 fn a_tenant_returns_to_its_prefill_node() {
     let mut gw = gateway();
     let home = place(&mut gw, 1, 42);
-    gw.cancel(1, &mut Vec::new());
+    gw.cancel(RequestId(1), &mut Vec::new());
     for req in 2..10 {
         // Another tenant in between moves the rotation.
         place(&mut gw, 100 + req, 7);
-        gw.cancel(100 + req, &mut Vec::new());
+        gw.cancel(RequestId(100 + req), &mut Vec::new());
         assert_eq!(place(&mut gw, req, 42), home, "request {req}");
-        gw.cancel(req, &mut Vec::new());
+        gw.cancel(RequestId(req), &mut Vec::new());
     }
     assert!(gw.stats().affinity_routed_total >= 1);
     assert_eq!(gw.requests(), 0);
@@ -114,7 +122,7 @@ fn nodes_join_and_leave_at_run_time() {
             if conn == 10 {
                 break req;
             }
-            gw.cancel(req, &mut Vec::new());
+            gw.cancel(RequestId(req), &mut Vec::new());
             req += 1;
             assert!(req < 20, "p0 never chosen");
         }
@@ -123,10 +131,10 @@ fn nodes_join_and_leave_at_run_time() {
     gw.retire_node(1);
     for req in 100..106 {
         assert_eq!(place(&mut gw, req, req), 12, "only p2 takes new requests");
-        gw.cancel(req, &mut Vec::new());
+        gw.cancel(RequestId(req), &mut Vec::new());
     }
     assert!(
-        gw.phase_of(on_p0).is_some(),
+        gw.phase_of(RequestId(on_p0)).is_some(),
         "the running request was not touched"
     );
     // p0's slot cannot be reused while it holds a request and a connection.
@@ -166,8 +174,8 @@ fn decode_of(gw: &mut Gateway, reqs: std::ops::Range<u64>) -> Vec<u64> {
     reqs.map(|req| {
         let mut out = Vec::new();
         gw.submit(
-            req,
-            1000 + req,
+            RequestId(req),
+            TenantId(1000 + req),
             vec![1, 2, 3],
             4,
             GenSpec::default(),

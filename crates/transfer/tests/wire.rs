@@ -6,6 +6,7 @@ use transfer::wire::{
     GenSpec, KvLayout, Message, Refusal, WireError, WireLogprobs, WirePage, FRAME_BYTES_MAX,
     WIRE_VERSION,
 };
+use transfer::{RequestId, Scope, TenantId};
 
 fn page() -> impl Strategy<Value = WirePage> {
     (any::<u32>(), any::<u64>()).prop_map(|(index, epoch)| WirePage { index, epoch })
@@ -45,7 +46,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
                 logprobs,
                 stop,
                 logit_bias,
-                cache_scope,
+                cache_scope: cache_scope.map(Scope),
                 priority,
                 weight,
                 trace: trace.map(|(trace_id, span_id, flags)| {
@@ -115,17 +116,24 @@ fn message() -> impl Strategy<Value = Message> {
         )
             .prop_map(|((req, tenant, max_tokens), prefill, tokens, gen)| {
                 Message::Reserve {
-                    req,
-                    tenant,
+                    req: RequestId(req),
+                    tenant: TenantId(tenant),
                     prefill,
                     tokens,
                     max_tokens,
                     gen,
                 }
             }),
-        (any::<u64>(), proptest::collection::vec(page(), 0..20))
-            .prop_map(|(req, pages)| Message::Reserved { req, pages }),
-        (any::<u64>(), refusal()).prop_map(|(req, error)| Message::Rejected { req, error }),
+        (any::<u64>(), proptest::collection::vec(page(), 0..20)).prop_map(|(req, pages)| {
+            Message::Reserved {
+                req: RequestId(req),
+                pages,
+            }
+        }),
+        (any::<u64>(), refusal()).prop_map(|(req, error)| Message::Rejected {
+            req: RequestId(req),
+            error
+        }),
         (
             any::<(u64, u64, u32)>(),
             s,
@@ -135,8 +143,8 @@ fn message() -> impl Strategy<Value = Message> {
         )
             .prop_map(|((req, tenant, max_tokens), decode, tokens, gen, pages)| {
                 Message::Prefill {
-                    req,
-                    tenant,
+                    req: RequestId(req),
+                    tenant: TenantId(tenant),
                     decode,
                     tokens,
                     max_tokens,
@@ -151,7 +159,7 @@ fn message() -> impl Strategy<Value = Message> {
         )
             .prop_map(|((req, position, slots, checksum, canary), dst, bytes)| {
                 Message::Page {
-                    req,
+                    req: RequestId(req),
                     position,
                     dst,
                     slots,
@@ -172,7 +180,7 @@ fn message() -> impl Strategy<Value = Message> {
                     lp,
                 )| {
                     Message::Done {
-                        req,
+                        req: RequestId(req),
                         first_token,
                         first_logprobs: lp,
                         sampler_state,
@@ -183,13 +191,23 @@ fn message() -> impl Strategy<Value = Message> {
                     }
                 }
             ),
-        (any::<u64>(), refusal()).prop_map(|(req, error)| Message::Abort { req, error }),
-        any::<(u64, u32)>().prop_map(|(req, pages)| Message::Ack { req, pages }),
-        any::<u64>().prop_map(|req| Message::Closed { req }),
-        any::<u64>().prop_map(|req| Message::Cancel { req }),
+        (any::<u64>(), refusal()).prop_map(|(req, error)| Message::Abort {
+            req: RequestId(req),
+            error
+        }),
+        any::<(u64, u32)>().prop_map(|(req, pages)| Message::Ack {
+            req: RequestId(req),
+            pages
+        }),
+        any::<u64>().prop_map(|req| Message::Closed {
+            req: RequestId(req)
+        }),
+        any::<u64>().prop_map(|req| Message::Cancel {
+            req: RequestId(req)
+        }),
         (any::<(u64, u32, u32)>(), s, logprobs()).prop_map(|((req, index, id), text, logprobs)| {
             Message::Token {
-                req,
+                req: RequestId(req),
                 index,
                 id,
                 text,
@@ -202,7 +220,7 @@ fn message() -> impl Strategy<Value = Message> {
                 tail_text,
             )| {
                 Message::Finished {
-                    req,
+                    req: RequestId(req),
                     finish,
                     prompt_tokens,
                     cached_tokens,
@@ -294,7 +312,7 @@ fn hostile_counts_are_refused_before_allocation() {
     // A page claiming more bytes than the frame holds.
     let mut buf = Vec::new();
     Message::Page {
-        req: 1,
+        req: RequestId(1),
         position: 0,
         dst: WirePage { index: 0, epoch: 1 },
         slots: 1,
@@ -314,7 +332,7 @@ fn hostile_counts_are_refused_before_allocation() {
 #[test]
 fn other_versions_and_kinds_are_refused() {
     let mut buf = Vec::new();
-    Message::Cancel { req: 1 }.encode(&mut buf);
+    Message::Cancel { req: RequestId(1) }.encode(&mut buf);
     let mut v2 = buf.clone();
     v2[4] = WIRE_VERSION + 1;
     assert!(matches!(
@@ -348,8 +366,8 @@ fn a_weight_outside_one_to_the_maximum_is_refused() {
     ] {
         let mut buf = Vec::new();
         Message::Reserve {
-            req: 1,
-            tenant: 2,
+            req: RequestId(1),
+            tenant: TenantId(2),
             prefill: "p".into(),
             tokens: vec![1, 2],
             max_tokens: 3,

@@ -7,6 +7,7 @@
 //! default 1024 MB a run, 3 runs each).
 
 use std::time::{Duration, Instant};
+use transfer::RequestId;
 
 use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 use transfer::node::NetEvent;
@@ -83,7 +84,7 @@ fn run(
         std::thread::spawn(move || {
             for i in 0..pages {
                 let msg = Message::Page {
-                    req: 1,
+                    req: RequestId(1),
                     position: i as u32,
                     dst: WirePage {
                         index: i as u32,

@@ -30,6 +30,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod tls;
 pub use tls::{TlsError, TlsSettings, TransportTls};
 

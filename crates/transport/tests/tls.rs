@@ -14,6 +14,7 @@ use std::io::{Read, Write};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+use transfer::RequestId;
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 use transfer::node::NetEvent;
@@ -142,7 +143,7 @@ fn exchange(server: &mut Node, client: &Node) -> Result<Vec<NetEvent>, String> {
             conn,
             addr: addr.clone(),
         }))?;
-    client.t.send(conn, &Message::Cancel { req: 7 });
+    client.t.send(conn, &Message::Cancel { req: RequestId(7) });
     Ok(events(server, Duration::from_millis(700)))
 }
 
@@ -151,7 +152,7 @@ fn got_cancel(evs: &[NetEvent]) -> bool {
         matches!(
             e,
             NetEvent::Message {
-                msg: Message::Cancel { req: 7 },
+                msg: Message::Cancel { req: RequestId(7) },
                 ..
             }
         )
@@ -213,7 +214,7 @@ fn scenario_no_certificate(server_tls: TransportTls, ca: &Ca) -> Result<(), Stri
             .to_owned();
         let mut s = connector.connect(name, tcp).await.ok()?;
         use tokio::io::AsyncWriteExt;
-        s.write_all(&frame(&Message::Cancel { req: 7 }))
+        s.write_all(&frame(&Message::Cancel { req: RequestId(7) }))
             .await
             .ok()?;
         s.flush().await.ok()?;
@@ -266,7 +267,8 @@ fn a_plaintext_peer_is_refused_before_any_frame_is_read() {
     let mut a = node(tls_cfg(ca.tls(&ca, name, name)));
     let mut s = std::net::TcpStream::connect(a.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(&frame(&Message::Cancel { req: 7 })).unwrap();
+    s.write_all(&frame(&Message::Cancel { req: RequestId(7) }))
+        .unwrap();
     // The node ends the connection (an alert at most, never a frame).
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);

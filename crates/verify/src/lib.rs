@@ -48,6 +48,8 @@
 //! prefill holding a handle past its reservation's life sends; it is the
 //! incident's late writer, and the epoch check (K2) is what stops it.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -59,6 +61,7 @@ use transfer::node::GlueMutations;
 use transfer::prefill::PrefillMutations;
 use transfer::wire::Message;
 use transfer::ConnId;
+use transfer::{RequestId, TenantId};
 
 /// How the network may behave (see the crate documentation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,8 +131,8 @@ impl Bounds {
                 placements_max: 2,
             },
             requests: vec![
-                ClientSpec::new(1, vec![11, 12, 13, 14, 15], 1),
-                ClientSpec::new(2, vec![21, 22, 23, 24, 25], 1),
+                ClientSpec::new(TenantId(1), vec![11, 12, 13, 14, 15], 1),
+                ClientSpec::new(TenantId(2), vec![21, 22, 23, 24, 25], 1),
             ],
             cancels: 2,
             crashes: 1,
@@ -157,8 +160,8 @@ impl Bounds {
                 ..Bounds::two_tenants().params
             },
             requests: vec![
-                ClientSpec::new(1, vec![11, 12, 13, 14, 15], 1),
-                ClientSpec::new(2, vec![21, 22, 23, 24, 25, 26, 27], 2),
+                ClientSpec::new(TenantId(1), vec![11, 12, 13, 14, 15], 1),
+                ClientSpec::new(TenantId(2), vec![21, 22, 23, 24, 25, 26, 27], 2),
             ],
             cancels: 1,
             crashes: 1,
@@ -229,8 +232,8 @@ impl Bounds {
                 ..Bounds::two_tenants().params
             },
             requests: vec![
-                ClientSpec::new(1, vec![11, 12, 13, 14, 15, 16, 17, 18, 19], 1),
-                ClientSpec::new(1, vec![11, 12, 13, 14, 30, 31, 32, 33, 34], 1),
+                ClientSpec::new(TenantId(1), vec![11, 12, 13, 14, 15, 16, 17, 18, 19], 1),
+                ClientSpec::new(TenantId(1), vec![11, 12, 13, 14, 30, 31, 32, 33, 34], 1),
             ],
             ..Bounds::two_tenants()
         }
@@ -253,7 +256,7 @@ impl Bounds {
 pub enum Action {
     /// The next client submits its request.
     Submit,
-    Cancel(u64),
+    Cancel(RequestId),
     /// Deliver frame `index` of direction `side` of `conn` (always 0 on TCP).
     Deliver {
         conn: ConnId,
@@ -281,8 +284,8 @@ pub enum Action {
     Crash(Node),
     PrefillDial,
     GatewayDial(usize),
-    Compute(u64),
-    DecodeStep(u64),
+    Compute(RequestId),
+    DecodeStep(RequestId),
 }
 
 /// The model: bounds plus the world's transitions.
@@ -474,6 +477,10 @@ impl Model for PdModel {
                 |_: &PdModel, w: &World| w.check_refusals().is_ok(),
             ),
             Property::always(
+                "engines: no engine runs a request that the machines have ended",
+                |_: &PdModel, w: &World| w.check_engines().is_ok(),
+            ),
+            Property::always(
                 "liveness: in a state with nothing left to do, every request has ended and every \
                  page is free",
                 |m: &PdModel, w: &World| {
@@ -624,6 +631,7 @@ pub fn explain(model: &PdModel, steps: Vec<(World, Option<Action>)>) -> String {
             w.check_ownership(),
             w.check_refusals(),
             w.check_k4_across(),
+            w.check_engines(),
         ] {
             if let Err(e) = r {
                 broken.push(e);

@@ -10,6 +10,7 @@
 //! | (b) decode frees on cancel without draining | K4 | `freeing_without_draining_frees_pages_a_transfer_writes` |
 //! | (c) decode believes the epoch a late write names | K2 | `without_the_epoch_check_a_stale_writer_lands` |
 //! | (d) the node glue starts decode on `Done`, before the machine's verdict | K3/K10 | `glue_that_starts_decode_before_the_verdict_reads_unwritten_pages` |
+//! | (e) the node glue ignores `StopDecode` | engines | `glue_that_ignores_stop_decode_leaves_an_ended_request_running` |
 
 use verify::{check, Bounds, Network, Report};
 
@@ -102,6 +103,31 @@ fn glue_that_starts_decode_before_the_verdict_reads_unwritten_pages() {
     assert!(trace.contains("Done"), "{trace}");
     assert!(
         trace.contains("=> K3/K10: decode started request"),
+        "{trace}"
+    );
+}
+
+/// Decode's machine ends a request it is decoding (a cancel) and frees its
+/// pages with `StopDecode` to the engine; glue that drops that action
+/// leaves the engine running a request nobody holds any more. Before the
+/// property "no engine runs a request that the machines have ended", every
+/// other check of the search stayed green with this bug.
+#[test]
+fn glue_that_ignores_stop_decode_leaves_an_ended_request_running() {
+    let mut b = Bounds::two_tenants();
+    b.requests.truncate(1);
+    // Tokens past prefill's first, so the request is decoding when the
+    // cancel may land.
+    b.requests[0].max_tokens = 3;
+    b.cancels = 1;
+    b.crashes = 0;
+    b.kills = 0;
+    b.mutations.glue.skip_stop_decode = true;
+    let r = run(&b);
+    let trace = violated(&r, "engines");
+    assert!(trace.contains("cancel"), "{trace}");
+    assert!(
+        trace.contains("=> engines: decode's engine runs request 100"),
         "{trace}"
     );
 }

@@ -1139,7 +1139,7 @@ impl Harness {
             .alloc(owner, len.div_ceil(PAGE_SIZE), &mut pages)
             .unwrap();
         self.core.start_prefill(super::PrefillJob {
-            req: id,
+            req: RequestId(id),
             owner,
             prompt: prompt(len),
             params: Default::default(),
@@ -1185,7 +1185,7 @@ fn a_prefill_node_gives_prompt_chunks_to_the_least_served_tenant_first_k13() {
     let computed: Vec<u64> = out
         .iter()
         .filter_map(|o| match o {
-            super::Outcome::Computed { req, .. } => Some(*req),
+            super::Outcome::Computed { req, .. } => Some(req.0),
             _ => None,
         })
         .collect();

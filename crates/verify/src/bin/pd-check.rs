@@ -6,6 +6,8 @@
 //! `sometimes` was reached; 1: a violation (its trace printed) or an
 //! unreached state; 2: bad arguments.
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -65,7 +67,7 @@ fn main() -> ExitCode {
             b.requests = (0..n)
                 .map(|i| {
                     let mut c = proto.clone();
-                    c.tenant = 1 + i as u64 % 2;
+                    c.tenant = transfer::TenantId(1 + i as u64 % 2);
                     c.prompt = c.prompt.iter().map(|t| t + 10 * i as u32).collect();
                     c
                 })

@@ -5,6 +5,8 @@
 //! the first failing seed is printed with the command that replays it with
 //! a trace. Exit 0: every seed passed; 1: a seed failed; 2: bad arguments.
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
