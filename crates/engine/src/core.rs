@@ -104,6 +104,9 @@ pub(crate) struct Active {
     sink: Sink,
     submitted_at: Instant,
     admitted_at: Instant,
+    /// Admissions before this one (the core's count): orders requests
+    /// admitted at one driver time (one tick admits several).
+    admission: u64,
     first_token_at: Option<Instant>,
 }
 
@@ -209,6 +212,8 @@ pub struct Core<F: Forward = Runner> {
     tenants: BTreeMap<TenantId, TenantQueue>,
     /// Requests submitted so far (their arrival order).
     arrivals: u64,
+    /// Requests admitted so far (running ones are ordered by it).
+    admissions: u64,
     running: Vec<Active>,
     rows: Vec<Row>,
     stats: Arc<Mutex<EngineStats>>,
@@ -233,6 +238,13 @@ pub struct Core<F: Forward = Runner> {
     /// the operator console's browser test (tests/http/test_console.py).
     #[cfg(feature = "fault-incident")]
     stale_read: bool,
+    /// The time now, as the driver last said (`tick`, `step_if_running`,
+    /// `start_prefill`, `start_decode`): the core reads no clock.
+    now: Option<Instant>,
+    /// Prompt rows of the last step, when it was a prefill step worth
+    /// timing: the driver reports how long the step took
+    /// ([`Core::step_took`]) and the prefill rate is updated from both.
+    timed_rows: Option<usize>,
 }
 
 impl<F: Forward> Core<F> {
@@ -252,6 +264,7 @@ impl<F: Forward> Core<F> {
             rows: Vec::with_capacity(cfg.step_tokens),
             tenants: BTreeMap::new(),
             arrivals: 0,
+            admissions: 0,
             running: Vec::with_capacity(cfg.max_running),
             local: EngineStats::new(pool.stats()),
             pool,
@@ -263,6 +276,8 @@ impl<F: Forward> Core<F> {
             console: Arc::new(crate::console::ConsoleCell::new()),
             console_work: crate::console::MapWork::default(),
             prefix_keys: kv::PrefixKeys::random(),
+            now: None,
+            timed_rows: None,
             #[cfg(feature = "fault-incident")]
             global_scope: {
                 let on = std::env::var_os("ISOSERVE_FAULT_SHARED_CACHE").is_some_and(|v| v == "1");
@@ -285,6 +300,44 @@ impl<F: Forward> Core<F> {
                 }
                 on
             },
+        }
+    }
+
+    /// Takes the driver's time. Time never runs backwards here: every
+    /// duration the core reports is a difference of two of these.
+    fn advance(&mut self, now: Instant) {
+        if let Some(before) = self.now {
+            assert!(now >= before, "the driver's clock ran backwards");
+        }
+        self.now = Some(now);
+    }
+
+    /// The next admission's number.
+    fn next_admission(&mut self) -> u64 {
+        self.admissions += 1;
+        self.admissions
+    }
+
+    /// The driver's time now (every entry point gives it first).
+    fn now(&self) -> Instant {
+        self.now.expect("the driver gives the time before any work")
+    }
+
+    /// The driver measured the last step (`tick` or `step_if_running`):
+    /// `secs` long. A prefill step of enough rows updates the prefill rate
+    /// the request log and the gateway's placement read.
+    pub fn step_took(&mut self, secs: f64) {
+        let Some(rows) = self.timed_rows.take() else {
+            return;
+        };
+        if secs > 0.0 {
+            let rate = rows as f64 / secs;
+            let old = self.local.prefill_tokens_per_s;
+            self.local.prefill_tokens_per_s = if old == 0.0 {
+                rate
+            } else {
+                0.8 * old + 0.2 * rate
+            };
         }
     }
 
@@ -315,7 +368,10 @@ impl<F: Forward> Core<F> {
                     }
                 }
             }
-            if !self.tick() {
+            let now = Instant::now();
+            let progressed = self.tick(now);
+            self.step_took(now.elapsed().as_secs_f64());
+            if !progressed {
                 // Every running request waits for its reader: wait for a
                 // command or a reader, polling (readers do not wake us).
                 match rx.recv_timeout(BACKPRESSURE_POLL) {
@@ -335,7 +391,8 @@ impl<F: Forward> Core<F> {
     /// hard shutdown, reap cancelled requests, admit from the queue, run a
     /// step. False when requests run but none could take a row (every one
     /// waits for its reader).
-    pub(crate) fn tick(&mut self) -> bool {
+    pub(crate) fn tick(&mut self, now: Instant) -> bool {
+        self.advance(now);
         if self.shutdown == Some(false) {
             self.cancel_all(RequestError::ShuttingDown);
         }
@@ -477,6 +534,13 @@ impl<F: Forward> Core<F> {
             // PD roles: the transfer machine owns the pages' lifecycle.
             return;
         }
+        // Every page is private or shared, never both or neither.
+        assert_eq!(
+            a.pages.len(),
+            a.shared.len(),
+            "request {}'s page flags",
+            a.id
+        );
         for (&h, &shared) in a.pages.iter().zip(&a.shared).rev() {
             let outcome = match shared {
                 true => self.pool.release(h, a.owner).map(|()| FreeOutcome::Freed),
@@ -654,6 +718,7 @@ impl<F: Forward> Core<F> {
         };
         #[cfg(not(feature = "fault-incident"))]
         let computed = cached_tokens;
+        let admission = self.next_admission();
         self.running.push(Active {
             mode: Mode::Full,
             id: sub.id,
@@ -679,7 +744,8 @@ impl<F: Forward> Core<F> {
                 cancel: sub.cancel,
             },
             submitted_at: sub.submitted_at,
-            admitted_at: Instant::now(),
+            admitted_at: self.now(),
+            admission,
             first_token_at: None,
         });
         Placed::Admitted
@@ -790,7 +856,7 @@ impl<F: Forward> Core<F> {
         let weight = |x: &TenantId| self.tenants.get(x).map_or(1, |q| q.weight) as usize;
         let mine = running.get(&t).copied().unwrap_or(0) + 1;
         let over = |v: &TenantId| running[v] * weight(&t) > mine * weight(v);
-        let mut v: Vec<(usize, bool, f64, Instant)> = self
+        let mut v: Vec<(usize, bool, f64, u64)> = self
             .running
             .iter()
             .enumerate()
@@ -802,7 +868,7 @@ impl<F: Forward> Core<F> {
             .map(|(i, a)| {
                 let x = a.owner.tenant;
                 let share = running[&x] as f64 / weight(&x) as f64;
-                (i, x != t, share, a.admitted_at)
+                (i, x != t, share, a.admission)
             })
             .collect();
         // Other tenants first, the furthest over its share first, the
@@ -872,6 +938,7 @@ impl<F: Forward> Core<F> {
     /// budget. False when no row could run (every request waits for its
     /// reader).
     fn step(&mut self) -> bool {
+        let now = self.now();
         let budget = self.cfg.step_tokens;
         self.rows.clear();
         // Which running request each row belongs to: `seq` indexes `running`.
@@ -943,7 +1010,6 @@ impl<F: Forward> Core<F> {
                 pages: &a.pages,
             })
             .collect();
-        let started = Instant::now();
         let mut result = self.fwd.forward(&mut self.pool, &seqs, &self.rows);
         drop(seqs);
         let vocab = self.fwd.vocab();
@@ -957,16 +1023,8 @@ impl<F: Forward> Core<F> {
             )));
         }
         self.local.steps_total += 1;
-        let secs = started.elapsed().as_secs_f64();
-        if result.is_ok() && self.rows.len() >= PREFILL_RATE_ROWS_MIN && secs > 0.0 {
-            let rate = self.rows.len() as f64 / secs;
-            let old = self.local.prefill_tokens_per_s;
-            self.local.prefill_tokens_per_s = if old == 0.0 {
-                rate
-            } else {
-                0.8 * old + 0.2 * rate
-            };
-        }
+        self.timed_rows =
+            (result.is_ok() && self.rows.len() >= PREFILL_RATE_ROWS_MIN).then_some(self.rows.len());
         if let Err(e) = result {
             // A refused KV access or a bad batch: fail every request in the
             // batch with the error; never serve what was computed.
@@ -1042,6 +1100,7 @@ impl<F: Forward> Core<F> {
                 continue;
             }
             if let Some(f) = accept_token(
+                now,
                 &self.tokenizer,
                 a,
                 next,
@@ -1093,7 +1152,7 @@ impl<F: Forward> Core<F> {
         } else {
             String::new()
         };
-        let now = Instant::now();
+        let now = self.now();
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let done = DoneEvent {
             finish,
@@ -1116,8 +1175,8 @@ impl<F: Forward> Core<F> {
     /// Prefill role: compute a prompt into its (already allocated) pages,
     /// from `cached_tokens` on (the positions before are in cached pages,
     /// read-only); the first token comes back as [`Outcome::Computed`].
-    pub fn start_prefill(&mut self, job: PrefillJob) {
-        let now = Instant::now();
+    pub fn start_prefill(&mut self, job: PrefillJob, now: Instant) {
+        self.advance(now);
         let ps = self.cfg.page_size_tokens;
         // The last prompt token is always computed (its logits).
         let cached = job.cached_tokens.min(job.prompt.len().saturating_sub(1)) / ps * ps;
@@ -1125,6 +1184,7 @@ impl<F: Forward> Core<F> {
         shared[..(cached / ps).min(job.pages.len())].fill(true);
         self.local.prompt_tokens_total += job.prompt.len() as u64;
         self.tenant(job.owner.tenant, job.weight);
+        let admission = self.next_admission();
         self.running.push(Active {
             mode: Mode::PrefillOnly,
             id: job.req,
@@ -1148,19 +1208,21 @@ impl<F: Forward> Core<F> {
             sink: Sink::Remote { conn: 0 },
             submitted_at: now,
             admitted_at: now,
+            admission,
             first_token_at: None,
         });
     }
 
     /// Decode role: continue a request whose prompt KV was transferred, from
     /// the first token prefill sampled.
-    pub fn start_decode(&mut self, job: DecodeJob) -> Result<(), RequestError> {
+    pub fn start_decode(&mut self, job: DecodeJob, now: Instant) -> Result<(), RequestError> {
+        self.advance(now);
         let stops = StopStrings::new(job.stop).map_err(|e| RequestError::InvalidParam {
             field: e.field,
             why: e.why,
         })?;
-        let now = Instant::now();
         self.tenant(job.owner.tenant, job.weight);
+        let admission = self.next_admission();
         let mut a = Active {
             mode: Mode::DecodeOnly,
             id: job.req,
@@ -1184,6 +1246,7 @@ impl<F: Forward> Core<F> {
             sink: Sink::Remote { conn: job.conn },
             submitted_at: now,
             admitted_at: now,
+            admission,
             first_token_at: None,
         };
         let (logprob, top) = match job.first_logprobs {
@@ -1191,6 +1254,7 @@ impl<F: Forward> Core<F> {
             _ => (None, Vec::new()),
         };
         match accept_token(
+            now,
             &self.tokenizer,
             &mut a,
             job.first_token,
@@ -1217,7 +1281,8 @@ impl<F: Forward> Core<F> {
     }
 
     /// One forward step, if any request runs.
-    pub fn step_if_running(&mut self) {
+    pub fn step_if_running(&mut self, now: Instant) {
+        self.advance(now);
         if !self.running.is_empty() {
             let _ = self.step();
         }
@@ -1280,7 +1345,9 @@ fn cache_pages(pool: &mut Pool, a: &mut Active, n: usize) {
 
 /// Takes a sampled token into a request: history, stop conditions, the
 /// Token event. Returns how the request ends, if this token ends it.
+#[allow(clippy::too_many_arguments)] // the request's parts the step holds apart
 fn accept_token(
+    now: Instant,
     tokenizer: &Tokenizer,
     a: &mut Active,
     next: u32,
@@ -1293,7 +1360,7 @@ fn accept_token(
     a.history.push(next);
     local.generated_tokens_total += 1;
     if a.first_token_at.is_none() {
-        a.first_token_at = Some(Instant::now());
+        a.first_token_at = Some(now);
     }
     if !a.ignore_eos && tokenizer.is_eos(next) {
         return Some(FinishReason::Stop);

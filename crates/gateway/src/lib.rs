@@ -314,7 +314,9 @@ impl Inner {
                 });
                 drop(slots);
                 if let Some((node, _)) = live {
-                    st.conn_node.insert(conn, node);
+                    let before = st.conn_node.insert(conn, node);
+                    // The transport names each connection once.
+                    assert!(before.is_none(), "connection {conn} dialled twice");
                     st.gw.connected(node, conn, &mut out);
                 } else {
                     self.transport.close(conn);
@@ -654,7 +656,7 @@ impl Backend for GatewayBackend {
             let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
             let st = &mut *st;
             let mut out = Vec::new();
-            st.clients.insert(
+            let before = st.clients.insert(
                 id,
                 Client {
                     events: etx,
@@ -668,6 +670,8 @@ impl Backend for GatewayBackend {
                     },
                 },
             );
+            // Ids are a per-process nonce and a counter: never reused.
+            assert!(before.is_none(), "request id {id} submitted twice");
             if let Err(r) = st.gw.submit(
                 id,
                 req.tenant,

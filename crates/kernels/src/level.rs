@@ -95,18 +95,38 @@ impl KernelLevel {
     }
 }
 
+/// Why a requested kernel level cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LevelError {
+    /// Not a level's name.
+    Unknown(String),
+    /// A level this CPU lacks the instructions for.
+    Unsupported(String),
+}
+
+impl std::fmt::Display for LevelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LevelError::Unknown(s) => {
+                write!(f, "{KERNEL_ENV}={s:?} is not one of scalar, avx2, avx512")
+            }
+            LevelError::Unsupported(s) => {
+                write!(f, "{KERNEL_ENV}={s:?} is not supported by this CPU")
+            }
+        }
+    }
+}
+
+impl std::error::Error for LevelError {}
+
 /// Resolves an optional requested level name into a supported level.
-fn resolve(requested: Option<&str>) -> Result<KernelLevel, String> {
+fn resolve(requested: Option<&str>) -> Result<KernelLevel, LevelError> {
     match requested {
         None => Ok(KernelLevel::best()),
         Some(s) if s.trim().is_empty() => Ok(KernelLevel::best()),
         Some(s) => match KernelLevel::parse(s) {
-            None => Err(format!(
-                "{KERNEL_ENV}={s:?} is not one of scalar, avx2, avx512"
-            )),
-            Some(l) if !l.is_supported() => {
-                Err(format!("{KERNEL_ENV}={s:?} is not supported by this CPU"))
-            }
+            None => Err(LevelError::Unknown(s.to_string())),
+            Some(l) if !l.is_supported() => Err(LevelError::Unsupported(s.to_string())),
             Some(l) => Ok(l),
         },
     }

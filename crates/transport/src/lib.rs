@@ -35,6 +35,22 @@
 pub mod tls;
 pub use tls::{TlsError, TlsSettings, TransportTls};
 
+/// Why a dial failed (its text is what `NetEvent::DialFailed` carries).
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    #[error("{0}")]
+    Connect(std::io::Error),
+    #[error("connect timed out")]
+    ConnectTimedOut,
+    #[error("TLS handshake with {addr} failed: {source}")]
+    Handshake {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("TLS handshake with {addr} timed out")]
+    HandshakeTimedOut { addr: String },
+}
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -250,10 +266,13 @@ impl Transport {
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
         self.stats.connections_total.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(self.cfg.queue_frames_max);
-        self.conns
+        let before = self
+            .conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(conn, ConnEntry { tx, peer });
+        // Connection ids come from one counter: never two live at once.
+        assert!(before.is_none(), "connection {conn} registered twice");
         let _ = self.events.send(first(conn)).await;
         let closed = Arc::new(AtomicBool::new(false));
         let t = self.clone();
@@ -268,12 +287,12 @@ impl Transport {
 
     /// Connects to `addr` (and with TLS, completes the handshake, checking
     /// the server's certificate and name): the stream's halves, or why not.
-    async fn connect(self: &Arc<Self>, addr: &str) -> Result<(ReadBox, WriteBox), String> {
+    async fn connect(self: &Arc<Self>, addr: &str) -> Result<(ReadBox, WriteBox), DialError> {
         let stream =
             match tokio::time::timeout(self.cfg.dial_timeout, TcpStream::connect(addr)).await {
                 Ok(Ok(s)) => s,
-                Ok(Err(e)) => return Err(e.to_string()),
-                Err(_) => return Err("connect timed out".into()),
+                Ok(Err(e)) => return Err(DialError::Connect(e)),
+                Err(_) => return Err(DialError::ConnectTimedOut),
             };
         let _ = stream.set_nodelay(true);
         let Some(tls) = &self.cfg.tls else {
@@ -284,11 +303,16 @@ impl Transport {
             Ok(Ok(s)) => Ok(halves(s)),
             Ok(Err(e)) => {
                 self.tls_refused(None, &format!("{addr}: {e}"));
-                Err(format!("TLS handshake with {addr} failed: {e}"))
+                Err(DialError::Handshake {
+                    addr: addr.to_string(),
+                    source: e,
+                })
             }
             Err(_) => {
                 self.tls_refused(None, &format!("{addr}: handshake timed out"));
-                Err(format!("TLS handshake with {addr} timed out"))
+                Err(DialError::HandshakeTimedOut {
+                    addr: addr.to_string(),
+                })
             }
         }
     }
@@ -303,7 +327,8 @@ impl Transport {
                     t.register_gated(r, w, None, move |conn| NetEvent::Dialled { conn, addr: a })
                         .await;
                 }
-                Err(why) => {
+                Err(e) => {
+                    let why = e.to_string();
                     let _ = t.events.send(NetEvent::DialFailed { addr, why }).await;
                 }
             }
@@ -316,7 +341,7 @@ impl Transport {
         self: &Arc<Self>,
         addr: &str,
         first: impl FnOnce(u64) -> NetEvent,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, DialError> {
         let (r, w) = self.connect(addr).await?;
         Ok(self.register_gated(r, w, None, first).await)
     }

@@ -142,7 +142,8 @@ fn exchange(server: &mut Node, client: &Node) -> Result<Vec<NetEvent>, String> {
         .block_on(client.t.dial_wait(&addr, |conn| NetEvent::Dialled {
             conn,
             addr: addr.clone(),
-        }))?;
+        }))
+        .map_err(|e| e.to_string())?;
     client.t.send(conn, &Message::Cancel { req: RequestId(7) });
     Ok(events(server, Duration::from_millis(700)))
 }

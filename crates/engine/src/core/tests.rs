@@ -250,7 +250,7 @@ impl Harness {
     fn tick(&mut self) -> bool {
         self.ticks += 1;
         let steps_before = self.core.fwd.steps.len();
-        let progressed = self.core.tick();
+        let progressed = self.core.tick(std::time::Instant::now());
         let mut line = format!("t{}", self.ticks);
         if self.core.fwd.steps.len() > steps_before {
             line += " rows";
@@ -1138,17 +1138,20 @@ impl Harness {
             .pool
             .alloc(owner, len.div_ceil(PAGE_SIZE), &mut pages)
             .unwrap();
-        self.core.start_prefill(super::PrefillJob {
-            req: RequestId(id),
-            owner,
-            prompt: prompt(len),
-            params: Default::default(),
-            logprobs: None,
-            pages,
-            cached_tokens: 0,
-            priority: 0,
-            weight,
-        });
+        self.core.start_prefill(
+            super::PrefillJob {
+                req: RequestId(id),
+                owner,
+                prompt: prompt(len),
+                params: Default::default(),
+                logprobs: None,
+                pages,
+                cached_tokens: 0,
+                priority: 0,
+                weight,
+            },
+            std::time::Instant::now(),
+        );
         id
     }
 }
