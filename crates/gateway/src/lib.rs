@@ -28,6 +28,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod nodes;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -43,6 +45,7 @@ use transfer::gateway::{ClientEvent, Gateway, GatewayAction, GatewayConfig};
 use transfer::wire::{Message, Refusal, ROLE_DECODE, ROLE_PREFILL};
 use transfer::Identity;
 
+use telemetry::metrics::Family;
 use transfer::node::NetEvent;
 use transport::{Transport, TransportConfig};
 
@@ -743,122 +746,213 @@ impl Backend for GatewayBackend {
     }
 }
 
+/// The gateway's metric families, declared once: what its
+/// [`gateway_samples`] export (its nodes' own are `pd::node`'s, added by
+/// `nodes::WithNodeMetrics`).
+pub const GATEWAY_FAMILIES: &[Family] = &[
+    G_REQUESTS_TOTAL,
+    G_REFUSED_LIMIT_TOTAL,
+    G_REFUSED_UNAVAILABLE_TOTAL,
+    G_REJECTED_BY_DECODE_TOTAL,
+    G_REJECTED_BY_PREFILL_TOTAL,
+    G_FINISHED_TOTAL,
+    G_CANCELS_RESERVING_TOTAL,
+    G_CANCELS_PREFILLING_TOTAL,
+    G_CANCELS_STREAMING_TOTAL,
+    G_CLIENT_TOO_SLOW_TOTAL,
+    G_FAILED_NODE_LOST_TOTAL,
+    G_NODES_LOST_TOTAL,
+    G_HANDSHAKES_REFUSED_TOTAL,
+    G_PROTOCOL_ERRORS_TOTAL,
+    G_TRANSPORT_BYTES_RECEIVED_TOTAL,
+    G_TRANSPORT_BYTES_SENT_TOTAL,
+    G_AFFINITY_ROUTED_TOTAL,
+    G_LOAD_REPORTS_TOTAL,
+    G_LOAD_ROUTED_TOTAL,
+    G_REPLACED_DRAINING_TOTAL,
+    G_REPLACED_NODE_LOST_TOTAL,
+    G_TRANSPORT_TLS_HANDSHAKES_REFUSED_TOTAL,
+    G_NODE_UP,
+    G_NODE_REQUESTS,
+    G_NODE_RETIRED,
+    G_NODE_DRAINING,
+    G_NODE_MAX_REQUEST_TOKENS,
+    G_MAX_REQUEST_TOKENS,
+    G_NODE_REQUESTS_QUEUED,
+    G_NODE_REQUESTS_RUNNING,
+    G_NODE_KV_PAGES_FREE,
+    G_NODE_KV_PAGES_TOTAL,
+];
+
+const G_REQUESTS_TOTAL: Family = Family::counter(
+    "isoserve_gateway_requests_total",
+    "Requests submitted to the gateway",
+);
+const G_REFUSED_LIMIT_TOTAL: Family = Family::counter(
+    "isoserve_gateway_refused_limit_total",
+    "Requests over the advertised window, refused before any node",
+);
+const G_REFUSED_UNAVAILABLE_TOTAL: Family = Family::counter(
+    "isoserve_gateway_refused_unavailable_total",
+    "Requests refused: no pair up or too many in flight",
+);
+const G_REJECTED_BY_DECODE_TOTAL: Family = Family::counter(
+    "isoserve_gateway_rejected_by_decode_total",
+    "Requests a decode node refused or failed",
+);
+const G_REJECTED_BY_PREFILL_TOTAL: Family = Family::counter(
+    "isoserve_gateway_rejected_by_prefill_total",
+    "Requests a prefill node refused or failed",
+);
+const G_FINISHED_TOTAL: Family =
+    Family::counter("isoserve_gateway_finished_total", "Requests that finished");
+const G_CANCELS_RESERVING_TOTAL: Family = Family::counter(
+    "isoserve_gateway_cancels_reserving_total",
+    "Client cancels while reserving on decode",
+);
+const G_CANCELS_PREFILLING_TOTAL: Family = Family::counter(
+    "isoserve_gateway_cancels_prefilling_total",
+    "Client cancels while prefill computed or transferred",
+);
+const G_CANCELS_STREAMING_TOTAL: Family = Family::counter(
+    "isoserve_gateway_cancels_streaming_total",
+    "Client cancels while tokens streamed",
+);
+const G_CLIENT_TOO_SLOW_TOTAL: Family = Family::counter(
+    "isoserve_gateway_client_too_slow_total",
+    "Requests ended because their client fell REQUEST_EVENTS_MAX events behind",
+);
+const G_FAILED_NODE_LOST_TOTAL: Family = Family::counter(
+    "isoserve_gateway_failed_node_lost_total",
+    "Requests failed because a node was lost",
+);
+const G_NODES_LOST_TOTAL: Family =
+    Family::counter("isoserve_gateway_nodes_lost_total", "Node connections lost");
+const G_HANDSHAKES_REFUSED_TOTAL: Family = Family::counter(
+    "isoserve_gateway_handshakes_refused_total",
+    "Pairings refused (fingerprint, layout or role mismatch)",
+);
+const G_PROTOCOL_ERRORS_TOTAL: Family = Family::counter(
+    "isoserve_gateway_protocol_errors_total",
+    "Messages a node may not send",
+);
+const G_TRANSPORT_BYTES_RECEIVED_TOTAL: Family = Family::counter(
+    "isoserve_gateway_transport_bytes_received_total",
+    "Bytes received from nodes",
+);
+const G_TRANSPORT_BYTES_SENT_TOTAL: Family = Family::counter(
+    "isoserve_gateway_transport_bytes_sent_total",
+    "Bytes sent to nodes",
+);
+const G_AFFINITY_ROUTED_TOTAL: Family = Family::counter(
+    "isoserve_gateway_affinity_routed_total",
+    "Requests sent to their tenant's previous prefill node (its prefix cache) over a less-loaded one",
+);
+const G_LOAD_REPORTS_TOTAL: Family = Family::counter(
+    "isoserve_gateway_load_reports_total",
+    "Load reports received from nodes (queued and running requests, free pages)",
+);
+const G_LOAD_ROUTED_TOTAL: Family = Family::counter(
+    "isoserve_gateway_load_routed_total",
+    "Requests placed on another pair than the gateway's own counts would pick, because of what nodes reported",
+);
+const G_REPLACED_DRAINING_TOTAL: Family = Family::counter(
+    "isoserve_gateway_replaced_draining_total",
+    "Requests placed on another pair because a node refused them while draining",
+);
+const G_REPLACED_NODE_LOST_TOTAL: Family = Family::counter(
+    "isoserve_gateway_replaced_node_lost_total",
+    "Requests placed on another pair because a node holding them was lost before any token reached the client",
+);
+const G_TRANSPORT_TLS_HANDSHAKES_REFUSED_TOTAL: Family = Family::counter(
+    "isoserve_gateway_transport_tls_handshakes_refused_total",
+    "TLS handshakes with nodes that failed (another CA, wrong name, plaintext, too slow)",
+);
+const G_NODE_UP: Family = Family::gauge(
+    "isoserve_gateway_node_up",
+    "Whether the gateway is paired with the node",
+)
+.with_labels(&["node", "role"]);
+const G_NODE_REQUESTS: Family = Family::gauge(
+    "isoserve_gateway_node_requests",
+    "Requests this gateway has placed on the node and not yet seen end",
+)
+.with_labels(&["node"]);
+const G_NODE_RETIRED: Family = Family::gauge(
+    "isoserve_gateway_node_retired",
+    "The node left discovery: no new requests; what runs there finishes",
+)
+.with_labels(&["node"]);
+const G_NODE_DRAINING: Family = Family::gauge(
+    "isoserve_gateway_node_draining",
+    "The node refused a request as draining: no new requests until it reconnects",
+)
+.with_labels(&["node"]);
+const G_NODE_MAX_REQUEST_TOKENS: Family = Family::gauge(
+    "isoserve_gateway_node_max_request_tokens",
+    "The limit the node last advertised (K8)",
+)
+.with_labels(&["node"]);
+const G_MAX_REQUEST_TOKENS: Family = Family::gauge(
+    "isoserve_gateway_max_request_tokens",
+    "The advertised limit: min over the model and every node",
+);
+const G_NODE_REQUESTS_QUEUED: Family = Family::gauge(
+    "isoserve_gateway_node_requests_queued",
+    "Requests the node last reported admitted but not running (every gateway's)",
+)
+.with_labels(&["node"]);
+const G_NODE_REQUESTS_RUNNING: Family = Family::gauge(
+    "isoserve_gateway_node_requests_running",
+    "Requests the node last reported in its engine's batch (every gateway's)",
+)
+.with_labels(&["node"]);
+const G_NODE_KV_PAGES_FREE: Family = Family::gauge(
+    "isoserve_gateway_node_kv_pages_free",
+    "KV pages the node last reported free (idle cached ones included)",
+)
+.with_labels(&["node"]);
+const G_NODE_KV_PAGES_TOTAL: Family = Family::gauge(
+    "isoserve_gateway_node_kv_pages_total",
+    "KV pages in the node's pool, as last reported",
+)
+.with_labels(&["node"]);
+
 /// The gateway's counters and its view of the nodes, as samples for the
 /// HTTP layer's Prometheus encoder.
 pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<MetricSample> {
     let s = gw.stats();
     let mut o = Vec::new();
-    let mut counter = |name: &str, help: &str, v: u64| {
-        o.push(MetricSample::counter(
-            format!("isoserve_gateway_{name}"),
-            help,
-            v as f64,
-        ));
-    };
+    let mut counter = |f: &Family, v: u64| o.push(f.sample(v as f64));
+    counter(&G_REQUESTS_TOTAL, s.requests_total);
+    counter(&G_REFUSED_LIMIT_TOTAL, s.refused_limit_total);
+    counter(&G_REFUSED_UNAVAILABLE_TOTAL, s.refused_unavailable_total);
+    counter(&G_REJECTED_BY_DECODE_TOTAL, s.rejected_by_decode_total);
+    counter(&G_REJECTED_BY_PREFILL_TOTAL, s.rejected_by_prefill_total);
+    counter(&G_FINISHED_TOTAL, s.finished_total);
+    counter(&G_CANCELS_RESERVING_TOTAL, s.cancels_reserving_total);
+    counter(&G_CANCELS_PREFILLING_TOTAL, s.cancels_prefilling_total);
+    counter(&G_CANCELS_STREAMING_TOTAL, s.cancels_streaming_total);
+    counter(&G_CLIENT_TOO_SLOW_TOTAL, too_slow_total);
+    counter(&G_FAILED_NODE_LOST_TOTAL, s.failed_node_lost_total);
+    counter(&G_NODES_LOST_TOTAL, s.nodes_lost_total);
+    counter(&G_HANDSHAKES_REFUSED_TOTAL, s.handshakes_refused_total);
+    counter(&G_PROTOCOL_ERRORS_TOTAL, s.protocol_errors_total);
     counter(
-        "requests_total",
-        "Requests submitted to the gateway",
-        s.requests_total,
-    );
-    counter(
-        "refused_limit_total",
-        "Requests over the advertised window, refused before any node",
-        s.refused_limit_total,
-    );
-    counter(
-        "refused_unavailable_total",
-        "Requests refused: no pair up or too many in flight",
-        s.refused_unavailable_total,
-    );
-    counter(
-        "rejected_by_decode_total",
-        "Requests a decode node refused or failed",
-        s.rejected_by_decode_total,
-    );
-    counter(
-        "rejected_by_prefill_total",
-        "Requests a prefill node refused or failed",
-        s.rejected_by_prefill_total,
-    );
-    counter("finished_total", "Requests that finished", s.finished_total);
-    counter(
-        "cancels_reserving_total",
-        "Client cancels while reserving on decode",
-        s.cancels_reserving_total,
-    );
-    counter(
-        "cancels_prefilling_total",
-        "Client cancels while prefill computed or transferred",
-        s.cancels_prefilling_total,
-    );
-    counter(
-        "cancels_streaming_total",
-        "Client cancels while tokens streamed",
-        s.cancels_streaming_total,
-    );
-    counter(
-        "client_too_slow_total",
-        "Requests ended because their client fell REQUEST_EVENTS_MAX events behind",
-        too_slow_total,
-    );
-    counter(
-        "failed_node_lost_total",
-        "Requests failed because a node was lost",
-        s.failed_node_lost_total,
-    );
-    counter(
-        "nodes_lost_total",
-        "Node connections lost",
-        s.nodes_lost_total,
-    );
-    counter(
-        "handshakes_refused_total",
-        "Pairings refused (fingerprint, layout or role mismatch)",
-        s.handshakes_refused_total,
-    );
-    counter(
-        "protocol_errors_total",
-        "Messages a node may not send",
-        s.protocol_errors_total,
-    );
-    counter(
-        "transport_bytes_received_total",
-        "Bytes received from nodes",
+        &G_TRANSPORT_BYTES_RECEIVED_TOTAL,
         t.stats.bytes_received_total.load(Ordering::Relaxed),
     );
     counter(
-        "transport_bytes_sent_total",
-        "Bytes sent to nodes",
+        &G_TRANSPORT_BYTES_SENT_TOTAL,
         t.stats.bytes_sent_total.load(Ordering::Relaxed),
     );
+    counter(&G_AFFINITY_ROUTED_TOTAL, s.affinity_routed_total);
+    counter(&G_LOAD_REPORTS_TOTAL, s.load_reports_total);
+    counter(&G_LOAD_ROUTED_TOTAL, s.load_routed_total);
+    counter(&G_REPLACED_DRAINING_TOTAL, s.replaced_draining_total);
+    counter(&G_REPLACED_NODE_LOST_TOTAL, s.replaced_node_lost_total);
     counter(
-        "affinity_routed_total",
-        "Requests sent to their tenant's previous prefill node (its prefix cache) over a less-loaded one",
-        s.affinity_routed_total,
-    );
-    counter(
-        "load_reports_total",
-        "Load reports received from nodes (queued and running requests, free pages)",
-        s.load_reports_total,
-    );
-    counter(
-        "load_routed_total",
-        "Requests placed on another pair than the gateway's own counts would pick, because of what nodes reported",
-        s.load_routed_total,
-    );
-    counter(
-        "replaced_draining_total",
-        "Requests placed on another pair because a node refused them while draining",
-        s.replaced_draining_total,
-    );
-    counter(
-        "replaced_node_lost_total",
-        "Requests placed on another pair because a node holding them was lost before any token reached the client",
-        s.replaced_node_lost_total,
-    );
-    counter(
-        "transport_tls_handshakes_refused_total",
-        "TLS handshakes with nodes that failed (another CA, wrong name, plaintext, too slow)",
+        &G_TRANSPORT_TLS_HANDSHAKES_REFUSED_TOTAL,
         t.stats.tls_handshakes_refused_total.load(Ordering::Relaxed),
     );
     for n in gw.nodes() {
@@ -868,88 +962,45 @@ pub fn gateway_samples(gw: &Gateway, t: &Transport, too_slow_total: u64) -> Vec<
             "prefill"
         };
         o.push(
-            MetricSample::gauge(
-                "isoserve_gateway_node_up",
-                "Whether the gateway is paired with the node",
-                f64::from(u8::from(n.up())),
-            )
-            .label("node", n.addr.clone())
-            .label("role", role),
+            G_NODE_UP
+                .sample(f64::from(u8::from(n.up())))
+                .label("node", n.addr.clone())
+                .label("role", role),
         );
     }
     for n in gw.nodes() {
         o.push(
-            MetricSample::gauge(
-                "isoserve_gateway_node_requests",
-                "Requests this gateway has placed on the node and not yet seen end",
-                n.inflight as f64,
-            )
-            .label("node", n.addr.clone()),
+            G_NODE_REQUESTS
+                .sample(n.inflight as f64)
+                .label("node", n.addr.clone()),
         );
         if n.retired {
-            o.push(
-                MetricSample::gauge(
-                    "isoserve_gateway_node_retired",
-                    "The node left discovery: no new requests; what runs there finishes",
-                    1.0,
-                )
-                .label("node", n.addr.clone()),
-            );
+            o.push(G_NODE_RETIRED.sample(1.0).label("node", n.addr.clone()));
         }
         if n.draining {
-            o.push(
-                MetricSample::gauge(
-                    "isoserve_gateway_node_draining",
-                    "The node refused a request as draining: no new requests until it reconnects",
-                    1.0,
-                )
-                .label("node", n.addr.clone()),
-            );
+            o.push(G_NODE_DRAINING.sample(1.0).label("node", n.addr.clone()));
         }
     }
     for n in gw.nodes() {
         let Some(l) = n.load else { continue };
-        for (name, help, v) in [
-            (
-                "isoserve_gateway_node_requests_queued",
-                "Requests the node last reported admitted but not running (every gateway's)",
-                l.queued,
-            ),
-            (
-                "isoserve_gateway_node_requests_running",
-                "Requests the node last reported in its engine's batch (every gateway's)",
-                l.running,
-            ),
-            (
-                "isoserve_gateway_node_kv_pages_free",
-                "KV pages the node last reported free (idle cached ones included)",
-                l.pages_free,
-            ),
-            (
-                "isoserve_gateway_node_kv_pages_total",
-                "KV pages in the node's pool, as last reported",
-                l.pages_total,
-            ),
+        for (f, v) in [
+            (&G_NODE_REQUESTS_QUEUED, l.queued),
+            (&G_NODE_REQUESTS_RUNNING, l.running),
+            (&G_NODE_KV_PAGES_FREE, l.pages_free),
+            (&G_NODE_KV_PAGES_TOTAL, l.pages_total),
         ] {
-            o.push(MetricSample::gauge(name, help, f64::from(v)).label("node", n.addr.clone()));
+            o.push(f.sample(f64::from(v)).label("node", n.addr.clone()));
         }
     }
     for n in gw.nodes() {
         if let Some(l) = n.last_limit {
             o.push(
-                MetricSample::gauge(
-                    "isoserve_gateway_node_max_request_tokens",
-                    "The limit the node last advertised (K8)",
-                    l as f64,
-                )
-                .label("node", n.addr.clone()),
+                G_NODE_MAX_REQUEST_TOKENS
+                    .sample(l as f64)
+                    .label("node", n.addr.clone()),
             );
         }
     }
-    o.push(MetricSample::gauge(
-        "isoserve_gateway_max_request_tokens",
-        "The advertised limit: min over the model and every node",
-        gw.max_request_tokens() as f64,
-    ));
+    o.push(G_MAX_REQUEST_TOKENS.sample(gw.max_request_tokens() as f64));
     o
 }

@@ -104,7 +104,7 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
                     .await
                     .with_context(|| format!("cannot listen on {}:{port} for metrics", args.host))?;
                 let addr = l.local_addr()?;
-                let task = tokio::spawn(crate::node_metrics::serve(
+                let task = tokio::spawn(pd::ops::serve(
                     l,
                     node.node.clone(),
                     node.transport.clone(),
@@ -234,7 +234,7 @@ async fn serve_gateway(
     let served: Arc<dyn request::Backend> = if node_metrics.is_empty() {
         backend.clone()
     } else {
-        Arc::new(crate::node_metrics::WithNodeMetrics {
+        Arc::new(gateway::nodes::WithNodeMetrics {
             inner: backend.clone(),
             nodes: node_metrics,
         })

@@ -6,7 +6,6 @@ mod certs;
 mod disagg;
 mod fetch;
 mod generate;
-mod node_metrics;
 mod probe_cmd;
 mod serve;
 

@@ -43,7 +43,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "transport",
         ],
     ),
-    ("server", &["request", "tokenizer"]),
+    ("server", &["request", "telemetry", "tokenizer"]),
     // testkit writes K-quant test models with the kernels' quantisers.
     ("testkit", &["gguf", "kernels", "kv", "transfer"]),
     ("verify", &["testkit", "transfer"]),

@@ -5,7 +5,9 @@
 //!   transfer state machine on one thread, joined by [`transfer::node`]'s
 //!   glue — the code the simulator and the model checker run.
 //! * [`node`] — a [`role::PdNode`] behind the TCP transport (the
-//!   `transport` crate), and its `/metrics` responder.
+//!   `transport` crate), and its metric families ([`node::NODE_METRICS`]).
+//! * [`ops`] — the node's operations listener (metrics, samples, console,
+//!   health, ready) on the server's hyper/axum stack.
 //!
 //! The gateway is its own crate (`gateway`), which links no model.
 //!
@@ -26,5 +28,6 @@
 #![forbid(unsafe_code)]
 
 pub mod node;
+pub mod ops;
 pub mod role;
 mod spans;

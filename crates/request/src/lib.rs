@@ -409,6 +409,9 @@ pub const REQUEST_EVENTS_MAX: usize = 256;
 pub enum MetricKind {
     Counter,
     Gauge,
+    /// Declared by a table only (a registry's histogram); no sample has
+    /// this kind.
+    Histogram,
 }
 
 /// One sample of a metric that a backend or a node reports, for an HTTP
@@ -700,83 +703,188 @@ impl PoolStats {
         self.pages_free + self.pages_evictable
     }
 
-    /// Sum of every safety refusal (not out-of-pages, which is back-pressure).
+    /// Sum of every refusal that is a safety check firing (all but
+    /// `out_of_pages`, which is back-pressure): must stay 0.
     pub fn safety_refusals(&self) -> u64 {
-        self.refused_stale_handle
-            + self.refused_foreign_owner
-            + self.refused_unwritten_read
-            + self.refused_double_free
-            + self.refused_release_pending
-            + self.refused_out_of_range
-            + self.refused_write_gap
-            + self.refused_already_written
-            + self.refused_lease_limit
-            + self.canary_mismatch
-            + self.checksum_mismatch
-            + self.refused_shared_write
-            + self.refused_foreign_scope
-            + self.refused_ref_underflow
-            + self.refused_unpublishable
+        POOL_COUNTERS
+            .iter()
+            .filter(|c| c.refusal.is_some_and(|r| r != OUT_OF_PAGES))
+            .map(|c| (c.read)(self))
+            .sum()
     }
 
     /// Every refusal by kind (`/metrics`' `kind` label and the console's
     /// names): each a safety check firing, but `out_of_pages`
     /// (back-pressure).
     pub fn refusals(&self) -> [(&'static str, u64); 16] {
-        [
-            ("stale_handle", self.refused_stale_handle),
-            ("foreign_owner", self.refused_foreign_owner),
-            ("unwritten_read", self.refused_unwritten_read),
-            ("double_free", self.refused_double_free),
-            ("release_pending", self.refused_release_pending),
-            ("out_of_range", self.refused_out_of_range),
-            ("write_gap", self.refused_write_gap),
-            ("already_written", self.refused_already_written),
-            ("out_of_pages", self.refused_out_of_pages),
-            ("lease_limit", self.refused_lease_limit),
-            ("canary_mismatch", self.canary_mismatch),
-            ("checksum_mismatch", self.checksum_mismatch),
-            ("shared_write", self.refused_shared_write),
-            ("foreign_scope", self.refused_foreign_scope),
-            ("ref_underflow", self.refused_ref_underflow),
-            ("unpublishable", self.refused_unpublishable),
-        ]
+        let mut refusals = POOL_COUNTERS
+            .iter()
+            .filter_map(|c| c.refusal.map(|r| (r, (c.read)(self))));
+        std::array::from_fn(|_| refusals.next().expect("the table's refusals"))
     }
 
     /// `(name, value)` for every field, for exporters.
     pub fn fields(&self) -> [(&'static str, u64); 28] {
-        [
-            ("pages_total", self.pages_total),
-            ("pages_free", self.pages_free),
-            ("pages_owned", self.pages_owned),
-            ("pages_leased", self.pages_leased),
-            ("pages_release_pending", self.pages_release_pending),
-            ("refused_stale_handle", self.refused_stale_handle),
-            ("refused_foreign_owner", self.refused_foreign_owner),
-            ("refused_unwritten_read", self.refused_unwritten_read),
-            ("refused_double_free", self.refused_double_free),
-            ("refused_release_pending", self.refused_release_pending),
-            ("refused_out_of_range", self.refused_out_of_range),
-            ("refused_write_gap", self.refused_write_gap),
-            ("refused_already_written", self.refused_already_written),
-            ("refused_out_of_pages", self.refused_out_of_pages),
-            ("refused_lease_limit", self.refused_lease_limit),
-            ("canary_mismatch", self.canary_mismatch),
-            ("checksum_mismatch", self.checksum_mismatch),
-            ("allocs", self.allocs),
-            ("frees", self.frees),
-            ("frees_deferred", self.frees_deferred),
-            ("refused_shared_write", self.refused_shared_write),
-            ("refused_foreign_scope", self.refused_foreign_scope),
-            ("refused_ref_underflow", self.refused_ref_underflow),
-            ("refused_unpublishable", self.refused_unpublishable),
-            ("pages_cached", self.pages_cached),
-            ("pages_evictable", self.pages_evictable),
-            ("cache_publishes", self.cache_publishes),
-            ("cache_evictions", self.cache_evictions),
-        ]
+        std::array::from_fn(|i| (POOL_COUNTERS[i].name, (POOL_COUNTERS[i].read)(self)))
     }
 }
+
+/// The refusal that is back-pressure, not a safety check.
+const OUT_OF_PAGES: &str = "out_of_pages";
+
+/// One of the pool's numbers as exporters read it.
+pub struct PoolCounter {
+    /// Its name among the fields.
+    pub name: &'static str,
+    /// Its kind when it counts a refusal (`/metrics`' `kind` label).
+    pub refusal: Option<&'static str>,
+    pub read: fn(&PoolStats) -> u64,
+}
+
+/// Every number of [`PoolStats`], once, in the order exporters show
+/// them: `fields`, `refusals` and `safety_refusals` all read this table.
+pub const POOL_COUNTERS: [PoolCounter; 28] = [
+    PoolCounter {
+        name: "pages_total",
+        refusal: None,
+        read: |p| p.pages_total,
+    },
+    PoolCounter {
+        name: "pages_free",
+        refusal: None,
+        read: |p| p.pages_free,
+    },
+    PoolCounter {
+        name: "pages_owned",
+        refusal: None,
+        read: |p| p.pages_owned,
+    },
+    PoolCounter {
+        name: "pages_leased",
+        refusal: None,
+        read: |p| p.pages_leased,
+    },
+    PoolCounter {
+        name: "pages_release_pending",
+        refusal: None,
+        read: |p| p.pages_release_pending,
+    },
+    PoolCounter {
+        name: "refused_stale_handle",
+        refusal: Some("stale_handle"),
+        read: |p| p.refused_stale_handle,
+    },
+    PoolCounter {
+        name: "refused_foreign_owner",
+        refusal: Some("foreign_owner"),
+        read: |p| p.refused_foreign_owner,
+    },
+    PoolCounter {
+        name: "refused_unwritten_read",
+        refusal: Some("unwritten_read"),
+        read: |p| p.refused_unwritten_read,
+    },
+    PoolCounter {
+        name: "refused_double_free",
+        refusal: Some("double_free"),
+        read: |p| p.refused_double_free,
+    },
+    PoolCounter {
+        name: "refused_release_pending",
+        refusal: Some("release_pending"),
+        read: |p| p.refused_release_pending,
+    },
+    PoolCounter {
+        name: "refused_out_of_range",
+        refusal: Some("out_of_range"),
+        read: |p| p.refused_out_of_range,
+    },
+    PoolCounter {
+        name: "refused_write_gap",
+        refusal: Some("write_gap"),
+        read: |p| p.refused_write_gap,
+    },
+    PoolCounter {
+        name: "refused_already_written",
+        refusal: Some("already_written"),
+        read: |p| p.refused_already_written,
+    },
+    PoolCounter {
+        name: "refused_out_of_pages",
+        refusal: Some("out_of_pages"),
+        read: |p| p.refused_out_of_pages,
+    },
+    PoolCounter {
+        name: "refused_lease_limit",
+        refusal: Some("lease_limit"),
+        read: |p| p.refused_lease_limit,
+    },
+    PoolCounter {
+        name: "canary_mismatch",
+        refusal: Some("canary_mismatch"),
+        read: |p| p.canary_mismatch,
+    },
+    PoolCounter {
+        name: "checksum_mismatch",
+        refusal: Some("checksum_mismatch"),
+        read: |p| p.checksum_mismatch,
+    },
+    PoolCounter {
+        name: "allocs",
+        refusal: None,
+        read: |p| p.allocs,
+    },
+    PoolCounter {
+        name: "frees",
+        refusal: None,
+        read: |p| p.frees,
+    },
+    PoolCounter {
+        name: "frees_deferred",
+        refusal: None,
+        read: |p| p.frees_deferred,
+    },
+    PoolCounter {
+        name: "refused_shared_write",
+        refusal: Some("shared_write"),
+        read: |p| p.refused_shared_write,
+    },
+    PoolCounter {
+        name: "refused_foreign_scope",
+        refusal: Some("foreign_scope"),
+        read: |p| p.refused_foreign_scope,
+    },
+    PoolCounter {
+        name: "refused_ref_underflow",
+        refusal: Some("ref_underflow"),
+        read: |p| p.refused_ref_underflow,
+    },
+    PoolCounter {
+        name: "refused_unpublishable",
+        refusal: Some("unpublishable"),
+        read: |p| p.refused_unpublishable,
+    },
+    PoolCounter {
+        name: "pages_cached",
+        refusal: None,
+        read: |p| p.pages_cached,
+    },
+    PoolCounter {
+        name: "pages_evictable",
+        refusal: None,
+        read: |p| p.pages_evictable,
+    },
+    PoolCounter {
+        name: "cache_publishes",
+        refusal: None,
+        read: |p| p.cache_publishes,
+    },
+    PoolCounter {
+        name: "cache_evictions",
+        refusal: None,
+        read: |p| p.cache_evictions,
+    },
+];
 
 /// Occupancy and counters, refreshed after every step.
 #[derive(Clone, Debug, Default, PartialEq)]

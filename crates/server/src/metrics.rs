@@ -15,21 +15,259 @@ use std::sync::{Arc, Mutex};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
-use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::family::Family as Series;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use request::{EngineStats, MetricKind, MetricSample};
+use request::{EngineStats, MetricSample};
+use telemetry::metrics::Family;
 
 use crate::error::Reason;
 
 /// The content type of the exposition.
-pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+pub use telemetry::metrics::CONTENT_TYPE;
 
 type Labels = Vec<(&'static str, &'static str)>;
 /// Per-tenant series: bounded by the tenants file (`tenants::TENANTS_MAX`).
 type TenantLabels = Vec<(&'static str, String)>;
+
+// ---- the families, declared once ------------------------------------------
+
+const F_REQUESTS: Family = Family::counter(
+    "isoserve_requests_total",
+    "Generation requests by outcome (finished, cancelled, rejected, error)",
+)
+.with_labels(&["outcome"]);
+const F_REJECTIONS: Family = Family::counter(
+    "isoserve_rejections_total",
+    "Requests refused before generation, by reason",
+)
+.with_labels(&["reason"]);
+const F_HTTP_PROMPT_TOKENS: Family = Family::counter(
+    "isoserve_http_prompt_tokens_total",
+    "Prompt tokens of requests answered by the HTTP layer",
+);
+const F_HTTP_COMPLETION_TOKENS: Family = Family::counter(
+    "isoserve_http_completion_tokens_total",
+    "Completion tokens of requests answered by the HTTP layer",
+);
+const F_TENANT_PROMPT_TOKENS: Family = Family::counter(
+    "isoserve_tenant_prompt_tokens_total",
+    "Prompt tokens of finished requests, per tenant",
+)
+.with_labels(&["tenant"]);
+const F_TENANT_PROMPT_TOKENS_CACHED: Family = Family::counter(
+    "isoserve_tenant_prompt_tokens_cached_total",
+    "Prompt tokens served from the tenant's prefix cache scope, per tenant",
+)
+.with_labels(&["tenant"]);
+const F_TENANT_COMPLETION_TOKENS: Family = Family::counter(
+    "isoserve_tenant_completion_tokens_total",
+    "Tokens generated for finished requests, per tenant (its share of the engine, with \
+             its prompt tokens)",
+)
+.with_labels(&["tenant"]);
+const F_TENANT_REQUESTS_FINISHED: Family = Family::counter(
+    "isoserve_tenant_requests_finished_total",
+    "Requests finished, per tenant",
+)
+.with_labels(&["tenant"]);
+const F_TENANT_QUEUE_SECONDS: Family = Family::counter(
+    "isoserve_tenant_queue_seconds_total",
+    "Time finished requests waited for admission, summed per tenant (divide by \
+             isoserve_tenant_requests_finished_total for the mean)",
+)
+.with_labels(&["tenant"]);
+const F_TIME_TO_FIRST_TOKEN_SECONDS: Family = Family::histogram(
+    "isoserve_time_to_first_token_seconds",
+    "Time from the request's arrival to its first generated token",
+);
+const F_INTER_TOKEN_LATENCY_SECONDS: Family = Family::histogram(
+    "isoserve_inter_token_latency_seconds",
+    "Time between consecutive generated tokens of a request",
+);
+const F_QUEUE_TIME_SECONDS: Family = Family::histogram(
+    "isoserve_queue_time_seconds",
+    "Time a request waited in the engine's queue before admission",
+);
+const F_REQUEST_DURATION_SECONDS: Family = Family::histogram(
+    "isoserve_request_duration_seconds",
+    "Time from the request's arrival to its end (finished requests)",
+);
+const F_HTTP_INFLIGHT_REQUESTS: Family = Family::gauge(
+    "isoserve_http_inflight_requests",
+    "Generation requests admitted by the HTTP layer and not yet ended",
+);
+const F_KV_PAGES_TOTAL: Family = Family::gauge("isoserve_kv_pages_total", "Pages in the KV pool");
+const F_KV_SAFETY_REFUSALS: Family = Family::counter(
+    "isoserve_kv_safety_refusals_total",
+    "Sum of every KV safety refusal (must stay 0)",
+);
+const F_KV_ALLOCS: Family = Family::counter("isoserve_kv_allocs_total", "KV page allocations");
+const F_KV_FREES: Family = Family::counter("isoserve_kv_frees_total", "KV page frees");
+const F_KV_FREES_DEFERRED: Family = Family::counter(
+    "isoserve_kv_frees_deferred_total",
+    "KV page frees deferred by a lease",
+);
+const F_PREFIX_CACHE_PUBLISHES: Family = Family::counter(
+    "isoserve_prefix_cache_publishes_total",
+    "KV pages entered into the prefix cache",
+);
+const F_PREFIX_CACHE_EVICTIONS: Family = Family::counter(
+    "isoserve_prefix_cache_evictions_total",
+    "Idle cached KV pages evicted for an allocation",
+);
+const F_REQUESTS_RUNNING: Family = Family::gauge(
+    "isoserve_requests_running",
+    "Requests running in the engine",
+);
+const F_REQUESTS_WAITING: Family = Family::gauge(
+    "isoserve_requests_waiting",
+    "Requests waiting for admission in the engine",
+);
+const F_REQUESTS_PREEMPTED: Family = Family::gauge(
+    "isoserve_requests_preempted",
+    "Requests preempted for another tenant's fair share, waiting to resume (K13)",
+);
+const F_REQUESTS_PREEMPTIONS: Family = Family::counter(
+    "isoserve_requests_preemptions_total",
+    "Running requests preempted (pages given back, recomputed on resuming) to make room \
+             for a tenant under its fair share or a better priority of the same tenant",
+);
+const F_PROMPT_TOKENS: Family = Family::counter(
+    "isoserve_prompt_tokens_total",
+    "Prompt tokens admitted by the engine",
+);
+const F_GENERATION_TOKENS: Family = Family::counter(
+    "isoserve_generation_tokens_total",
+    "Tokens generated by the engine",
+);
+const F_ENGINE_STEPS: Family = Family::counter(
+    "isoserve_engine_steps_total",
+    "Forward steps run by the engine",
+);
+const F_PREFIX_CACHE_QUERIES: Family = Family::counter(
+    "isoserve_prefix_cache_queries_total",
+    "Requests that looked up the prefix cache",
+);
+const F_PREFIX_CACHE_QUERY_TOKENS: Family = Family::counter(
+    "isoserve_prefix_cache_query_tokens_total",
+    "Prompt tokens of requests that looked up the prefix cache",
+);
+const F_PREFIX_CACHE_HIT_TOKENS: Family = Family::counter(
+    "isoserve_prefix_cache_hit_tokens_total",
+    "Prompt tokens served from the prefix cache",
+);
+const F_PREFIX_CACHE_HIT_PAGES: Family = Family::counter(
+    "isoserve_prefix_cache_hit_pages_total",
+    "KV pages served from the prefix cache",
+);
+const F_KV_PAGES: Family = Family::gauge(
+    "isoserve_kv_pages",
+    "KV pages by state. free: no request or transfer holds it — on the free list, or cached and idle (evictable, taken back on demand, as vLLM counts its cached free blocks); owned: held (= total − free), leased and release-pending ones included; cached: in the prefix cache, held or idle; evictable: cached and idle",
+)
+.with_labels(&["state"]);
+const F_KV_REFUSALS: Family = Family::counter(
+    "isoserve_kv_refusals_total",
+    "KV pool refusals by kind (every one but out_of_pages is a safety check firing)",
+)
+.with_labels(&["kind"]);
+const F_ENGINE_REQUESTS: Family = Family::counter(
+    "isoserve_engine_requests_total",
+    "Requests ended by the engine, by how",
+)
+.with_labels(&["how"]);
+const F_KV_USAGE_RATIO: Family = Family::gauge(
+    "isoserve_kv_usage_ratio",
+    "Fraction of KV pages held by requests or transfers (0 to 1)",
+);
+
+const F_TENANT_REQUESTS: Family = Family::gauge(
+    "isoserve_tenant_requests",
+    "Requests of an active tenant in the engine, by state (K13)",
+)
+.with_labels(&["tenant", "state"]);
+const F_TENANT_WEIGHT: Family = Family::gauge(
+    "isoserve_tenant_weight",
+    "An active tenant's fair-share weight (its share of the engine when others are busy: \
+     weight over the active tenants' sum)",
+)
+.with_labels(&["tenant"]);
+const F_TENANT_SERVICE: Family = Family::gauge(
+    "isoserve_tenant_service",
+    "Rows computed for an active tenant per unit of weight since it became active (the \
+     virtual token counter admission serves lowest first)",
+)
+.with_labels(&["tenant"]);
+
+/// Every family the HTTP layer exports itself, in the order `/metrics`
+/// shows them: its own counters and histograms, the engine's state
+/// (`Backend::stats`), then each active tenant's (after these come the
+/// backend's own samples, declared by the backend: the PD gateway's and
+/// its nodes').
+pub const SERVER_FAMILIES: &[Family] = &[
+    F_REQUESTS,
+    F_REJECTIONS,
+    F_HTTP_PROMPT_TOKENS,
+    F_HTTP_COMPLETION_TOKENS,
+    F_TENANT_PROMPT_TOKENS,
+    F_TENANT_PROMPT_TOKENS_CACHED,
+    F_TENANT_COMPLETION_TOKENS,
+    F_TENANT_REQUESTS_FINISHED,
+    F_TENANT_QUEUE_SECONDS,
+    F_TIME_TO_FIRST_TOKEN_SECONDS,
+    F_INTER_TOKEN_LATENCY_SECONDS,
+    F_QUEUE_TIME_SECONDS,
+    F_REQUEST_DURATION_SECONDS,
+    F_HTTP_INFLIGHT_REQUESTS,
+    F_KV_PAGES_TOTAL,
+    F_KV_SAFETY_REFUSALS,
+    F_KV_ALLOCS,
+    F_KV_FREES,
+    F_KV_FREES_DEFERRED,
+    F_PREFIX_CACHE_PUBLISHES,
+    F_PREFIX_CACHE_EVICTIONS,
+    F_REQUESTS_RUNNING,
+    F_REQUESTS_WAITING,
+    F_REQUESTS_PREEMPTED,
+    F_REQUESTS_PREEMPTIONS,
+    F_PROMPT_TOKENS,
+    F_GENERATION_TOKENS,
+    F_ENGINE_STEPS,
+    F_PREFIX_CACHE_QUERIES,
+    F_PREFIX_CACHE_QUERY_TOKENS,
+    F_PREFIX_CACHE_HIT_TOKENS,
+    F_PREFIX_CACHE_HIT_PAGES,
+    F_KV_PAGES,
+    F_KV_REFUSALS,
+    F_ENGINE_REQUESTS,
+    F_KV_USAGE_RATIO,
+    F_TENANT_REQUESTS,
+    F_TENANT_WEIGHT,
+    F_TENANT_SERVICE,
+];
+
+/// Registers `metric` under its declared family.
+fn register(registry: &mut Registry, f: &Family, metric: impl prometheus_client::registry::Metric) {
+    registry.register(f.base(), f.help, metric);
+}
+
+/// A labelled family's samples, in OpenMetrics' shape.
+pub(crate) fn tenant_requests(tenant: &str, state: &'static str, n: f64) -> MetricSample {
+    F_TENANT_REQUESTS
+        .sample(n)
+        .label("tenant", tenant)
+        .label("state", state)
+}
+
+pub(crate) fn tenant_weight(tenant: &str, weight: f64) -> MetricSample {
+    F_TENANT_WEIGHT.sample(weight).label("tenant", tenant)
+}
+
+pub(crate) fn tenant_service(tenant: &str, service: f64) -> MetricSample {
+    F_TENANT_SERVICE.sample(service).label("tenant", tenant)
+}
 
 /// A tenant's totals of finished requests ([`Metrics::tenant_totals`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -45,14 +283,14 @@ pub const OUTCOMES: [&str; 4] = ["finished", "cancelled", "rejected", "error"];
 /// Every metric of the server.
 pub struct Metrics {
     registry: Registry,
-    requests: Family<Labels, Counter>,
-    rejections: Family<Labels, Counter>,
+    requests: Series<Labels, Counter>,
+    rejections: Series<Labels, Counter>,
     prompt_tokens: Counter,
-    tenant_prompt_tokens: Family<TenantLabels, Counter>,
-    tenant_cached_tokens: Family<TenantLabels, Counter>,
-    tenant_completion_tokens: Family<TenantLabels, Counter>,
-    tenant_finished: Family<TenantLabels, Counter>,
-    tenant_queue_seconds: Family<TenantLabels, Counter<f64, AtomicU64>>,
+    tenant_prompt_tokens: Series<TenantLabels, Counter>,
+    tenant_cached_tokens: Series<TenantLabels, Counter>,
+    tenant_completion_tokens: Series<TenantLabels, Counter>,
+    tenant_finished: Series<TenantLabels, Counter>,
+    tenant_queue_seconds: Series<TenantLabels, Counter<f64, AtomicU64>>,
     completion_tokens: Counter,
     pub ttft: Histogram,
     pub inter_token: Histogram,
@@ -63,71 +301,9 @@ pub struct Metrics {
     backend: Arc<SamplesCollector>,
 }
 
-/// Samples a backend (or a node) reports, encoded through the registry.
-#[derive(Debug, Default)]
-struct SamplesCollector {
-    samples: Mutex<Vec<MetricSample>>,
-}
-
-impl Collector for SamplesCollector {
-    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
-        // One family per name, in order of first appearance; its kind and
-        // help are its first sample's.
-        let mut names: Vec<&str> = Vec::new();
-        for s in samples.iter() {
-            if !names.contains(&s.name.as_str()) {
-                names.push(&s.name);
-            }
-        }
-        for name in names {
-            let group: Vec<&MetricSample> = samples.iter().filter(|s| s.name == name).collect();
-            let first = group[0];
-            let (ty, base) = match first.kind {
-                // The encoder appends `_total` to a counter's name.
-                MetricKind::Counter => (
-                    MetricType::Counter,
-                    name.strip_suffix("_total").unwrap_or(name),
-                ),
-                MetricKind::Gauge => (MetricType::Gauge, name),
-            };
-            let mut m = enc.encode_descriptor(base, &first.help, None, ty)?;
-            if group.len() == 1 && first.labels.is_empty() {
-                encode_value(first, m)?;
-                continue;
-            }
-            for s in group {
-                encode_value(s, m.encode_family(&s.labels)?)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Encodes one sample's value as its metric kind.
-fn encode_value(
-    s: &MetricSample,
-    m: prometheus_client::encoding::MetricEncoder,
-) -> Result<(), std::fmt::Error> {
-    match s.kind {
-        MetricKind::Counter => ConstCounter::new(s.value).encode(m),
-        MetricKind::Gauge => ConstGauge::new(s.value).encode(m),
-    }
-}
-
-/// Prometheus text of `samples` alone (a PD node's `/metrics`).
-pub fn encode_samples(samples: Vec<MetricSample>) -> String {
-    let mut registry = Registry::default();
-    let c = Arc::new(SamplesCollector {
-        samples: Mutex::new(samples),
-    });
-    registry.register_collector(Box::new(c));
-    let mut out = String::with_capacity(4096);
-    if let Err(e) = prometheus_client::encoding::prometheus_text::encode(&mut out, &registry) {
-        tracing::error!("cannot encode metrics: {e}");
-    }
-    out
-}
+/// Prometheus text of `samples` alone (what a PD node's `/metrics` serves).
+pub use telemetry::metrics::encode_samples;
+use telemetry::metrics::SamplesCollector;
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -141,25 +317,15 @@ struct EngineCollector {
     stats: Mutex<EngineStats>,
 }
 
-fn const_counter(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    v: u64,
-) -> Result<(), std::fmt::Error> {
+fn const_counter(enc: &mut DescriptorEncoder, f: &Family, v: u64) -> Result<(), std::fmt::Error> {
     let c = ConstCounter::new(v);
-    let m = enc.encode_descriptor(name, help, None, c.metric_type())?;
+    let m = enc.encode_descriptor(f.base(), f.help, None, c.metric_type())?;
     c.encode(m)
 }
 
-fn const_gauge(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    v: u64,
-) -> Result<(), std::fmt::Error> {
+fn const_gauge(enc: &mut DescriptorEncoder, f: &Family, v: u64) -> Result<(), std::fmt::Error> {
     let g = ConstGauge::new(v as i64);
-    let m = enc.encode_descriptor(name, help, None, g.metric_type())?;
+    let m = enc.encode_descriptor(f.base(), f.help, None, g.metric_type())?;
     g.encode(m)
 }
 
@@ -171,16 +337,11 @@ impl Collector for EngineCollector {
         // pools come as `isoserve_node_*` samples) exports none, rather
         // than a pool of 0 pages that trips "no free pages" alerts.
         if p.pages_total > 0 {
-            const_gauge(
-                &mut enc,
-                "isoserve_kv_pages_total",
-                "Pages in the KV pool",
-                p.pages_total,
-            )?;
+            const_gauge(&mut enc, &F_KV_PAGES_TOTAL, p.pages_total)?;
             {
                 let mut m = enc.encode_descriptor(
-                    "isoserve_kv_pages",
-                    "KV pages by state. free: no request or transfer holds it — on the free list, or cached and idle (evictable, taken back on demand, as vLLM counts its cached free blocks); owned: held (= total − free), leased and release-pending ones included; cached: in the prefix cache, held or idle; evictable: cached and idle",
+                    F_KV_PAGES.base(),
+                    F_KV_PAGES.help,
                     None,
                     MetricType::Gauge,
                 )?;
@@ -204,8 +365,8 @@ impl Collector for EngineCollector {
                 let used = (p.pages_total - p.pages_unheld()) as f64 / p.pages_total as f64;
                 let g = ConstGauge::new(used);
                 let m = enc.encode_descriptor(
-                    "isoserve_kv_usage_ratio",
-                    "Fraction of KV pages held by requests or transfers (0 to 1)",
+                    F_KV_USAGE_RATIO.base(),
+                    F_KV_USAGE_RATIO.help,
                     None,
                     g.metric_type(),
                 )?;
@@ -213,8 +374,8 @@ impl Collector for EngineCollector {
             }
             {
                 let mut m = enc.encode_descriptor(
-                    "isoserve_kv_refusals",
-                    "KV pool refusals by kind (every one but out_of_pages is a safety check firing)",
+                    F_KV_REFUSALS.base(),
+                    F_KV_REFUSALS.help,
                     None,
                     MetricType::Counter,
                 )?;
@@ -223,85 +384,28 @@ impl Collector for EngineCollector {
                     ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
                 }
             }
-            const_counter(
-                &mut enc,
-                "isoserve_kv_safety_refusals",
-                "Sum of every KV safety refusal (must stay 0)",
-                p.safety_refusals(),
-            )?;
-            const_counter(
-                &mut enc,
-                "isoserve_kv_allocs",
-                "KV page allocations",
-                p.allocs,
-            )?;
-            const_counter(&mut enc, "isoserve_kv_frees", "KV page frees", p.frees)?;
-            const_counter(
-                &mut enc,
-                "isoserve_kv_frees_deferred",
-                "KV page frees deferred by a lease",
-                p.frees_deferred,
-            )?;
-            const_counter(
-                &mut enc,
-                "isoserve_prefix_cache_publishes",
-                "KV pages entered into the prefix cache",
-                p.cache_publishes,
-            )?;
-            const_counter(
-                &mut enc,
-                "isoserve_prefix_cache_evictions",
-                "Idle cached KV pages evicted for an allocation",
-                p.cache_evictions,
-            )?;
+            const_counter(&mut enc, &F_KV_SAFETY_REFUSALS, p.safety_refusals())?;
+            const_counter(&mut enc, &F_KV_ALLOCS, p.allocs)?;
+            const_counter(&mut enc, &F_KV_FREES, p.frees)?;
+            const_counter(&mut enc, &F_KV_FREES_DEFERRED, p.frees_deferred)?;
+            const_counter(&mut enc, &F_PREFIX_CACHE_PUBLISHES, p.cache_publishes)?;
+            const_counter(&mut enc, &F_PREFIX_CACHE_EVICTIONS, p.cache_evictions)?;
         }
-        const_gauge(
-            &mut enc,
-            "isoserve_requests_running",
-            "Requests running in the engine",
-            s.running as u64,
-        )?;
-        const_gauge(
-            &mut enc,
-            "isoserve_requests_waiting",
-            "Requests waiting for admission in the engine",
-            s.waiting as u64,
-        )?;
-        const_gauge(
-            &mut enc,
-            "isoserve_requests_preempted",
-            "Requests preempted for another tenant's fair share, waiting to resume (K13)",
-            s.preempted as u64,
-        )?;
+        const_gauge(&mut enc, &F_REQUESTS_RUNNING, s.running as u64)?;
+        const_gauge(&mut enc, &F_REQUESTS_WAITING, s.waiting as u64)?;
+        const_gauge(&mut enc, &F_REQUESTS_PREEMPTED, s.preempted as u64)?;
         const_counter(
             &mut enc,
-            "isoserve_requests_preemptions",
-            "Running requests preempted (pages given back, recomputed on resuming) to make room \
-             for a tenant under its fair share or a better priority of the same tenant",
+            &F_REQUESTS_PREEMPTIONS,
             s.requests_preempted_total,
         )?;
-        const_counter(
-            &mut enc,
-            "isoserve_prompt_tokens",
-            "Prompt tokens admitted by the engine",
-            s.prompt_tokens_total,
-        )?;
-        const_counter(
-            &mut enc,
-            "isoserve_generation_tokens",
-            "Tokens generated by the engine",
-            s.generated_tokens_total,
-        )?;
-        const_counter(
-            &mut enc,
-            "isoserve_engine_steps",
-            "Forward steps run by the engine",
-            s.steps_total,
-        )?;
+        const_counter(&mut enc, &F_PROMPT_TOKENS, s.prompt_tokens_total)?;
+        const_counter(&mut enc, &F_GENERATION_TOKENS, s.generated_tokens_total)?;
+        const_counter(&mut enc, &F_ENGINE_STEPS, s.steps_total)?;
         {
             let mut m = enc.encode_descriptor(
-                "isoserve_engine_requests",
-                "Requests ended by the engine, by how",
+                F_ENGINE_REQUESTS.base(),
+                F_ENGINE_REQUESTS.help,
                 None,
                 MetricType::Counter,
             )?;
@@ -317,26 +421,22 @@ impl Collector for EngineCollector {
         }
         const_counter(
             &mut enc,
-            "isoserve_prefix_cache_queries",
-            "Requests that looked up the prefix cache",
+            &F_PREFIX_CACHE_QUERIES,
             s.prefix_cache_queries_total,
         )?;
         const_counter(
             &mut enc,
-            "isoserve_prefix_cache_query_tokens",
-            "Prompt tokens of requests that looked up the prefix cache",
+            &F_PREFIX_CACHE_QUERY_TOKENS,
             s.prefix_cache_query_tokens_total,
         )?;
         const_counter(
             &mut enc,
-            "isoserve_prefix_cache_hit_tokens",
-            "Prompt tokens served from the prefix cache",
+            &F_PREFIX_CACHE_HIT_TOKENS,
             s.prefix_cache_hit_tokens_total,
         )?;
         const_counter(
             &mut enc,
-            "isoserve_prefix_cache_hit_pages",
-            "KV pages served from the prefix cache",
+            &F_PREFIX_CACHE_HIT_PAGES,
             s.prefix_cache_hit_pages_total,
         )?;
         Ok(())
@@ -351,8 +451,8 @@ fn latency_buckets() -> impl Iterator<Item = f64> {
 impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::default();
-        let requests = Family::<Labels, Counter>::default();
-        let rejections = Family::<Labels, Counter>::default();
+        let requests = Series::<Labels, Counter>::default();
+        let rejections = Series::<Labels, Counter>::default();
         // Pre-create every series so a dashboard (and a test) sees zeros.
         for o in OUTCOMES {
             let _ = requests.get_or_create(&vec![("outcome", o)]);
@@ -360,88 +460,62 @@ impl Metrics {
         for r in Reason::ALL {
             let _ = rejections.get_or_create(&vec![("reason", r.as_str())]);
         }
-        registry.register(
-            "isoserve_requests",
-            "Generation requests by outcome (finished, cancelled, rejected, error)",
-            requests.clone(),
-        );
-        registry.register(
-            "isoserve_rejections",
-            "Requests refused before generation, by reason",
-            rejections.clone(),
-        );
+        register(&mut registry, &F_REQUESTS, requests.clone());
+        register(&mut registry, &F_REJECTIONS, rejections.clone());
         let prompt_tokens = Counter::default();
         let completion_tokens = Counter::default();
-        registry.register(
-            "isoserve_http_prompt_tokens",
-            "Prompt tokens of requests answered by the HTTP layer",
-            prompt_tokens.clone(),
-        );
-        registry.register(
-            "isoserve_http_completion_tokens",
-            "Completion tokens of requests answered by the HTTP layer",
+        register(&mut registry, &F_HTTP_PROMPT_TOKENS, prompt_tokens.clone());
+        register(
+            &mut registry,
+            &F_HTTP_COMPLETION_TOKENS,
             completion_tokens.clone(),
         );
-        let tenant_prompt_tokens = Family::<TenantLabels, Counter>::default();
-        let tenant_cached_tokens = Family::<TenantLabels, Counter>::default();
-        registry.register(
-            "isoserve_tenant_prompt_tokens",
-            "Prompt tokens of finished requests, per tenant",
+        let tenant_prompt_tokens = Series::<TenantLabels, Counter>::default();
+        let tenant_cached_tokens = Series::<TenantLabels, Counter>::default();
+        register(
+            &mut registry,
+            &F_TENANT_PROMPT_TOKENS,
             tenant_prompt_tokens.clone(),
         );
-        registry.register(
-            "isoserve_tenant_prompt_tokens_cached",
-            "Prompt tokens served from the tenant's prefix cache scope, per tenant",
+        register(
+            &mut registry,
+            &F_TENANT_PROMPT_TOKENS_CACHED,
             tenant_cached_tokens.clone(),
         );
-        let tenant_completion_tokens = Family::<TenantLabels, Counter>::default();
-        let tenant_finished = Family::<TenantLabels, Counter>::default();
-        let tenant_queue_seconds = Family::<TenantLabels, Counter<f64, AtomicU64>>::default();
-        registry.register(
-            "isoserve_tenant_completion_tokens",
-            "Tokens generated for finished requests, per tenant (its share of the engine, with \
-             its prompt tokens)",
+        let tenant_completion_tokens = Series::<TenantLabels, Counter>::default();
+        let tenant_finished = Series::<TenantLabels, Counter>::default();
+        let tenant_queue_seconds = Series::<TenantLabels, Counter<f64, AtomicU64>>::default();
+        register(
+            &mut registry,
+            &F_TENANT_COMPLETION_TOKENS,
             tenant_completion_tokens.clone(),
         );
-        registry.register(
-            "isoserve_tenant_requests_finished",
-            "Requests finished, per tenant",
+        register(
+            &mut registry,
+            &F_TENANT_REQUESTS_FINISHED,
             tenant_finished.clone(),
         );
-        registry.register(
-            "isoserve_tenant_queue_seconds",
-            "Time finished requests waited for admission, summed per tenant (divide by \
-             isoserve_tenant_requests_finished_total for the mean)",
+        register(
+            &mut registry,
+            &F_TENANT_QUEUE_SECONDS,
             tenant_queue_seconds.clone(),
         );
         let ttft = Histogram::new(latency_buckets());
         let inter_token = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let queue_time = Histogram::new(latency_buckets());
         let e2e = Histogram::new(latency_buckets());
-        registry.register(
-            "isoserve_time_to_first_token_seconds",
-            "Time from the request's arrival to its first generated token",
-            ttft.clone(),
-        );
-        registry.register(
-            "isoserve_inter_token_latency_seconds",
-            "Time between consecutive generated tokens of a request",
+        register(&mut registry, &F_TIME_TO_FIRST_TOKEN_SECONDS, ttft.clone());
+        register(
+            &mut registry,
+            &F_INTER_TOKEN_LATENCY_SECONDS,
             inter_token.clone(),
         );
-        registry.register(
-            "isoserve_queue_time_seconds",
-            "Time a request waited in the engine's queue before admission",
-            queue_time.clone(),
-        );
-        registry.register(
-            "isoserve_request_duration_seconds",
-            "Time from the request's arrival to its end (finished requests)",
-            e2e.clone(),
-        );
+        register(&mut registry, &F_QUEUE_TIME_SECONDS, queue_time.clone());
+        register(&mut registry, &F_REQUEST_DURATION_SECONDS, e2e.clone());
         let http_inflight = Gauge::default();
-        registry.register(
-            "isoserve_http_inflight_requests",
-            "Generation requests admitted by the HTTP layer and not yet ended",
+        register(
+            &mut registry,
+            &F_HTTP_INFLIGHT_REQUESTS,
             http_inflight.clone(),
         );
         let engine = Arc::new(EngineCollector::default());
@@ -511,7 +585,7 @@ impl Metrics {
     /// the operator console.
     pub fn tenant_totals(&self, tenant: &str) -> TenantTotals {
         let labels = vec![("tenant", tenant.to_string())];
-        let get = |f: &Family<TenantLabels, Counter>| f.get(&labels).map_or(0, |c| c.get());
+        let get = |f: &Series<TenantLabels, Counter>| f.get(&labels).map_or(0, |c| c.get());
         TenantTotals {
             finished: get(&self.tenant_finished),
             prompt_tokens: get(&self.tenant_prompt_tokens),

@@ -66,34 +66,10 @@ pub(crate) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
             ("waiting", t.waiting),
             ("preempted", t.preempted),
         ] {
-            samples.push(
-                request::MetricSample::gauge(
-                    "isoserve_tenant_requests",
-                    "Requests of an active tenant in the engine, by state (K13)",
-                    n as f64,
-                )
-                .label("tenant", name.clone())
-                .label("state", state),
-            );
+            samples.push(crate::metrics::tenant_requests(&name, state, n as f64));
         }
-        samples.push(
-            request::MetricSample::gauge(
-                "isoserve_tenant_weight",
-                "An active tenant's fair-share weight (its share of the engine when others \
-                 are busy: weight over the active tenants' sum)",
-                f64::from(t.weight),
-            )
-            .label("tenant", name.clone()),
-        );
-        samples.push(
-            request::MetricSample::gauge(
-                "isoserve_tenant_service",
-                "Rows computed for an active tenant per unit of weight since it became active \
-                 (the virtual token counter admission serves lowest first)",
-                t.service,
-            )
-            .label("tenant", name),
-        );
+        samples.push(crate::metrics::tenant_weight(&name, f64::from(t.weight)));
+        samples.push(crate::metrics::tenant_service(&name, t.service));
     }
     let text = st.metrics.render(stats, samples);
     (

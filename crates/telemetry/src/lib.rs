@@ -23,6 +23,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod metrics;
+
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
