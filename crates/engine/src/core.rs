@@ -1280,6 +1280,11 @@ impl<F: Forward> Core<F> {
         before != self.running.len()
     }
 
+    /// Whether request `req` is in the batch.
+    pub fn runs(&self, req: RequestId) -> bool {
+        self.running.iter().any(|a| a.id == req)
+    }
+
     /// One forward step, if any request runs.
     pub fn step_if_running(&mut self, now: Instant) {
         self.advance(now);

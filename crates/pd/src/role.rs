@@ -453,6 +453,8 @@ impl NodeEngine for CoreEngine {
 
     fn stop(&mut self, req: RequestId) {
         self.core.stop_remote(req);
+        // The machine ended it: the engine must not run it any more.
+        assert!(!self.core.runs(req), "request {req} still runs after its stop");
     }
 
     fn running(&mut self) -> usize {
@@ -462,6 +464,8 @@ impl NodeEngine for CoreEngine {
 
 impl PrefillEngine for CoreEngine {
     fn compute(&mut self, job: ComputeJob) {
+        // The machine hands a request to the engine once.
+        assert!(!self.core.runs(job.req), "request {} computed twice", job.req);
         if job.gen.trace.is_some() && self.computing.len() < crate::spans::TRACKED_MAX {
             self.computing.push(job.req);
         }
@@ -514,6 +518,8 @@ impl PrefillEngine for CoreEngine {
 
 impl DecodeEngine for CoreEngine {
     fn start_decode(&mut self, s: DecodeStart) -> Result<(), Refusal> {
+        // The machine starts a request's decode once.
+        assert!(!self.core.runs(s.req), "request {} started twice", s.req);
         if let Some(t0) = self.transfer_started.remove(&s.req) {
             self.transfer_seconds_total += t0.elapsed().as_secs_f64();
             self.transfers_timed_total += 1;
