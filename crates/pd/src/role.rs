@@ -454,7 +454,10 @@ impl NodeEngine for CoreEngine {
     fn stop(&mut self, req: RequestId) {
         self.core.stop_remote(req);
         // The machine ended it: the engine must not run it any more.
-        assert!(!self.core.runs(req), "request {req} still runs after its stop");
+        assert!(
+            !self.core.runs(req),
+            "request {req} still runs after its stop"
+        );
     }
 
     fn running(&mut self) -> usize {
@@ -465,7 +468,11 @@ impl NodeEngine for CoreEngine {
 impl PrefillEngine for CoreEngine {
     fn compute(&mut self, job: ComputeJob) {
         // The machine hands a request to the engine once.
-        assert!(!self.core.runs(job.req), "request {} computed twice", job.req);
+        assert!(
+            !self.core.runs(job.req),
+            "request {} computed twice",
+            job.req
+        );
         if job.gen.trace.is_some() && self.computing.len() < crate::spans::TRACKED_MAX {
             self.computing.push(job.req);
         }

@@ -1,13 +1,25 @@
 //! The checks as pure functions from what the server answered to findings.
 
 use crate::secrets::Secret;
-use crate::{Completion, Finding};
+use crate::{Completion, Evidence, Finding};
 
 fn finding(check: &str, kind: &str, detail: String) -> Finding {
     Finding {
         kind: kind.into(),
         check: check.into(),
         detail,
+        evidence: evidence_of(kind),
+    }
+}
+
+/// How sure each kind of finding is (docs/probe.md says why).
+pub fn evidence_of(kind: &str) -> Evidence {
+    match kind {
+        "answered_faster_than_prefill" | "prefix_cache_shared_across_tenants" => {
+            Evidence::Statistical
+        }
+        "prompt_tokens_implausible" | "prompt_tokens_not_monotone" => Evidence::Heuristic,
+        _ => Evidence::Exact,
     }
 }
 
@@ -312,9 +324,27 @@ pub fn cache_scope(trials: &[CacheTrial]) -> Vec<Finding> {
 /// A prompt the probe sent and the server's count of its tokens.
 #[derive(Clone, Debug)]
 pub struct Counted {
+    /// Which generator made the prompt.
+    pub make: Make,
     pub words: usize,
     pub chars: usize,
     pub prompt_tokens: Option<u64>,
+}
+
+/// Which of the probe's generators made a prompt. Characters per token
+/// differ between them (a secret-dense flood prompt costs about 2.2
+/// characters a token on SmolLM2's tokenizer, a unit prompt of " hello"s
+/// about 5.8), so prompt lengths are compared only within one make.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Make {
+    /// `unit_prompt`: " hello" × n (calibration, the window's edges).
+    Unit,
+    /// `prompt_with_secret`: prose with a secret every 40 words.
+    Marker,
+    /// `flood_prompt`: a secret every 4 words.
+    Flood,
+    /// The recall prompt after a flood.
+    Recall,
 }
 
 /// `usage.prompt_tokens` must be reported, and lie between half a token
@@ -344,33 +374,41 @@ pub fn accounting(samples: &[Counted]) -> Vec<Finding> {
             Some(_) => {}
         }
     }
-    // Against the largest count of any prompt at most half as long. Not
-    // against any shorter prompt: tokens per character differ with content
-    // (a run of digits costs more tokens than words do), so two prompts a
-    // few characters apart may count in either order (CI saw 2,463
-    // characters count 514 tokens and 2,529 count 511). Twice the
-    // characters of the probe's own prompts always counts more tokens.
-    let mut by_len: Vec<(usize, u64)> = samples
+    // Within one make, against the largest count of any prompt at most
+    // half as long. Not across makes: a flood prompt of 1,430 characters
+    // counts more tokens than a unit prompt of 2,986 (seen against
+    // llama-server: 638 and 511, both right). Not against any shorter
+    // prompt either: tokens per character differ with content (a run of
+    // digits costs more tokens than words do), so two prompts a few
+    // characters apart may count in either order (CI saw 2,463 characters
+    // count 514 tokens and 2,529 count 511). Twice the characters of one
+    // generator's prompts always counts more tokens.
+    let mut by_len: Vec<(Make, usize, u64)> = samples
         .iter()
-        .filter_map(|s| Some((s.chars, s.prompt_tokens?)))
+        .filter_map(|s| Some((s.make, s.chars, s.prompt_tokens?)))
         .collect();
     by_len.sort_unstable();
     by_len.dedup();
-    let mut best: Option<(usize, u64)> = None;
-    let mut j = 0;
-    for &(chars, p) in &by_len {
-        while j < by_len.len() && by_len[j].0 * 2 <= chars {
-            if best.is_none_or(|b| by_len[j].1 > b.1) {
-                best = Some(by_len[j]);
+    for group in by_len.chunk_by(|a, b| a.0 == b.0) {
+        let mut best: Option<(usize, u64)> = None;
+        let mut j = 0;
+        for &(_, chars, p) in group {
+            while j < group.len() && group[j].1 * 2 <= chars {
+                if best.is_none_or(|b| group[j].2 > b.1) {
+                    best = Some((group[j].1, group[j].2));
+                }
+                j += 1;
             }
-            j += 1;
-        }
-        if let Some((c0, p0)) = best.filter(|b| p < b.1) {
-            found.push(finding(
-                "tokens",
-                "prompt_tokens_not_monotone",
-                format!("a {c0}-character prompt counted {p0} tokens, a {chars}-character one {p}"),
-            ));
+            if let Some((c0, p0)) = best.filter(|b| p < b.1) {
+                found.push(finding(
+                    "tokens",
+                    "prompt_tokens_not_monotone",
+                    format!(
+                        "a {c0}-character prompt counted {p0} tokens, a {chars}-character one \
+                         of the same make {p}"
+                    ),
+                ));
+            }
         }
     }
     let mut seen = std::collections::HashSet::new();
@@ -536,6 +574,7 @@ mod tests {
     #[test]
     fn prompt_tokens_must_fit_the_prompt() {
         let c = |words, chars, p| Counted {
+            make: Make::Marker,
             words,
             chars,
             prompt_tokens: p,
@@ -554,6 +593,7 @@ mod tests {
     #[test]
     fn prompts_close_in_length_may_count_in_either_order() {
         let c = |chars, p| Counted {
+            make: Make::Unit,
             words: chars / 6,
             chars,
             prompt_tokens: Some(p),
@@ -567,6 +607,27 @@ mod tests {
         let f = accounting(&[c(1000, 300), c(1000, 300), c(2000, 299), c(2000, 299)]);
         assert_eq!(f.len(), 1, "{f:?}");
         assert_eq!(f[0].kind, "prompt_tokens_not_monotone");
+    }
+
+    /// The false finding against llama-server (issue 40): a flood prompt
+    /// of 1,430 characters counted 638 tokens and a unit prompt of 2,986
+    /// counted 511. Both counts were right; prompts of different makes are
+    /// not compared. Within one make the same figures are still a finding.
+    #[test]
+    fn prompts_of_different_makes_are_not_compared() {
+        let c = |make, chars, p| Counted {
+            make,
+            words: chars / 6,
+            chars,
+            prompt_tokens: Some(p),
+        };
+        let seen = [c(Make::Flood, 1430, 638), c(Make::Unit, 2986, 511)];
+        assert!(accounting(&seen).is_empty(), "{:?}", accounting(&seen));
+        let same = [c(Make::Unit, 1430, 638), c(Make::Unit, 2986, 511)];
+        let f = accounting(&same);
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].kind, "prompt_tokens_not_monotone");
+        assert_eq!(f[0].evidence, Evidence::Heuristic);
     }
 
     #[test]

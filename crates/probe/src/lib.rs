@@ -141,6 +141,34 @@ pub struct Finding {
     pub kind: String,
     pub check: String,
     pub detail: String,
+    /// How sure the probe is.
+    pub evidence: Evidence,
+}
+
+/// How sure a finding is (docs/probe.md lists every kind's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Evidence {
+    /// The server's own answer shows it: another tenant's secret in an
+    /// output, cached tokens it reports for another tenant's prompt, a
+    /// status or a count that breaks the API's contract.
+    Exact,
+    /// A timing signal, over several trials: the detail gives the trials
+    /// and their spread.
+    Statistical,
+    /// A bound that assumes something of the server's tokenizer (stated
+    /// in docs/probe.md); true of every tokenizer the probe was run on.
+    Heuristic,
+}
+
+impl Evidence {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Evidence::Exact => "exact",
+            Evidence::Statistical => "statistical",
+            Evidence::Heuristic => "heuristic",
+        }
+    }
 }
 
 /// Outcome of one check.
@@ -194,7 +222,13 @@ impl Report {
         } else {
             s += &format!("{} FINDINGS:\n", self.findings.len());
             for f in &self.findings {
-                s += &format!("  [{}] {}: {}\n", f.check, f.kind, f.detail);
+                s += &format!(
+                    "  [{}] {} ({}): {}\n",
+                    f.check,
+                    f.kind,
+                    f.evidence.as_str(),
+                    f.detail
+                );
             }
         }
         s

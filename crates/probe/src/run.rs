@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use rand::seq::SliceRandom;
 
-use crate::checks::{self, Boundary, CacheTrial, Counted, Output, Timed};
+use crate::checks::{self, Boundary, CacheTrial, Counted, Make, Output, Timed};
 use crate::secrets::{cache_prompt, flood_prompt, prompt_with_secret, unit_prompt, Secret};
 use crate::{CheckResult, Completion, Endpoint, Finding, ProbeError, Report, Request};
 
@@ -107,14 +107,20 @@ struct Runner<'a> {
 }
 
 impl Runner<'_> {
-    fn send(&self, key: &str, req: &Request) -> Result<Completion, ProbeError> {
-        self.send_as(key, req, true)
+    /// Sends a prompt `make` made; its count joins the token-accounting
+    /// sample (compared with prompts of its make only).
+    fn send(&self, make: Make, key: &str, req: &Request) -> Result<Completion, ProbeError> {
+        self.send_as(key, req, Some(make))
     }
 
-    /// `count`: the prompt joins the token-accounting sample (the
-    /// prefix-cache trials' plain prose does not: the accounting check
-    /// compares prompts of the probe's usual make).
-    fn send_as(&self, key: &str, req: &Request, count: bool) -> Result<Completion, ProbeError> {
+    /// `count`: the make whose accounting sample the prompt joins (the
+    /// prefix-cache trials' plain prose joins none).
+    fn send_as(
+        &self,
+        key: &str,
+        req: &Request,
+        count: Option<Make>,
+    ) -> Result<Completion, ProbeError> {
         if self.start.elapsed() > self.cfg.time_budget {
             return Err(ProbeError::OutOfTime(self.cfg.time_budget.as_secs()));
         }
@@ -125,8 +131,9 @@ impl Runner<'_> {
         }
         let c = self.ep.complete(key, req)?;
         self.progress.tick();
-        if c.ok() && count {
+        if let Some(make) = count.filter(|_| c.ok()) {
             self.counted.lock().expect("not poisoned").push(Counted {
+                make,
                 words: req.prompt.split_whitespace().count(),
                 chars: req.prompt.chars().count(),
                 prompt_tokens: c.prompt_tokens,
@@ -219,6 +226,7 @@ pub fn run(
     progress.phase("keys and calibration", cfg.tenant_keys.len() as u64 + 2);
     for (i, _) in cfg.tenant_keys.iter().enumerate() {
         let c = r.send(
+            Make::Unit,
             r.key(i),
             &Request {
                 prompt: unit_prompt(next_nonce(), 4),
@@ -242,6 +250,7 @@ pub fn run(
     let small = window.map_or(64, |w| (w / 16).clamp(8, 64)) as usize;
     let large = small * 4;
     let p1 = r.send(
+        Make::Unit,
         r.key(0),
         &Request {
             prompt: unit_prompt(next_nonce(), small),
@@ -249,6 +258,7 @@ pub fn run(
         },
     )?;
     let p2 = r.send(
+        Make::Unit,
         r.key(0),
         &Request {
             prompt: unit_prompt(next_nonce(), large),
@@ -273,6 +283,7 @@ pub fn run(
     for _ in 0..3 {
         let units = calibration.map_or(mid_tokens as usize, |c| c.units_for(mid_tokens));
         let c = r.send(
+            Make::Unit,
             r.key(0),
             &Request {
                 prompt: unit_prompt(next_nonce(), units),
@@ -324,6 +335,7 @@ pub fn run(
     let mut long_timed = Vec::new();
     for (secret, tenant, prompt) in &prompts {
         let c = r.send(
+            Make::Marker,
             r.key(*tenant),
             &Request {
                 prompt: prompt.clone(),
@@ -352,7 +364,7 @@ pub fn run(
     progress.phase("markers under load", order.len() as u64);
     let jobs: Vec<(usize, &str)> = prompts.iter().map(|(_, t, p)| (*t, p.as_str())).collect();
     let markers_in_flight = r.in_flight(long_tokens);
-    let loaded = send_all(&r, &jobs, &order, markers_in_flight)?;
+    let loaded = send_all(&r, Make::Marker, &jobs, &order, markers_in_flight)?;
     let refused_under_load = loaded.iter().filter(|(_, c)| !c.ok()).count();
     let mut loaded_texts = Vec::new();
     for (i, c) in loaded.iter().filter(|(_, c)| c.ok()) {
@@ -579,7 +591,7 @@ fn cache_trials(
             prompt: prompt.to_string(),
             max_tokens: 1,
         };
-        let send = |t: usize, p: &str| r.send_as(r.key(t), &one(p), false);
+        let send = |t: usize, p: &str| r.send_as(r.key(t), &one(p), None);
         let warm = send(0, &shared)?;
         let (s, c) = if trial % 2 == 0 {
             let s = send(1, &shared)?;
@@ -601,10 +613,12 @@ fn cache_trials(
     Ok(trials)
 }
 
-/// Sends `jobs[i]` (tenant, prompt) for each `i` of `order`, at most
-/// `concurrency` at once; the answers with their job index.
+/// Sends `jobs[i]` (tenant, prompt, all of one `make`) for each `i` of
+/// `order`, at most `concurrency` at once; the answers with their job
+/// index.
 fn send_all(
     r: &Runner<'_>,
+    make: Make,
     jobs: &[(usize, &str)],
     order: &[usize],
     in_flight: usize,
@@ -622,6 +636,7 @@ fn send_all(
                 }
                 let (tenant, prompt) = jobs[i];
                 match r.send(
+                    make,
                     r.key(tenant),
                     &Request {
                         prompt: prompt.to_string(),
@@ -675,6 +690,7 @@ fn flood(
 ) -> Result<(Vec<Completion>, usize), ProbeError> {
     let sizing = flood_prompt(nonce(), FLOOD_SIZING_WORDS, secret);
     let sized = r.send(
+        Make::Flood,
         r.key(secret.tenant),
         &Request {
             prompt: sizing.clone(),
@@ -709,7 +725,7 @@ fn flood(
             .collect();
         let order: Vec<usize> = (0..n).collect();
         answers.extend(
-            send_all(r, &jobs, &order, in_flight)?
+            send_all(r, Make::Flood, &jobs, &order, in_flight)?
                 .into_iter()
                 .map(|(_, c)| c),
         );
@@ -777,6 +793,7 @@ fn over_recalls(
     let recall_tokens = window + (window / 8).max(64);
     for (back, fixed) in RECALL_BACK_TOKENS.into_iter().zip(RECALL_MAX_TOKENS) {
         let f = r.send(
+            Make::Flood,
             r.key(secret.tenant),
             &Request {
                 prompt: flood_prompt(nonce(), words, secret),
@@ -788,6 +805,7 @@ fn over_recalls(
         let recall = unit_prompt(nonce(), cal.units_for(recall_tokens)) + RECALL_SUFFIX;
         let max_tokens = r.cfg.max_tokens.max(room);
         let a = r.send(
+            Make::Recall,
             r.key(r.cfg.tenant_keys.len() - 1),
             &Request {
                 prompt: recall,
@@ -815,6 +833,7 @@ fn boundaries(
     let mut cases = Vec::new();
     let under = unit_prompt(nonce(), cal.units_for(window / 2));
     let a = r.send(
+        Make::Unit,
         r.key(0),
         &Request {
             prompt: under,
@@ -836,6 +855,7 @@ fn boundaries(
     // extrapolating the small-prompt calibration.
     let mut over_units = cal.units_for(window + 32);
     let probe = r.send(
+        Make::Unit,
         r.key(0),
         &Request {
             prompt: at.clone(),
@@ -848,6 +868,7 @@ fn boundaries(
         over_units = at_units + ((window - p + 32) as f64 / cal.step).ceil() as usize;
         let rest = (window - p) as u32;
         let a = r.send(
+            Make::Unit,
             r.key(0),
             &Request {
                 prompt: at,
@@ -864,6 +885,7 @@ fn boundaries(
     }
     let over = unit_prompt(nonce(), over_units);
     let a = r.send(
+        Make::Unit,
         r.key(0),
         &Request {
             prompt: over,
