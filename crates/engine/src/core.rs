@@ -238,14 +238,18 @@ pub struct Core<F: Forward = Runner> {
     /// the operator console's browser test (tests/http/test_console.py).
     #[cfg(feature = "fault-incident")]
     stale_read: bool,
-    /// The time now, as the driver last said (`tick`, `step_if_running`,
-    /// `start_prefill`, `start_decode`): the core reads no clock.
-    now: Option<Instant>,
-    /// Prompt rows of the last step, when it was a prefill step worth
-    /// timing: the driver reports how long the step took
-    /// ([`Core::step_took`]) and the prefill rate is updated from both.
-    timed_rows: Option<usize>,
+    /// The driver's clock: every time a request's timings and the
+    /// prefill rate are made of (admission, first token, end, the
+    /// forward's length) is read from it. The engine's driver gives the
+    /// system's; tests a hand-moved one. (The console cell times its own
+    /// map refreshes for the console.)
+    clock: Clock,
+    /// The last time read: the clock must never run backwards.
+    last_time: Option<Instant>,
 }
+
+/// A driver's clock (see [`Core::set_clock`]).
+pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 
 impl<F: Forward> Core<F> {
     pub fn new(
@@ -276,8 +280,8 @@ impl<F: Forward> Core<F> {
             console: Arc::new(crate::console::ConsoleCell::new()),
             console_work: crate::console::MapWork::default(),
             prefix_keys: kv::PrefixKeys::random(),
-            now: None,
-            timed_rows: None,
+            clock: Arc::new(Instant::now),
+            last_time: None,
             #[cfg(feature = "fault-incident")]
             global_scope: {
                 let on = std::env::var_os("ISOSERVE_FAULT_SHARED_CACHE").is_some_and(|v| v == "1");
@@ -303,42 +307,28 @@ impl<F: Forward> Core<F> {
         }
     }
 
-    /// Takes the driver's time. Time never runs backwards here: every
-    /// duration the core reports is a difference of two of these.
-    fn advance(&mut self, now: Instant) {
-        if let Some(before) = self.now {
+    /// The driver's clock (the engine's: the system's monotonic one).
+    pub fn set_clock(&mut self, clock: Clock) {
+        self.clock = clock;
+        self.last_time = None;
+    }
+
+    /// The time now, from the driver's clock. Time never runs backwards
+    /// here: every duration the core reports is a difference of two of
+    /// these.
+    fn now(&mut self) -> Instant {
+        let now = (self.clock)();
+        if let Some(before) = self.last_time {
             assert!(now >= before, "the driver's clock ran backwards");
         }
-        self.now = Some(now);
+        self.last_time = Some(now);
+        now
     }
 
     /// The next admission's number.
     fn next_admission(&mut self) -> u64 {
         self.admissions += 1;
         self.admissions
-    }
-
-    /// The driver's time now (every entry point gives it first).
-    fn now(&self) -> Instant {
-        self.now.expect("the driver gives the time before any work")
-    }
-
-    /// The driver measured the last step (`tick` or `step_if_running`):
-    /// `secs` long. A prefill step of enough rows updates the prefill rate
-    /// the request log and the gateway's placement read.
-    pub fn step_took(&mut self, secs: f64) {
-        let Some(rows) = self.timed_rows.take() else {
-            return;
-        };
-        if secs > 0.0 {
-            let rate = rows as f64 / secs;
-            let old = self.local.prefill_tokens_per_s;
-            self.local.prefill_tokens_per_s = if old == 0.0 {
-                rate
-            } else {
-                0.8 * old + 0.2 * rate
-            };
-        }
     }
 
     pub(crate) fn run(mut self, rx: Receiver<Command>) {
@@ -368,10 +358,7 @@ impl<F: Forward> Core<F> {
                     }
                 }
             }
-            let now = Instant::now();
-            let progressed = self.tick(now);
-            self.step_took(now.elapsed().as_secs_f64());
-            if !progressed {
+            if !self.tick() {
                 // Every running request waits for its reader: wait for a
                 // command or a reader, polling (readers do not wake us).
                 match rx.recv_timeout(BACKPRESSURE_POLL) {
@@ -391,8 +378,7 @@ impl<F: Forward> Core<F> {
     /// hard shutdown, reap cancelled requests, admit from the queue, run a
     /// step. False when requests run but none could take a row (every one
     /// waits for its reader).
-    pub(crate) fn tick(&mut self, now: Instant) -> bool {
-        self.advance(now);
+    pub(crate) fn tick(&mut self) -> bool {
         if self.shutdown == Some(false) {
             self.cancel_all(RequestError::ShuttingDown);
         }
@@ -719,6 +705,7 @@ impl<F: Forward> Core<F> {
         #[cfg(not(feature = "fault-incident"))]
         let computed = cached_tokens;
         let admission = self.next_admission();
+        let admitted_at = self.now();
         self.running.push(Active {
             mode: Mode::Full,
             id: sub.id,
@@ -744,7 +731,7 @@ impl<F: Forward> Core<F> {
                 cancel: sub.cancel,
             },
             submitted_at: sub.submitted_at,
-            admitted_at: self.now(),
+            admitted_at,
             admission,
             first_token_at: None,
         });
@@ -938,7 +925,6 @@ impl<F: Forward> Core<F> {
     /// budget. False when no row could run (every request waits for its
     /// reader).
     fn step(&mut self) -> bool {
-        let now = self.now();
         let budget = self.cfg.step_tokens;
         self.rows.clear();
         // Which running request each row belongs to: `seq` indexes `running`.
@@ -1010,6 +996,7 @@ impl<F: Forward> Core<F> {
                 pages: &a.pages,
             })
             .collect();
+        let started = (self.clock)();
         let mut result = self.fwd.forward(&mut self.pool, &seqs, &self.rows);
         drop(seqs);
         let vocab = self.fwd.vocab();
@@ -1023,8 +1010,18 @@ impl<F: Forward> Core<F> {
             )));
         }
         self.local.steps_total += 1;
-        self.timed_rows =
-            (result.is_ok() && self.rows.len() >= PREFILL_RATE_ROWS_MIN).then_some(self.rows.len());
+        // Tokens are timed when the forward that made them ended.
+        let now = self.now();
+        let secs = (now - started).as_secs_f64();
+        if result.is_ok() && self.rows.len() >= PREFILL_RATE_ROWS_MIN && secs > 0.0 {
+            let rate = self.rows.len() as f64 / secs;
+            let old = self.local.prefill_tokens_per_s;
+            self.local.prefill_tokens_per_s = if old == 0.0 {
+                rate
+            } else {
+                0.8 * old + 0.2 * rate
+            };
+        }
         if let Err(e) = result {
             // A refused KV access or a bad batch: fail every request in the
             // batch with the error; never serve what was computed.
@@ -1175,8 +1172,8 @@ impl<F: Forward> Core<F> {
     /// Prefill role: compute a prompt into its (already allocated) pages,
     /// from `cached_tokens` on (the positions before are in cached pages,
     /// read-only); the first token comes back as [`Outcome::Computed`].
-    pub fn start_prefill(&mut self, job: PrefillJob, now: Instant) {
-        self.advance(now);
+    pub fn start_prefill(&mut self, job: PrefillJob) {
+        let now = self.now();
         let ps = self.cfg.page_size_tokens;
         // The last prompt token is always computed (its logits).
         let cached = job.cached_tokens.min(job.prompt.len().saturating_sub(1)) / ps * ps;
@@ -1215,8 +1212,8 @@ impl<F: Forward> Core<F> {
 
     /// Decode role: continue a request whose prompt KV was transferred, from
     /// the first token prefill sampled.
-    pub fn start_decode(&mut self, job: DecodeJob, now: Instant) -> Result<(), RequestError> {
-        self.advance(now);
+    pub fn start_decode(&mut self, job: DecodeJob) -> Result<(), RequestError> {
+        let now = self.now();
         let stops = StopStrings::new(job.stop).map_err(|e| RequestError::InvalidParam {
             field: e.field,
             why: e.why,
@@ -1286,8 +1283,7 @@ impl<F: Forward> Core<F> {
     }
 
     /// One forward step, if any request runs.
-    pub fn step_if_running(&mut self, now: Instant) {
-        self.advance(now);
+    pub fn step_if_running(&mut self) {
         if !self.running.is_empty() {
             let _ = self.step();
         }

@@ -277,11 +277,19 @@ pub static NODE_METRICS: &[(Family, Read)] = &[
         |s, _| s.decode.as_ref().map(|d| d.handshakes_refused_total as f64),
     ),
     (
+        Family::counter("isoserve_node_prefill_prefills_total", "Prefills asked for"),
+        |s, _| s.prefill.as_ref().map(|pf| pf.prefills_total as f64),
+    ),
+    (
         Family::counter(
             "isoserve_node_prefill_prefills_refused_total",
             "Prefills refused (the original error went to the client)",
         ),
         |s, _| s.prefill.as_ref().map(|pf| pf.prefills_refused_total as f64),
+    ),
+    (
+        Family::counter("isoserve_node_prefill_pages_sent_total", "KV pages sent"),
+        |s, _| s.prefill.as_ref().map(|pf| pf.pages_sent_total as f64),
     ),
     (
         Family::counter(

@@ -476,20 +476,17 @@ impl PrefillEngine for CoreEngine {
         if job.gen.trace.is_some() && self.computing.len() < crate::spans::TRACKED_MAX {
             self.computing.push(job.req);
         }
-        self.core.start_prefill(
-            PrefillJob {
-                req: job.req,
-                owner: job.owner,
-                prompt: job.tokens,
-                params: params_of(&job.gen),
-                logprobs: job.gen.logprobs.map(usize::from),
-                pages: job.pages,
-                cached_tokens: job.cached_tokens as usize,
-                priority: job.gen.priority,
-                weight: job.gen.weight,
-            },
-            Instant::now(),
-        );
+        self.core.start_prefill(PrefillJob {
+            req: job.req,
+            owner: job.owner,
+            prompt: job.tokens,
+            params: params_of(&job.gen),
+            logprobs: job.gen.logprobs.map(usize::from),
+            pages: job.pages,
+            cached_tokens: job.cached_tokens as usize,
+            priority: job.gen.priority,
+            weight: job.gen.weight,
+        });
     }
 
     fn take_reports(&mut self, out: &mut Vec<PrefillReport>) {
@@ -532,26 +529,23 @@ impl DecodeEngine for CoreEngine {
             self.transfers_timed_total += 1;
         }
         self.core
-            .start_decode(
-                DecodeJob {
-                    req: s.req,
-                    owner: s.owner,
-                    conn: s.conn,
-                    prompt: s.tokens,
-                    max_tokens: s.max_tokens as usize,
-                    params: params_of(&s.gen),
-                    sampler_state: s.sampler_state,
-                    stop: s.gen.stop.clone(),
-                    ignore_eos: s.gen.ignore_eos,
-                    logprobs: s.gen.logprobs.map(usize::from),
-                    pages: s.pages,
-                    first_token: s.first_token,
-                    first_logprobs: engine_logprobs(s.first_logprobs),
-                    priority: s.gen.priority,
-                    weight: s.gen.weight,
-                },
-                Instant::now(),
-            )
+            .start_decode(DecodeJob {
+                req: s.req,
+                owner: s.owner,
+                conn: s.conn,
+                prompt: s.tokens,
+                max_tokens: s.max_tokens as usize,
+                params: params_of(&s.gen),
+                sampler_state: s.sampler_state,
+                stop: s.gen.stop.clone(),
+                ignore_eos: s.gen.ignore_eos,
+                logprobs: s.gen.logprobs.map(usize::from),
+                pages: s.pages,
+                first_token: s.first_token,
+                first_logprobs: engine_logprobs(s.first_logprobs),
+                priority: s.gen.priority,
+                weight: s.gen.weight,
+            })
             .map_err(|e| refusal_of(&e))
     }
 
@@ -637,10 +631,7 @@ impl NodeLoop {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
-            let now = Instant::now();
-            let core = &mut self.engine_mut().core;
-            core.step_if_running(now);
-            core.step_took(now.elapsed().as_secs_f64());
+            self.engine_mut().core.step_if_running();
             let mut cmds = Vec::new();
             match &mut self.glue {
                 Glue::Prefill(g) => g.reports(&mut cmds),

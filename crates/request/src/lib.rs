@@ -716,7 +716,7 @@ impl PoolStats {
     /// Every refusal by kind (`/metrics`' `kind` label and the console's
     /// names): each a safety check firing, but `out_of_pages`
     /// (back-pressure).
-    pub fn refusals(&self) -> [(&'static str, u64); 16] {
+    pub fn refusals(&self) -> [(&'static str, u64); POOL_REFUSALS] {
         let mut refusals = POOL_COUNTERS
             .iter()
             .filter_map(|c| c.refusal.map(|r| (r, (c.read)(self))));
@@ -728,6 +728,21 @@ impl PoolStats {
         std::array::from_fn(|i| (POOL_COUNTERS[i].name, (POOL_COUNTERS[i].read)(self)))
     }
 }
+
+/// How many of [`POOL_COUNTERS`] count a refusal (the length of
+/// [`PoolStats::refusals`], counted from the table, so a row added there
+/// is never cut off).
+pub const POOL_REFUSALS: usize = {
+    let mut n = 0;
+    let mut i = 0;
+    while i < POOL_COUNTERS.len() {
+        if POOL_COUNTERS[i].refusal.is_some() {
+            n += 1;
+        }
+        i += 1;
+    }
+    n
+};
 
 /// The refusal that is back-pressure, not a safety check.
 const OUT_OF_PAGES: &str = "out_of_pages";

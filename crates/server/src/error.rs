@@ -564,6 +564,36 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Why a tenants file (or its specs) is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TenantsError {
+    #[error("no [[tenant]] entries")]
+    NoTenants,
+    #[error("more than {max} tenants")]
+    TooMany { max: usize },
+    #[error("tenant #{index}: name must be 1 to 128 bytes")]
+    BadName { index: usize },
+    #[error("tenant `{tenant}`: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)")]
+    BadKeyHash { tenant: String },
+    #[error("tenant `{tenant}`: {field} must be positive")]
+    NotPositive { tenant: String, field: &'static str },
+    #[error("tenant `{tenant}`: cache_group must be 1 to 128 bytes")]
+    BadCacheGroup { tenant: String },
+    #[error("tenant `{tenant}`: weight must be 1 to {max}")]
+    BadWeight { tenant: String, max: u32 },
+    #[error("tenant name `{tenant}` appears twice")]
+    DuplicateName { tenant: String },
+    #[error("tenant `{tenant}` has the same api_key_sha256 as another tenant")]
+    DuplicateKey { tenant: String },
+    /// The TOML itself (its parser's message).
+    #[error("{0}")]
+    Toml(String),
+    #[error("[operator]: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)")]
+    OperatorKeyHash,
+    #[error("[operator]: api_key_sha256 is also a tenant's key")]
+    OperatorIsTenant,
+}
+
 /// Errors starting or running the server.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -573,11 +603,7 @@ pub enum ServerError {
         source: std::io::Error,
     },
     #[error("invalid tenants file {path}: {why}")]
-    TenantsInvalid {
-        path: String,
-        #[source]
-        why: Box<dyn std::error::Error + Send + Sync>,
-    },
+    TenantsInvalid { path: String, why: TenantsError },
     #[error("cannot open the request log {path}: {source}")]
     RequestLog {
         path: String,

@@ -418,7 +418,7 @@ pub(crate) async fn generate(
         id,
         created: unix_now(),
     };
-    let shaper = ep.shaper(base, &adm.params);
+    let shaper = ep.shaper(base, &adm.params, adm.handles.len());
     if adm.params.stream {
         stream_response(ep, shaper, adm, tr)
     } else {
@@ -573,7 +573,7 @@ impl Streaming {
             Phase::End => return None,
             Phase::Start => {
                 self.phase = Phase::Tokens;
-                if let Some(first) = self.sh.start(self.dones.len()) {
+                if let Some(first) = self.sh.start() {
                     return Some(first);
                 }
             }

@@ -1,7 +1,8 @@
 //! `server` — isoserve's OpenAI-compatible HTTP layer over any
 //! [`request::Backend`]: the unified `engine::Engine` or the PD gateway.
-//! It speaks the request vocabulary (`request`) and the tokenizer, and
-//! links no model, kernel or pool.
+//! It speaks the request vocabulary (`request`), the tokenizer and
+//! `telemetry`'s metrics (the encoder and the family tables), and links no
+//! model, kernel or pool.
 //!
 //! * **Endpoints.** `POST /v1/chat/completions`, `POST /v1/completions` and
 //!   `POST /v1/responses` (OpenAI's Responses API, stateless) — streaming as

@@ -46,37 +46,8 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+pub use crate::error::TenantsError;
 use crate::error::{ApiError, ServerError};
-
-/// Why a tenants file (or its specs) is refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum TenantsError {
-    #[error("no [[tenant]] entries")]
-    NoTenants,
-    #[error("more than {TENANTS_MAX} tenants")]
-    TooMany,
-    #[error("tenant #{index}: name must be 1 to 128 bytes")]
-    BadName { index: usize },
-    #[error("tenant `{tenant}`: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)")]
-    BadKeyHash { tenant: String },
-    #[error("tenant `{tenant}`: {field} must be positive")]
-    NotPositive { tenant: String, field: &'static str },
-    #[error("tenant `{tenant}`: cache_group must be 1 to 128 bytes")]
-    BadCacheGroup { tenant: String },
-    #[error("tenant `{tenant}`: weight must be 1 to {WEIGHT_MAX}")]
-    BadWeight { tenant: String },
-    #[error("tenant name `{tenant}` appears twice")]
-    DuplicateName { tenant: String },
-    #[error("tenant `{tenant}` has the same api_key_sha256 as another tenant")]
-    DuplicateKey { tenant: String },
-    /// The TOML itself (its parser's message).
-    #[error("{0}")]
-    Toml(String),
-    #[error("[operator]: api_key_sha256 must be 64 hex digits (the SHA-256 of the key)")]
-    OperatorKeyHash,
-    #[error("[operator]: api_key_sha256 is also a tenant's key")]
-    OperatorIsTenant,
-}
 
 /// Default concurrency limit of a tenant that does not set one.
 pub const MAX_CONCURRENT_DEFAULT: usize = 64;
@@ -352,7 +323,7 @@ impl Tenants {
             return Err(TenantsError::NoTenants);
         }
         if specs.len() > TENANTS_MAX {
-            return Err(TenantsError::TooMany);
+            return Err(TenantsError::TooMany { max: TENANTS_MAX });
         }
         let mut list: Vec<Arc<Tenant>> = Vec::with_capacity(specs.len());
         for (i, s) in specs.into_iter().enumerate() {
@@ -382,7 +353,10 @@ impl Tenants {
             }
             let weight = s.weight.unwrap_or(1);
             if !(1..=WEIGHT_MAX).contains(&weight) {
-                return Err(TenantsError::BadWeight { tenant: s.name });
+                return Err(TenantsError::BadWeight {
+                    tenant: s.name,
+                    max: WEIGHT_MAX,
+                });
             }
             if list.iter().any(|t| t.name == s.name) {
                 return Err(TenantsError::DuplicateName { tenant: s.name });
@@ -468,7 +442,7 @@ impl Tenants {
         })?;
         Tenants::from_toml(&text).map_err(|why| ServerError::TenantsInvalid {
             path: path.display().to_string(),
-            why: Box::new(why),
+            why,
         })
     }
 

@@ -190,6 +190,13 @@ fn cases() -> Vec<Case> {
         case("chat with penalties and stop", "POST", CHAT).body(chat(json!(
             {"presence_penalty": 0.5, "frequency_penalty": 0.5, "stop": ["zz"]}
         ))),
+        // A stop string whose first letter ends every token: the held-back
+        // text is flushed at the end (`tail_text`).
+        case("chat with a held-back tail", "POST", CHAT)
+            .body(chat(json!({"stop": ["rz"], "max_tokens": 3}))),
+        case("chat streamed with a held-back tail", "POST", CHAT).body(chat(
+            json!({"stop": ["rz"], "max_tokens": 3, "stream": true}),
+        )),
         case("chat max_completion_tokens", "POST", CHAT)
             .body(chat(json!({"max_completion_tokens": 2}))),
         // Chat errors.
@@ -242,6 +249,23 @@ fn cases() -> Vec<Case> {
         case("completion streamed with logprobs", "POST", CMPL).body(cmpl(
             json!({"logprobs": 1, "max_tokens": 2, "stream": true}),
         )),
+        case("completion streamed with usage", "POST", CMPL).body(cmpl(json!(
+            {"stream": true, "stream_options": {"include_usage": true}, "max_tokens": 2}
+        ))),
+        case("completion batch with logprobs", "POST", CMPL).body(cmpl(
+            json!({"prompt": ["One", "Two"], "max_tokens": 2, "logprobs": 1}),
+        )),
+        case("completion batch streamed with logprobs", "POST", CMPL)
+            .body(cmpl(
+                json!({"prompt": ["One", "Two"], "max_tokens": 2, "logprobs": 1,
+                               "stream": true}),
+            ))
+            .show(Show::ByChoice),
+        case("completion with a held-back tail", "POST", CMPL)
+            .body(cmpl(json!({"stop": ["ez"], "max_tokens": 3}))),
+        case("completion streamed with a held-back tail", "POST", CMPL).body(cmpl(
+            json!({"stop": ["ez"], "max_tokens": 3, "stream": true}),
+        )),
         case("completion of token ids", "POST", CMPL)
             .body(cmpl(json!({"prompt": [1, 2, 3], "max_tokens": 3}))),
         case("completion with logprobs", "POST", CMPL)
@@ -269,6 +293,11 @@ fn cases() -> Vec<Case> {
         case("responses: text.format json", "POST", RESP)
             .body(resp(json!({"text": {"format": {"type": "json_object"}}}))),
         case("responses: n", "POST", RESP).body(resp(json!({"n": 2}))),
+        case("responses with a held-back tail", "POST", RESP)
+            .body(resp(json!({"stop": ["rz"], "max_output_tokens": 3}))),
+        case("responses streamed with a held-back tail", "POST", RESP).body(resp(
+            json!({"stop": ["rz"], "max_output_tokens": 3, "stream": true}),
+        )),
         case("responses incomplete", "POST", RESP).body(resp(json!({"max_output_tokens": 1}))),
         case("responses: previous_response_id", "POST", RESP)
             .body(resp(json!({"previous_response_id": "resp_123"}))),

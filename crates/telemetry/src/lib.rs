@@ -10,6 +10,10 @@
 //! ([`Telemetry::record`]). Spans carry counts and ids only — never
 //! prompt text or tokens.
 //!
+//! [`metrics`] is the other half of what the processes report: metric
+//! families declared once, as data, by each source, and the one
+//! Prometheus encoder every `/metrics` goes through.
+//!
 //! ```
 //! use std::time::{Duration, SystemTime};
 //! use telemetry::{Span, Telemetry};

@@ -47,7 +47,13 @@ struct HashModel {
     fail_step: Option<usize>,
     /// Sequences of this length or more end: the model says EOS.
     eos_at_len: Option<usize>,
+    /// A hand-moved clock (milliseconds) each forward step moves by
+    /// [`STEP_MS`]: the time a step takes, as the driver's clock sees it.
+    clock_ms: Option<Arc<AtomicU64>>,
 }
+
+/// How long a forward step takes on a test's hand-moved clock.
+const STEP_MS: u64 = 7;
 
 impl HashModel {
     fn new(window: usize, vocab: usize) -> HashModel {
@@ -58,6 +64,7 @@ impl HashModel {
             steps: Vec::new(),
             fail_step: None,
             eos_at_len: None,
+            clock_ms: None,
         }
     }
 }
@@ -86,6 +93,9 @@ impl Forward for HashModel {
                 .map(|r| (seqs[r.seq].owner.request.0, r.pos, r.logits))
                 .collect(),
         );
+        if let Some(ms) = &self.clock_ms {
+            ms.fetch_add(STEP_MS, Ordering::Relaxed);
+        }
         if self.fail_step == Some(self.steps.len()) {
             return Err(ModelError::Batch("injected by the test".into()));
         }
@@ -250,7 +260,7 @@ impl Harness {
     fn tick(&mut self) -> bool {
         self.ticks += 1;
         let steps_before = self.core.fwd.steps.len();
-        let progressed = self.core.tick(std::time::Instant::now());
+        let progressed = self.core.tick();
         let mut line = format!("t{}", self.ticks);
         if self.core.fwd.steps.len() > steps_before {
             line += " rows";
@@ -1138,20 +1148,17 @@ impl Harness {
             .pool
             .alloc(owner, len.div_ceil(PAGE_SIZE), &mut pages)
             .unwrap();
-        self.core.start_prefill(
-            super::PrefillJob {
-                req: RequestId(id),
-                owner,
-                prompt: prompt(len),
-                params: Default::default(),
-                logprobs: None,
-                pages,
-                cached_tokens: 0,
-                priority: 0,
-                weight,
-            },
-            std::time::Instant::now(),
-        );
+        self.core.start_prefill(super::PrefillJob {
+            req: RequestId(id),
+            owner,
+            prompt: prompt(len),
+            params: Default::default(),
+            logprobs: None,
+            pages,
+            cached_tokens: 0,
+            priority: 0,
+            weight,
+        });
         id
     }
 }
@@ -1302,4 +1309,45 @@ fn the_console_gets_a_large_pool_whole_from_an_idle_engine_in_slices() {
     };
     assert_eq!(v.counts.poisoned, 3);
     assert_eq!(v.counts.free + v.counts.poisoned, pages);
+}
+
+/// The core reads time from its driver's clock only: on a clock that
+/// moves only while a forward step runs, a one-step prompt's first token
+/// comes one step after admission, and each further token one step later;
+/// waiting before admission costs nothing. (Tokens are timed when the
+/// step that made them ended, not when it began.)
+#[test]
+fn a_requests_timings_are_the_drivers_clock() {
+    let ms = Arc::new(AtomicU64::new(0));
+    let mut fwd = HashModel::new(64, 300);
+    fwd.clock_ms = Some(ms.clone());
+    let mut h = Harness::with_model(fwd, 16, 64, 4);
+    // The requests' submission times are the harness's real clock: start
+    // the hand-moved one after them.
+    let id = h.greedy(6, 3);
+    let base = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    let m = ms.clone();
+    h.core.set_clock(Arc::new(move || {
+        base + std::time::Duration::from_millis(m.load(Ordering::Relaxed))
+    }));
+    let mut done = None;
+    for _ in 0..10 {
+        h.core.tick();
+        while let Ok(ev) = h.client(id).events.try_recv() {
+            if let Event::Done(d) = ev {
+                done = Some(d);
+            }
+        }
+        if done.is_some() {
+            break;
+        }
+    }
+    let d = done.expect("the request ended");
+    assert_eq!(d.usage.completion_tokens, 3);
+    // Admission to first token: the prompt's one step (milliseconds as
+    // floats: equal to a microsecond).
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-3;
+    assert!(close(d.ttft_ms - d.queue_ms, STEP_MS as f64), "{d:?}");
+    // Then a step per further token.
+    assert!(close(d.total_ms - d.ttft_ms, 2.0 * STEP_MS as f64), "{d:?}");
 }

@@ -46,9 +46,10 @@ impl Generate for Chat {
     fn parse(&self, body: &[u8]) -> Result<GenParams, ApiError> {
         parse_chat(body)
     }
-    fn shaper(&self, base: Base, p: &GenParams) -> Box<dyn Shaper> {
+    fn shaper(&self, base: Base, p: &GenParams, choices: usize) -> Box<dyn Shaper> {
         Box::new(ChatShaper {
             base,
+            choices,
             include_usage: p.include_usage,
             logprobs: p.logprobs.is_some(),
         })
@@ -150,6 +151,7 @@ pub struct ChatChunk {
 
 struct ChatShaper {
     base: Base,
+    choices: usize,
     include_usage: bool,
     logprobs: bool,
 }
@@ -180,9 +182,9 @@ impl ChatShaper {
 
 impl Shaper for ChatShaper {
     /// The assistant's role, once per choice.
-    fn start(&mut self, choices: usize) -> Option<Vec<u8>> {
+    fn start(&mut self) -> Option<Vec<u8>> {
         Some(
-            (0..choices)
+            (0..self.choices)
                 .flat_map(|i| {
                     self.chunk(
                         i,

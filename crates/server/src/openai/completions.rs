@@ -54,8 +54,7 @@ impl Generate for Completions {
     fn parse(&self, body: &[u8]) -> Result<GenParams, ApiError> {
         parse_completion(body)
     }
-    fn shaper(&self, base: Base, p: &GenParams) -> Box<dyn Shaper> {
-        let choices = p.n * (1 + p.more_inputs.len());
+    fn shaper(&self, base: Base, p: &GenParams, choices: usize) -> Box<dyn Shaper> {
         Box::new(CompletionShaper {
             base,
             include_usage: p.include_usage,
@@ -238,7 +237,7 @@ impl CompletionShaper {
 }
 
 impl Shaper for CompletionShaper {
-    fn start(&mut self, _choices: usize) -> Option<Vec<u8>> {
+    fn start(&mut self) -> Option<Vec<u8>> {
         None
     }
 

@@ -167,8 +167,9 @@ pub(crate) trait Generate: Sync {
     fn logprobs_param(&self) -> &'static str;
     /// Parses and validates a body.
     fn parse(&self, body: &[u8]) -> Result<GenParams, ApiError>;
-    /// The shaper of one admitted request's answer.
-    fn shaper(&self, base: Base, params: &GenParams) -> Box<dyn Shaper>;
+    /// The shaper of one admitted request's answer, of `choices` choices
+    /// (the engine requests it runs: prompts × `n`).
+    fn shaper(&self, base: Base, params: &GenParams, choices: usize) -> Box<dyn Shaper>;
 }
 
 /// One finished choice, for an answer sent whole.
@@ -186,7 +187,7 @@ pub(crate) struct Choice {
 /// end (text so far, text offsets).
 pub(crate) trait Shaper: Send {
     /// What opens the stream, if anything (chat: the role, per choice).
-    fn start(&mut self, choices: usize) -> Option<Vec<u8>>;
+    fn start(&mut self) -> Option<Vec<u8>>;
     /// A token of choice `index`.
     fn token(&mut self, index: usize, t: TokenEvent) -> Vec<u8>;
     /// The end of one choice: its held-back tail (if any) and its finish.

@@ -47,7 +47,7 @@ impl Generate for Responses {
     fn parse(&self, body: &[u8]) -> Result<GenParams, ApiError> {
         parse_responses(body)
     }
-    fn shaper(&self, base: Base, p: &GenParams) -> Box<dyn Shaper> {
+    fn shaper(&self, base: Base, p: &GenParams, choices: usize) -> Box<dyn Shaper> {
         Box::new(ResponseShaper {
             base,
             logprobs: p.logprobs.is_some(),
@@ -56,8 +56,8 @@ impl Generate for Responses {
             max_tokens: p.max_tokens,
             instructions: p.instructions.clone(),
             seq: 0,
-            texts: Vec::new(),
-            tokens: Vec::new(),
+            texts: vec![String::new(); choices],
+            tokens: vec![Vec::new(); choices],
         })
     }
 }
@@ -314,9 +314,7 @@ impl ResponseShaper {
 }
 
 impl Shaper for ResponseShaper {
-    fn start(&mut self, choices: usize) -> Option<Vec<u8>> {
-        self.texts = vec![String::new(); choices];
-        self.tokens = vec![Vec::new(); choices];
+    fn start(&mut self) -> Option<Vec<u8>> {
         let created = json!({"response": self.response_obj("in_progress", vec![], None)});
         let mut out = self.event("response.created", created.clone());
         out.extend(self.event("response.in_progress", created));
