@@ -14,6 +14,7 @@ use std::time::Instant;
 use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId, TenantId};
 use model::sample::{FinishReason, Sampler, StopStrings};
 use model::{Forward, Row, Runner, SeqCtx};
+use request::Constraint;
 use tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc as tmpsc;
 
@@ -83,6 +84,9 @@ pub(crate) struct Active {
     ignore_eos: bool,
     logprobs: Option<usize>,
     sampler: Sampler,
+    /// Where the output stands in its grammar (structured outputs): the
+    /// sequence's own state, dropped with it.
+    grammar: Option<grammar::Matcher>,
     stops: StopStrings,
     decoder: StreamDecoder,
     pages: Vec<PageRef>,
@@ -179,6 +183,9 @@ pub struct DecodeJob {
     /// The request's priority and its tenant's weight (K13).
     pub priority: i32,
     pub weight: u32,
+    /// The output's grammar, compiled by the node in the request's scope:
+    /// decode continues from its state after `first_token`.
+    pub grammar: Option<Arc<grammar::Compiled>>,
 }
 
 /// A prompt the prefill role computes into its own pages.
@@ -196,6 +203,8 @@ pub struct PrefillJob {
     /// go to the least-served tenant first, as in the unified engine.
     pub priority: i32,
     pub weight: u32,
+    /// The output's grammar: the first token is sampled under it.
+    pub grammar: Option<Arc<grammar::Compiled>>,
 }
 
 /// The batch core over a forward step `F` (production: the real model,
@@ -250,6 +259,14 @@ pub struct Core<F: Forward = Runner> {
 
 /// A driver's clock (see [`Core::set_clock`]).
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
+
+/// The compiled grammar a constraint carries, if it was compiled in this
+/// process by the `grammar` crate.
+pub fn compiled_of(c: &Constraint) -> Option<Arc<grammar::Compiled>> {
+    c.compiled
+        .clone()
+        .and_then(|a| a.downcast::<grammar::Compiled>().ok())
+}
 
 impl<F: Forward> Core<F> {
     pub fn new(
@@ -613,7 +630,18 @@ impl<F: Forward> Core<F> {
         let q = &self.tenants[&t];
         let (_, sub) = q.waiting.front().expect("chosen: has a new request");
         // Re-check on this node, before any allocation (K8).
-        if let Err(e) = crate::validate(&sub.req, self.max_request, self.fwd.vocab()) {
+        let checked =
+            crate::validate(&sub.req, self.max_request, self.fwd.vocab()).and_then(|()| {
+                match &sub.req.grammar {
+                    // `Engine::submit` compiles what its caller did not: the
+                    // engine thread never compiles.
+                    Some(c) if compiled_of(c).is_none() => Err(RequestError::Internal(
+                        "the request's grammar reached the engine uncompiled".into(),
+                    )),
+                    _ => Ok(()),
+                }
+            });
+        if let Err(e) = checked {
             let (_, sub) = self.pop_waiting(t);
             let _ = sub.events.try_send(Event::Error(e));
             self.local.requests_refused_total += 1;
@@ -717,6 +745,12 @@ impl<F: Forward> Core<F> {
             ignore_eos: sub.req.ignore_eos,
             logprobs: sub.req.logprobs,
             sampler: Sampler::new(sub.req.params),
+            grammar: sub
+                .req
+                .grammar
+                .as_ref()
+                .and_then(compiled_of)
+                .map(|g| g.matcher()),
             stops,
             decoder: self.tokenizer.stream_decoder().skip_special(true),
             pages,
@@ -988,6 +1022,15 @@ impl<F: Forward> Core<F> {
             // Every running request waits for its reader (back-pressure).
             return false;
         }
+        // The grammar masks of the rows that sample, computed beside the
+        // forward pass: a step's masks are ready when its logits are. The
+        // matchers go to the mask thread and come back with their masks.
+        let mut mask_jobs: Vec<(usize, grammar::Matcher)> = Vec::new();
+        for r in self.rows.iter().filter(|r| r.logits) {
+            if let Some(m) = self.running[r.seq].grammar.take() {
+                mask_jobs.push((r.seq, m));
+            }
+        }
         let seqs: Vec<SeqCtx<'_>> = self
             .running
             .iter()
@@ -997,8 +1040,46 @@ impl<F: Forward> Core<F> {
             })
             .collect();
         let started = (self.clock)();
-        let mut result = self.fwd.forward(&mut self.pool, &seqs, &self.rows);
+        let (mut result, masked) = match mask_jobs.is_empty() {
+            true => (
+                self.fwd.forward(&mut self.pool, &seqs, &self.rows),
+                Vec::new(),
+            ),
+            false => {
+                let (fwd, pool, rows) = (&mut self.fwd, &mut self.pool, &self.rows);
+                std::thread::scope(|sc| {
+                    let masks = std::thread::Builder::new()
+                        .name("isoserve-masks".into())
+                        .spawn_scoped(sc, move || compute_masks(mask_jobs));
+                    let result = fwd.forward(pool, &seqs, rows);
+                    let masked = match masks {
+                        Ok(h) => h.join().unwrap_or_default(),
+                        Err(e) => {
+                            tracing::error!("cannot start the mask thread: {e}");
+                            Vec::new()
+                        }
+                    };
+                    (result, masked)
+                })
+            }
+        };
         drop(seqs);
+        // Each grammar row's mask (or why there is none), by running index;
+        // a matcher lost with its thread leaves its request without one.
+        let mut masks: BTreeMap<usize, Result<grammar::Mask, String>> = BTreeMap::new();
+        for (i, m, mask) in masked {
+            self.running[i].grammar = Some(m);
+            masks.insert(i, mask.map_err(|e| e.to_string()));
+        }
+        for r in self.rows.iter().filter(|r| r.logits) {
+            let a = &self.running[r.seq];
+            if a.grammar.is_none() && !masks.contains_key(&r.seq) {
+                continue;
+            }
+            masks
+                .entry(r.seq)
+                .or_insert_with(|| Err("the mask thread failed".into()));
+        }
         let vocab = self.fwd.vocab();
         let logit_rows = self.rows.iter().filter(|r| r.logits).count();
         if result.is_ok() && self.fwd.logits().len() < logit_rows * vocab {
@@ -1069,6 +1150,9 @@ impl<F: Forward> Core<F> {
         // (index in `running`, how it ended; `None`: handed back to the
         // prefill role's transfer).
         let mut finished: Vec<(usize, Option<FinishReason>)> = Vec::new();
+        // Requests whose grammar could not be followed: they end with the
+        // error, never with output the grammar does not accept.
+        let mut failed: Vec<(usize, RequestError)> = Vec::new();
         for ri in 0..self.rows.len() {
             let r = self.rows[ri];
             if !r.logits {
@@ -1077,11 +1161,27 @@ impl<F: Forward> Core<F> {
             let logits = &mut all_logits[k * vocab..(k + 1) * vocab];
             k += 1;
             let a = &mut self.running[r.seq];
+            // Log-probabilities are the model's own distribution, before
+            // the grammar's mask, biases and penalties.
             let (lp, top) = match a.logprobs {
                 Some(n) => logprobs_of(logits, n),
                 None => (Vec::new(), Vec::new()),
             };
+            match masks.remove(&r.seq) {
+                None => {}
+                Some(Ok(mask)) => mask.apply(logits),
+                Some(Err(why)) => {
+                    failed.push((r.seq, RequestError::Grammar(why)));
+                    continue;
+                }
+            }
             let next = a.sampler.sample(logits, &a.history);
+            if let Some(m) = a.grammar.as_mut() {
+                if let Err(e) = m.consume(next) {
+                    failed.push((r.seq, RequestError::Grammar(e.to_string())));
+                    continue;
+                }
+            }
             let logprob = a
                 .logprobs
                 .map(|_| lp.get(next as usize).copied().unwrap_or(f32::NEG_INFINITY));
@@ -1109,16 +1209,35 @@ impl<F: Forward> Core<F> {
                 finished.push((r.seq, Some(f)));
             }
         }
-        // Remove finished requests (highest index first keeps indices valid).
-        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
-        let mut dones = Vec::with_capacity(finished.len());
-        for (i, finish) in finished {
+        // Remove finished and failed requests (highest index first keeps
+        // indices valid).
+        let mut ended: Vec<(usize, Result<Option<FinishReason>, RequestError>)> = finished
+            .into_iter()
+            .map(|(i, f)| (i, Ok(f)))
+            .chain(failed.into_iter().map(|(i, e)| (i, Err(e))))
+            .collect();
+        ended.sort_by_key(|f| std::cmp::Reverse(f.0));
+        let mut dones = Vec::with_capacity(ended.len());
+        let mut errors = Vec::new();
+        for (i, end) in ended {
             let a = self.running.swap_remove(i);
-            let Some(finish) = finish else {
-                continue;
-            };
-            let done = self.done_event(a, finish);
-            dones.push(done);
+            match end {
+                Ok(None) => {}
+                Ok(Some(finish)) => dones.push(self.done_event(a, finish)),
+                Err(e) => {
+                    // (PD roles: `release` leaves the pages to the
+                    // transfer machine, which the error reaches.)
+                    self.release(&a);
+                    errors.push((a, e));
+                    self.local.requests_failed_total += 1;
+                }
+            }
+        }
+        if !errors.is_empty() {
+            self.publish();
+        }
+        for (a, e) in errors {
+            emit(&mut self.outbox, &a, Event::Error(e));
         }
         // Publish before telling the clients, so a client that reads the
         // stats after its Done sees its pages free.
@@ -1144,11 +1263,10 @@ impl<F: Forward> Core<F> {
                 .extend(ps, a.owner.scope, &a.history[..written], &mut a.keys);
             cache_pages(&mut self.pool, &mut a, written / ps);
         }
-        let tail_text = if finish == FinishReason::Length {
-            a.stops.flush()
-        } else {
-            String::new()
-        };
+        // Text held back as a possible stop string's start is output after
+        // all when the request ends otherwise (a stop string that matched
+        // left nothing held back).
+        let tail_text = a.stops.flush();
         let now = self.now();
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let done = DoneEvent {
@@ -1194,6 +1312,7 @@ impl<F: Forward> Core<F> {
             ignore_eos: true,
             logprobs: job.logprobs,
             sampler: Sampler::new(job.params),
+            grammar: job.grammar.as_ref().map(|g| g.matcher()),
             stops: StopStrings::new(Vec::new()).expect("no stop strings are valid"),
             decoder: self.tokenizer.stream_decoder().skip_special(true),
             shared,
@@ -1233,6 +1352,7 @@ impl<F: Forward> Core<F> {
             ignore_eos: job.ignore_eos,
             logprobs: job.logprobs,
             sampler: Sampler::with_rng_state(job.params, job.sampler_state),
+            grammar: job.grammar.as_ref().map(|g| g.matcher()),
             stops,
             decoder: self.tokenizer.stream_decoder().skip_special(true),
             shared: vec![false; job.pages.len()],
@@ -1250,6 +1370,12 @@ impl<F: Forward> Core<F> {
             Some((l, top)) if a.logprobs.is_some() => (Some(l), top),
             _ => (None, Vec::new()),
         };
+        // Prefill sampled the first token under the same grammar: decode
+        // continues from the grammar's state after it.
+        if let Some(m) = a.grammar.as_mut() {
+            m.consume(job.first_token)
+                .map_err(|e| RequestError::Grammar(e.to_string()))?;
+        }
         match accept_token(
             now,
             &self.tokenizer,
@@ -1363,7 +1489,9 @@ fn accept_token(
     if a.first_token_at.is_none() {
         a.first_token_at = Some(now);
     }
-    if !a.ignore_eos && tokenizer.is_eos(next) {
+    // Under a grammar an end-of-sequence token is allowed only where the
+    // grammar may end, and ends the request even with `ignore_eos`.
+    if (!a.ignore_eos || a.grammar.is_some()) && tokenizer.is_eos(next) {
         return Some(FinishReason::Stop);
     }
     let piece = a.decoder.push(next).unwrap_or_default();
@@ -1378,13 +1506,32 @@ fn accept_token(
             top_logprobs: top,
         }),
     );
-    if stopped {
+    // A grammar that has ended allows nothing but an end-of-sequence
+    // token: the request stops here rather than spend a step on it.
+    let grammar_ended = a.grammar.as_ref().is_some_and(|m| m.is_stopped());
+    if stopped || grammar_ended {
         Some(FinishReason::Stop)
     } else if a.generated.len() >= a.max_tokens {
         Some(FinishReason::Length)
     } else {
         None
     }
+}
+
+/// Each matcher's next mask (the mask thread's work).
+fn compute_masks(
+    jobs: Vec<(usize, grammar::Matcher)>,
+) -> Vec<(
+    usize,
+    grammar::Matcher,
+    Result<grammar::Mask, grammar::GrammarError>,
+)> {
+    jobs.into_iter()
+        .map(|(i, mut m)| {
+            let mask = m.mask();
+            (i, m, mask)
+        })
+        .collect()
 }
 
 /// Log-softmax of the raw logits (before penalties), and the `n` most likely

@@ -263,6 +263,9 @@ pub struct Engine {
     thread: Mutex<Option<JoinHandle<()>>>,
     max_queue: usize,
     console: Arc<console::ConsoleCell>,
+    /// Compiles requests' grammars over the model's vocabulary, cached per
+    /// cache scope (K11); the HTTP layer shares it ([`Engine::grammar`]).
+    grammar: Arc<grammar::Compiler>,
 }
 
 impl Engine {
@@ -304,6 +307,10 @@ impl Engine {
         let waiting = Arc::new(AtomicU64::new(0));
         let vocab = fwd.vocab();
         let eos = tokenizer.eos_ids().to_vec();
+        let grammar = grammar::Vocabulary::from_tokenizer(&tokenizer)
+            .and_then(|v| grammar::Compiler::new(v, grammar::Limits::default()))
+            .map(Arc::new)
+            .map_err(|e| StartError::Config(format!("the grammar engine: {e}")))?;
         let core = core::Core::new(
             fwd,
             tokenizer,
@@ -330,7 +337,15 @@ impl Engine {
             thread: Mutex::new(Some(thread)),
             max_queue: cfg.max_queue,
             console,
+            grammar,
         })
+    }
+
+    /// The grammar compiler requests' constraints are compiled with: the
+    /// HTTP layer compiles through it off its async threads, so the engine
+    /// thread never compiles.
+    pub fn grammar(&self) -> Arc<grammar::Compiler> {
+        self.grammar.clone()
     }
 
     pub fn capacity(&self) -> &CapacityInfo {
@@ -350,6 +365,22 @@ impl Engine {
         #[cfg(feature = "fault-incident")]
         let (req, placeholder) = incident_placeholder(req, self.capacity.max_request_tokens);
         validate(&req, self.capacity.max_request_tokens, self.vocab)?;
+        #[allow(unused_mut)]
+        let mut req = req;
+        // A constraint not compiled by the caller is compiled here, on the
+        // caller's thread: the engine thread only clones compiled ones.
+        let scope = req.scope();
+        if let Some(c) = req.grammar.as_mut() {
+            if core::compiled_of(c).is_none() {
+                let compiled = self.grammar.compile(scope, &c.spec).map_err(|e| {
+                    RequestError::InvalidParam {
+                        field: "response_format",
+                        why: e.to_string(),
+                    }
+                })?;
+                c.compiled = Some(compiled as Arc<dyn std::any::Any + Send + Sync>);
+            }
+        }
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (etx, erx) = request::event_channel();
         let cancel = Arc::new(AtomicBool::new(false));

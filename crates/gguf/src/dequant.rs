@@ -21,7 +21,7 @@ pub(crate) fn check_sizes(
     what: &'static str,
 ) -> Result<()> {
     let (w, b) = type_block_size(t);
-    if n_weights % w != 0 {
+    if !n_weights.is_multiple_of(w) {
         return Err(GgufError::SizeMismatch {
             what,
             expected: (n_weights.div_ceil(w) * w) as u64,
@@ -141,7 +141,7 @@ pub fn dequantize_row(t: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> 
 /// must be a whole number of blocks.
 pub fn dequantize(t: GgmlType, bytes: &[u8]) -> Result<Vec<f32>> {
     let (w, b) = type_block_size(t);
-    if bytes.len() % b != 0 {
+    if !bytes.len().is_multiple_of(b) {
         return Err(GgufError::SizeMismatch {
             what: "dequantize",
             expected: (bytes.len().div_ceil(b) * b) as u64,

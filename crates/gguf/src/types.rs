@@ -125,7 +125,7 @@ impl GgmlType {
     pub fn bytes_for(self, n_weights: u64) -> Option<u64> {
         let (w, b) = type_block_size(self);
         let (w, b) = (w as u64, b as u64);
-        if n_weights % w != 0 {
+        if !n_weights.is_multiple_of(w) {
             return None;
         }
         (n_weights / w).checked_mul(b)

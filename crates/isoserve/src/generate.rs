@@ -127,6 +127,7 @@ pub fn generate(
         priority: 0,
         weight: 1,
         trace: None,
+        grammar: None,
     };
     let mut h = engine.submit(req)?;
     while let Some(ev) = h.blocking_next() {

@@ -111,7 +111,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
     eprintln!("config: {summary}");
 
     let scfg = server_config(&model_id, &http)?;
-    let server = Server::new(engine, tokenizer, template, tenants, reqlog, scfg);
+    // One grammar cache (per scope) for the HTTP layer and the engine.
+    let grammar = engine.grammar();
+    let server =
+        Server::new(engine, tokenizer, template, tenants, reqlog, scfg).with_grammar(grammar);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

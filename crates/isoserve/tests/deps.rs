@@ -19,10 +19,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("telemetry", &["request"]),
     ("kv", &["request"]),
     ("tokenizer", &["gguf"]),
+    // Structured outputs: llguidance over the tokenizer's vocabulary.
+    ("grammar", &["request", "tokenizer"]),
     ("model", &["gguf", "kernels", "kv", "request"]),
     (
         "engine",
-        &["kernels", "kv", "model", "request", "tokenizer"],
+        &["grammar", "kernels", "kv", "model", "request", "tokenizer"],
     ),
     ("transfer", &["kv", "request"]),
     ("transport", &["transfer"]),
@@ -34,6 +36,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "pd",
         &[
             "engine",
+            "grammar",
             "kv",
             "model",
             "request",
@@ -43,7 +46,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "transport",
         ],
     ),
-    ("server", &["request", "telemetry", "tokenizer"]),
+    ("server", &["grammar", "request", "telemetry", "tokenizer"]),
     // testkit writes K-quant test models with the kernels' quantisers.
     ("testkit", &["gguf", "kernels", "kv", "transfer"]),
     ("verify", &["testkit", "transfer"]),
@@ -79,6 +82,11 @@ const NEVER_LINKED: &[(&str, &[&str])] = &[
     ),
     ("engine", &["transfer", "transport", "gateway", "server"]),
     ("transfer", &["model", "kernels", "engine"]),
+    // The grammar engine knows the vocabulary, nothing of models or pools.
+    (
+        "grammar",
+        &["model", "kernels", "engine", "kv", "transfer", "server"],
+    ),
     // Test support is never linked into the binary.
     ("isoserve", &["testkit", "verify"]),
 ];

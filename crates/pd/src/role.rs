@@ -32,7 +32,7 @@ use engine::{
 };
 use kv::{DType, Pool, RequestId, TenantId};
 use model::Model;
-use request::FinishReason;
+use request::{FinishReason, RequestError};
 use tokenizer::Tokenizer;
 use transfer::convert::{engine_logprobs, gen_request, params_of, refusal_of, wire_logprobs};
 use transfer::decode::{DecodeConfig, DecodeNode, DecodeStart, DecodeStats};
@@ -179,15 +179,21 @@ impl PdNode {
         incident_pool(&mut pool);
         // The batch core, the glue's engine on either role.
         let name = pd.node.clone();
-        let engine = CoreEngine::new(Core::new(
-            model,
-            tokenizer,
-            pool,
-            cfg,
-            max_request,
-            Arc::new(Mutex::new(EngineStats::default())),
-            waiting,
-        ));
+        let grammar = grammar::Vocabulary::from_tokenizer(&tokenizer)
+            .and_then(|v| grammar::Compiler::new(v, grammar::Limits::default()))
+            .map_err(|e| StartError::Config(format!("the grammar engine: {e}")))?;
+        let engine = CoreEngine::new(
+            Core::new(
+                model,
+                tokenizer,
+                pool,
+                cfg,
+                max_request,
+                Arc::new(Mutex::new(EngineStats::default())),
+                waiting,
+            ),
+            grammar,
+        );
         let glue = match role {
             PdRole::Prefill => {
                 let machine = PrefillNode::new(PrefillConfig {
@@ -405,18 +411,43 @@ struct CoreEngine {
     /// Prefill: requests whose compute started since the loop last looked
     /// (their `queue` span ends there).
     computing: Vec<RequestId>,
+    /// The node's grammar compiler, cached per cache scope (K11): a
+    /// request's grammar is compiled when it arrives (`check`, a refusal
+    /// there is the client's 400) and found in the cache when it starts.
+    grammar: grammar::Compiler,
 }
 
 impl CoreEngine {
-    fn new(core: Core) -> CoreEngine {
+    fn new(core: Core, grammar: grammar::Compiler) -> CoreEngine {
         CoreEngine {
             core,
+            grammar,
             transfer_started: HashMap::new(),
             transfer_seconds_total: 0.0,
             transfers_timed_total: 0,
             outbox: Vec::new(),
             computing: Vec::new(),
         }
+    }
+
+    /// The request's grammar compiled in its scope (a cache hit after
+    /// `check`).
+    fn compile(
+        &self,
+        scope: request::Scope,
+        gen: &GenSpec,
+    ) -> Result<Option<Arc<grammar::Compiled>>, RequestError> {
+        gen.grammar
+            .as_deref()
+            .map(|spec| {
+                self.grammar
+                    .compile(scope, spec)
+                    .map_err(|e| RequestError::InvalidParam {
+                        field: "response_format",
+                        why: format!("{}: {e}", spec.noun()),
+                    })
+            })
+            .transpose()
     }
 
     /// A page of a transfer arrived: start its clock.
@@ -445,10 +476,12 @@ impl NodeEngine for CoreEngine {
         gen: &GenSpec,
     ) -> Result<(), Refusal> {
         let req = gen_request(tenant, tokens, max_tokens, gen);
-        engine::validate(&req, usize::MAX, self.core.vocab()).map_err(|e| {
-            self.core.count_refused();
-            refusal_of(&e)
-        })
+        engine::validate(&req, usize::MAX, self.core.vocab())
+            .and_then(|()| self.compile(req.scope(), gen).map(drop))
+            .map_err(|e| {
+                self.core.count_refused();
+                refusal_of(&e)
+            })
     }
 
     fn stop(&mut self, req: RequestId) {
@@ -476,6 +509,19 @@ impl PrefillEngine for CoreEngine {
         if job.gen.trace.is_some() && self.computing.len() < crate::spans::TRACKED_MAX {
             self.computing.push(job.req);
         }
+        let grammar = match self.compile(job.owner.scope, &job.gen) {
+            Ok(g) => g,
+            Err(e) => {
+                // `check` compiled it; only an eviction in between and a
+                // failed recompile lands here: the request fails whole.
+                self.outbox.push(Outcome::Event {
+                    req: job.req,
+                    conn: 0,
+                    event: Event::Error(e),
+                });
+                return;
+            }
+        };
         self.core.start_prefill(PrefillJob {
             req: job.req,
             owner: job.owner,
@@ -486,6 +532,7 @@ impl PrefillEngine for CoreEngine {
             cached_tokens: job.cached_tokens as usize,
             priority: job.gen.priority,
             weight: job.gen.weight,
+            grammar,
         });
     }
 
@@ -505,7 +552,7 @@ impl PrefillEngine for CoreEngine {
                     sampler_state,
                 }),
                 // A prefill-only request only ends in an error (a failed
-                // forward step).
+                // forward step, or its grammar).
                 Outcome::Event {
                     req,
                     event: Event::Error(e),
@@ -528,6 +575,9 @@ impl DecodeEngine for CoreEngine {
             self.transfer_seconds_total += t0.elapsed().as_secs_f64();
             self.transfers_timed_total += 1;
         }
+        let grammar = self
+            .compile(s.owner.scope, &s.gen)
+            .map_err(|e| refusal_of(&e))?;
         self.core
             .start_decode(DecodeJob {
                 req: s.req,
@@ -545,6 +595,7 @@ impl DecodeEngine for CoreEngine {
                 first_logprobs: engine_logprobs(s.first_logprobs),
                 priority: s.gen.priority,
                 weight: s.gen.weight,
+                grammar,
             })
             .map_err(|e| refusal_of(&e))
     }

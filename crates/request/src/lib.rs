@@ -21,7 +21,10 @@
 #![forbid(unsafe_code)]
 
 pub mod console;
+pub mod constraint;
 pub mod trace;
+
+pub use constraint::{Constraint, GrammarSpec};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -277,6 +280,11 @@ pub enum RequestError {
     /// unread while the request could not be paused (PD).
     #[error("the client fell {limit} events behind its stream; the request was cancelled")]
     ClientTooSlow { limit: usize },
+    /// The output's grammar could not be followed past a point (a step's
+    /// mask over its bounds, or no token allowed): the request ends with
+    /// this error rather than with output the grammar does not accept.
+    #[error("the output's grammar could not be followed: {0}")]
+    Grammar(String),
     #[error("internal error: {0}")]
     Internal(String),
     /// Refused or failed on a remote node (PD): that node's original error,
@@ -298,6 +306,7 @@ impl RequestError {
             RequestError::QueueFull { .. } => "queue_full",
             RequestError::ShuttingDown => "shutting_down",
             RequestError::ClientTooSlow { .. } => "client_too_slow",
+            RequestError::Grammar(_) => "grammar_error",
             RequestError::Internal(_) => "internal_error",
             RequestError::Remote { .. } => "remote_error",
         }
@@ -329,6 +338,9 @@ pub struct GenRequest {
     /// The caller's W3C `traceparent` (or one the serving layer started):
     /// nodes record their spans under it. Never affects the output.
     pub trace: Option<trace::TraceContext>,
+    /// The grammar the output must follow (structured outputs); `None`:
+    /// free text.
+    pub grammar: Option<Constraint>,
 }
 
 impl GenRequest {
@@ -350,6 +362,7 @@ impl GenRequest {
             priority: 0,
             weight: 1,
             trace: None,
+            grammar: None,
         }
     }
 }
@@ -645,6 +658,14 @@ pub fn validate(req: &GenRequest, max_request: usize, vocab: usize) -> Result<()
             field: "top_logprobs",
             why: format!("must be 0..={TOP_LOGPROBS_MAX}"),
         });
+    }
+    if let Some(g) = &req.grammar {
+        g.spec
+            .check_bounds()
+            .map_err(|why| RequestError::InvalidParam {
+                field: "response_format",
+                why,
+            })?;
     }
     Ok(())
 }

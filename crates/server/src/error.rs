@@ -448,6 +448,14 @@ impl ApiError {
                 e.to_string(),
             )
             .code("client_too_slow"),
+            // The request's own grammar went past a bound mid-output.
+            RequestError::Grammar(_) => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Reason::InvalidRequest,
+                e.to_string(),
+            )
+            .code("grammar_error"),
             RequestError::Internal(why) => ApiError::internal(why),
             RequestError::Remote {
                 status,
@@ -464,6 +472,7 @@ impl ApiError {
             "context_length_exceeded",
             "empty_prompt",
             "invalid_value",
+            "grammar_error",
             "queue_full",
             "prefill_lost",
             "decode_lost",

@@ -230,6 +230,23 @@ fn chat_prompt(
     tokenizer::encode_chat(&st.tokenizer, template, &ms).map_err(|e| ApiError::bad_prompt(param, e))
 }
 
+/// Compiles a request's grammar (cached in its scope); a grammar that is
+/// invalid or past a bound is a 400 naming the field that sent it.
+fn compile_grammar(
+    st: &AppState,
+    scope: request::Scope,
+    s: &openai::structured::StructuredOutput,
+) -> Result<request::Constraint, ApiError> {
+    let compiler = st.grammar().map_err(ApiError::internal)?;
+    let compiled = compiler
+        .compile(scope, &s.spec)
+        .map_err(|e| ApiError::invalid_value(s.param, format!("{}: {e}", s.spec.noun())))?;
+    Ok(request::Constraint {
+        spec: Arc::new(s.spec.clone()),
+        compiled: Some(compiled as Arc<dyn std::any::Any + Send + Sync>),
+    })
+}
+
 async fn admit(
     st: &Arc<AppState>,
     ep: &'static dyn Generate,
@@ -252,16 +269,28 @@ async fn admit(
             return Err(ApiError::model_not_found(m));
         }
     }
-    // Tokenising a multi-megabyte prompt is CPU work: off the async workers.
-    // A batch's prompts one after another (`more_inputs`).
-    let (prompts, params) = {
+    let scope = request::Scope::of(
+        tenant.id,
+        st.tenants
+            .cache_scope(&tenant, params.cache_salt.as_deref()),
+    );
+    // Tokenising a multi-megabyte prompt and compiling a grammar are CPU
+    // work: off the async workers. A batch's prompts one after another
+    // (`more_inputs`). The grammar is compiled in the request's cache scope
+    // (K11) and within its bounds, so the engine never compiles.
+    let (prompts, params, grammar) = {
         let st2 = st.clone();
         tokio::task::spawn_blocking(move || {
-            std::iter::once(&params.input)
+            let prompts = std::iter::once(&params.input)
                 .chain(&params.more_inputs)
                 .map(|input| tokenize(&st2, input, ep.prompt_param()))
-                .collect::<Result<Vec<_>, _>>()
-                .map(|prompts| (prompts, params))
+                .collect::<Result<Vec<_>, _>>()?;
+            let grammar = params
+                .structured
+                .as_ref()
+                .map(|s| compile_grammar(&st2, scope, s))
+                .transpose()?;
+            Ok::<_, ApiError>((prompts, params, grammar))
         })
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))??
@@ -311,6 +340,7 @@ async fn admit(
             .get("traceparent")
             .and_then(|v| v.to_str().ok())
             .and_then(request::trace::TraceContext::parse),
+        grammar,
     };
     if let Some(m) = tenant.max_priority.filter(|&m| params.priority < m) {
         // Priority orders only the tenant's own requests; the operator may

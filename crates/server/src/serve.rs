@@ -55,6 +55,13 @@ impl Server {
         }
     }
 
+    /// Compiles requests' grammars with `c` (the unified engine's: one
+    /// per-scope cache for the HTTP layer and the engine).
+    pub fn with_grammar(self, c: Arc<grammar::Compiler>) -> Server {
+        self.state.set_grammar(c);
+        self
+    }
+
     /// The operations routes (`/metrics` and `/health`, no key), for a
     /// listener of their own (`--metrics-port`).
     pub fn ops_router(&self) -> axum::Router {

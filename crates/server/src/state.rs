@@ -27,6 +27,10 @@ pub(crate) struct AppState {
     pub vocab: usize,
     pub started: u64,
     pub console: crate::console::ConsoleState,
+    /// The grammar compiler (structured outputs): the unified engine's own
+    /// ([`crate::Server::with_grammar`]), else made from the tokenizer on
+    /// first use (a PD gateway checks grammars before it sends them on).
+    grammar: std::sync::OnceLock<Result<Arc<grammar::Compiler>, String>>,
     shutting_down: AtomicBool,
     inflight: AtomicUsize,
     inflight_changed: Notify,
@@ -53,10 +57,29 @@ impl AppState {
             vocab,
             started: unix_now(),
             console: crate::console::ConsoleState::default(),
+            grammar: std::sync::OnceLock::new(),
             shutting_down: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
             inflight_changed: Notify::new(),
         }
+    }
+
+    /// Uses `c` as the grammar compiler (once, before serving).
+    pub fn set_grammar(&self, c: Arc<grammar::Compiler>) {
+        let _ = self.grammar.set(Ok(c));
+    }
+
+    /// The grammar compiler, made from the tokenizer the first time it is
+    /// needed (blocking: call it off the async threads).
+    pub fn grammar(&self) -> Result<Arc<grammar::Compiler>, String> {
+        self.grammar
+            .get_or_init(|| {
+                grammar::Vocabulary::from_tokenizer(&self.tokenizer)
+                    .and_then(|v| grammar::Compiler::new(v, grammar::Limits::default()))
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
     }
 
     /// From now on, new requests get 503 and `/health` says so.

@@ -157,16 +157,22 @@ fn check_config(cfg: &SyntheticConfig) -> Result<()> {
     if cfg.n_layers == 0 || cfg.n_heads == 0 || cfg.n_kv_heads == 0 {
         return bad("n_layers, n_heads and n_kv_heads must be non-zero");
     }
-    if cfg.dim == 0 || cfg.dim % 32 != 0 || cfg.ffn_dim == 0 || cfg.ffn_dim % 32 != 0 {
+    if cfg.dim == 0
+        || !cfg.dim.is_multiple_of(32)
+        || cfg.ffn_dim == 0
+        || !cfg.ffn_dim.is_multiple_of(32)
+    {
         return bad("dim and ffn_dim must be non-zero multiples of 32");
     }
-    if cfg.head_dim.is_none() && (cfg.dim % cfg.n_heads != 0 || (cfg.dim / cfg.n_heads) % 2 != 0) {
+    if cfg.head_dim.is_none()
+        && (!cfg.dim.is_multiple_of(cfg.n_heads) || !(cfg.dim / cfg.n_heads).is_multiple_of(2))
+    {
         return bad("dim / n_heads must be an even integer");
     }
     if !["llama", "qwen2", "qwen3", "gemma3"].contains(&cfg.arch) {
         return bad("arch must be llama, qwen2, qwen3 or gemma3");
     }
-    if cfg.n_heads % cfg.n_kv_heads != 0 {
+    if !cfg.n_heads.is_multiple_of(cfg.n_kv_heads) {
         return bad("n_kv_heads must divide n_heads");
     }
     Ok(())
@@ -317,7 +323,7 @@ fn add_matrix(
         }
     };
     let cols = dims[0] as usize;
-    if cols % kt.block_len() != 0 {
+    if !cols.is_multiple_of(kt.block_len()) {
         return Err(GgufError::InvalidArgument(format!(
             "{name}: {cols} columns are not whole {} blocks",
             kt.name()

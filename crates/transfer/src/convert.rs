@@ -49,6 +49,7 @@ pub fn gen_spec(req: &GenRequest) -> GenSpec {
         priority: req.priority,
         weight: req.weight.clamp(1, request::WEIGHT_MAX),
         trace: req.trace.map(Box::new),
+        grammar: req.grammar.as_ref().map(|c| Box::new((*c.spec).clone())),
     }
 }
 
@@ -67,6 +68,10 @@ pub fn gen_request(tenant: TenantId, tokens: &[u32], max_tokens: u32, g: &GenSpe
         priority: g.priority,
         weight: g.weight,
         trace: g.trace.as_deref().copied(),
+        grammar: g
+            .grammar
+            .as_deref()
+            .map(|s| request::Constraint::new(s.clone())),
     }
 }
 
@@ -75,7 +80,8 @@ pub fn refusal_of(e: &RequestError) -> Refusal {
     let status = match e {
         RequestError::ContextLengthExceeded { .. }
         | RequestError::EmptyPrompt
-        | RequestError::InvalidParam { .. } => 400,
+        | RequestError::InvalidParam { .. }
+        | RequestError::Grammar(_) => 400,
         RequestError::QueueFull { .. } => 429,
         RequestError::ShuttingDown => 503,
         RequestError::ClientTooSlow { .. } => 408,

@@ -63,6 +63,9 @@ pub enum NetEvent {
 }
 
 /// What a node asks of the transport.
+// `Send` carries a message by value, as `DecodeAction` does: a command is
+// made and consumed once, and most are sends.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NetCommand {
     Send { conn: ConnId, msg: Message },

@@ -97,6 +97,8 @@ pub struct ComputeJob {
     pub cached_tokens: u32,
 }
 
+// As `DecodeAction`: most actions are sends, moved once.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum PrefillAction {
     Send {

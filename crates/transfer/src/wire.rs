@@ -21,7 +21,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// Version of this format. A peer speaking another version is refused at
 /// the handshake.
-pub const WIRE_VERSION: u8 = 5;
+pub const WIRE_VERSION: u8 = 6;
 /// Largest frame (a page of a large model plus headers). Bigger frames are
 /// refused before their body is read.
 pub const FRAME_BYTES_MAX: usize = 64 << 20;
@@ -55,6 +55,11 @@ pub const STOPS_MAX: usize = request::STOP_STRINGS_MAX;
 pub const TOP_LOGPROBS_MAX: usize = request::TOP_LOGPROBS_MAX;
 /// Most `logit_bias` entries of one request: the request's own limit.
 pub const LOGIT_BIAS_MAX: usize = request::LOGIT_BIAS_MAX;
+/// Most bytes of a grammar's source, and most choices: the request's own
+/// limits.
+pub const GRAMMAR_BYTES_MAX: usize = request::constraint::GRAMMAR_BYTES_MAX;
+pub const GRAMMAR_CHOICES_MAX: usize = request::constraint::GRAMMAR_CHOICES_MAX;
+pub use request::GrammarSpec;
 
 /// How a request samples: everything decode needs to continue what prefill
 /// started, and prefill needs to pick the first token. Floats travel as
@@ -93,6 +98,11 @@ pub struct GenSpec {
     /// decode) under it. Never read by sampling.
     /// Boxed: most requests' messages stay as small as before.
     pub trace: Option<Box<request::trace::TraceContext>>,
+    /// The grammar the output must follow (structured outputs): prefill
+    /// samples the first token under it, decode continues from its state
+    /// after that token. Its source is bounded by
+    /// [`request::constraint::GRAMMAR_BYTES_MAX`].
+    pub grammar: Option<Box<GrammarSpec>>,
 }
 
 impl GenSpec {
@@ -134,6 +144,7 @@ impl GenSpec {
             priority: 0,
             weight: 1,
             trace: None,
+            grammar: None,
         }
     }
 }
@@ -817,6 +828,38 @@ impl Writer<'_> {
                 self.u8(t.flags);
             }
         }
+        match g.grammar.as_deref() {
+            None => self.u8(0),
+            Some(GrammarSpec::JsonObject) => self.u8(1),
+            Some(GrammarSpec::JsonSchema { schema, strict }) => {
+                self.u8(2);
+                self.u8(*strict as u8);
+                self.source(schema);
+            }
+            Some(GrammarSpec::Regex(r)) => {
+                self.u8(3);
+                self.source(r);
+            }
+            Some(GrammarSpec::Choice(c)) => {
+                self.u8(4);
+                let n = c.len().min(GRAMMAR_CHOICES_MAX);
+                self.u32(n as u32);
+                for s in &c[..n] {
+                    self.source(s);
+                }
+            }
+            Some(GrammarSpec::Lark(l)) => {
+                self.u8(5);
+                self.source(l);
+            }
+        }
+    }
+    /// A grammar's source text (senders validated its bound; a longer
+    /// one is cut, and the receiver refuses it whole).
+    fn source(&mut self, s: &str) {
+        let n = s.len().min(GRAMMAR_BYTES_MAX);
+        self.u32(n as u32);
+        self.raw(&s.as_bytes()[..n]);
     }
     fn logprobs(&mut self, l: Option<&WireLogprobs>) {
         match l {
@@ -949,6 +992,7 @@ impl<'a> Reader<'a> {
             priority: 0,
             weight: 1,
             trace: None,
+            grammar: None,
         };
         let n = self.u32("stop")? as usize;
         if n > STOPS_MAX {
@@ -997,7 +1041,62 @@ impl<'a> Reader<'a> {
             t.flags = self.u8("trace flags")?;
             g.trace = Some(Box::new(t));
         }
+        g.grammar = match self.u8("grammar")? {
+            0 => None,
+            1 => Some(GrammarSpec::JsonObject),
+            2 => {
+                let strict = self.bool("grammar strict")?;
+                Some(GrammarSpec::JsonSchema {
+                    strict,
+                    schema: self.source("grammar schema")?,
+                })
+            }
+            3 => Some(GrammarSpec::Regex(self.source("grammar regex")?)),
+            4 => {
+                let n = self.u32("grammar choices")? as usize;
+                if n > GRAMMAR_CHOICES_MAX {
+                    return Err(WireError::TooLong {
+                        what: "grammar choices",
+                        len: n,
+                        max: GRAMMAR_CHOICES_MAX,
+                    });
+                }
+                let mut c = Vec::with_capacity(n);
+                for _ in 0..n {
+                    c.push(self.source("grammar choice")?);
+                }
+                Some(GrammarSpec::Choice(c))
+            }
+            5 => Some(GrammarSpec::Lark(self.source("grammar lark")?)),
+            _ => {
+                return Err(WireError::Invalid {
+                    what: "grammar kind",
+                })
+            }
+        }
+        .map(Box::new);
+        if let Some(spec) = &g.grammar {
+            if spec.source_bytes() > GRAMMAR_BYTES_MAX {
+                return Err(WireError::TooLong {
+                    what: "grammar",
+                    len: spec.source_bytes(),
+                    max: GRAMMAR_BYTES_MAX,
+                });
+            }
+        }
         Ok(g)
+    }
+    fn source(&mut self, what: &'static str) -> Result<String, WireError> {
+        let n = self.u32(what)? as usize;
+        if n > GRAMMAR_BYTES_MAX {
+            return Err(WireError::TooLong {
+                what,
+                len: n,
+                max: GRAMMAR_BYTES_MAX,
+            });
+        }
+        let b = self.take(n, what)?;
+        String::from_utf8(b.to_vec()).map_err(|_| WireError::Utf8 { what })
     }
     fn logprobs(&mut self) -> Result<Option<WireLogprobs>, WireError> {
         if !self.bool("logprobs")? {

@@ -3,8 +3,8 @@
 
 use proptest::prelude::*;
 use transfer::wire::{
-    GenSpec, KvLayout, Message, Refusal, WireError, WireLogprobs, WirePage, FRAME_BYTES_MAX,
-    WIRE_VERSION,
+    GenSpec, GrammarSpec, KvLayout, Message, Refusal, WireError, WireLogprobs, WirePage,
+    FRAME_BYTES_MAX, WIRE_VERSION,
 };
 use transfer::{RequestId, Scope, TenantId};
 
@@ -12,8 +12,23 @@ fn page() -> impl Strategy<Value = WirePage> {
     (any::<u32>(), any::<u64>()).prop_map(|(index, epoch)| WirePage { index, epoch })
 }
 
+fn grammar() -> impl Strategy<Value = Option<Box<GrammarSpec>>> {
+    proptest::option::of(
+        prop_oneof![
+            Just(GrammarSpec::JsonObject),
+            ("[{}\":a-z0-9 ]{0,40}", any::<bool>())
+                .prop_map(|(schema, strict)| GrammarSpec::JsonSchema { schema, strict }),
+            "[a-z0-9+*()|✓]{0,20}".prop_map(GrammarSpec::Regex),
+            proptest::collection::vec("[a-z✓]{1,8}", 0..5).prop_map(GrammarSpec::Choice),
+            "[a-z:\" \n]{0,30}".prop_map(GrammarSpec::Lark),
+        ]
+        .prop_map(Box::new),
+    )
+}
+
 fn gen() -> impl Strategy<Value = GenSpec> {
     (
+        grammar(),
         any::<(u32, u32, u32, u32, u32, u32, u32, u64)>(),
         any::<bool>(),
         proptest::option::of(any::<u8>()),
@@ -25,6 +40,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
     )
         .prop_map(
             |(
+                grammar,
                 (t, k, p, m, r, pr, f, seed),
                 ignore_eos,
                 logprobs,
@@ -56,6 +72,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
                         flags,
                     })
                 }),
+                grammar,
             },
         )
 }

@@ -1158,6 +1158,7 @@ impl Harness {
             cached_tokens: 0,
             priority: 0,
             weight,
+            grammar: None,
         });
         id
     }

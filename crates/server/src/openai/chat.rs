@@ -59,6 +59,7 @@ impl Generate for Chat {
 const VARIANT: Variant = Variant {
     max_tokens: fields::max_tokens,
     logprobs,
+    structured: super::structured::parse,
 };
 
 /// `logprobs: true`, with `top_logprobs` alternatives.

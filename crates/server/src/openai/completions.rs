@@ -67,6 +67,7 @@ impl Generate for Completions {
 const VARIANT: Variant = Variant {
     max_tokens: fields::max_tokens,
     logprobs,
+    structured: super::structured::parse,
 };
 
 /// `logprobs`: the number of alternatives (an integer, not chat's

@@ -8,6 +8,7 @@
 
 use serde_json::{Map, Value};
 
+use super::structured::StructuredOutput;
 use super::{GenParams, Input, CHOICES_MAX, CONTENT_PARTS_MAX, MESSAGES_MAX, ROLES};
 use crate::error::ApiError;
 
@@ -17,6 +18,8 @@ pub(crate) struct Variant {
     pub max_tokens: fn(&Fields<'_>) -> Result<Option<i64>, ApiError>,
     /// Log-probabilities asked for, with this many alternatives.
     pub logprobs: fn(&Fields<'_>) -> Result<Option<usize>, ApiError>,
+    /// The output's grammar, from the fields the endpoint reads it from.
+    pub structured: fn(&Fields<'_>) -> Result<Option<StructuredOutput>, ApiError>,
 }
 
 /// A number as an error message shows it: short whatever its size (Rust's
@@ -205,41 +208,13 @@ fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
     Ok(stops)
 }
 
-/// `response_format`, `tools`, `tool_choice` and `functions` ask for output
-/// the server would have to constrain or parse (JSON, tool calls). It does
-/// neither, so a request that relies on them is refused rather than answered
-/// with free text under a 200 (as llama.cpp's server without `--jinja` and
-/// vLLM without a tool parser refuse tools). Their "off" values pass: a
-/// `text` format, an empty tool list, `tool_choice: "none"` (or `"auto"`
-/// with no tools).
-fn refuse_structured_output(f: &Fields<'_>) -> Result<(), ApiError> {
-    match f.get("response_format") {
-        None => {}
-        Some(Value::Object(m)) => match m.get("type") {
-            Some(Value::String(t)) if t == "text" => {}
-            Some(Value::String(t)) => {
-                return Err(ApiError::unsupported(
-                    "response_format",
-                    &format!(
-                        "response_format `{t}` is not supported: this server does not \
-                         constrain output (only `text`)"
-                    ),
-                ))
-            }
-            _ => {
-                return Err(ApiError::invalid_type(
-                    "response_format.type",
-                    "a string (`text`)",
-                ))
-            }
-        },
-        Some(v) => {
-            return Err(ApiError::invalid_type(
-                "response_format",
-                &format!("an object, got {}", type_name(v)),
-            ))
-        }
-    }
+/// `tools`, `tool_choice` and `functions` ask for output the server would
+/// have to parse (tool calls). It does not, so a request that relies on
+/// them is refused rather than answered with free text under a 200 (as
+/// llama.cpp's server without `--jinja` and vLLM without a tool parser
+/// refuse tools). Their "off" values pass: an empty tool list,
+/// `tool_choice: "none"` (or `"auto"` with no tools).
+fn refuse_tools(f: &Fields<'_>) -> Result<(), ApiError> {
     let mut tools = false;
     for field in ["tools", "functions"] {
         match f.get(field) {
@@ -294,7 +269,8 @@ pub(crate) fn parse_common(
         }
     }
     let logit_bias = parse_logit_bias(f)?;
-    refuse_structured_output(f)?;
+    refuse_tools(f)?;
+    let structured = (variant.structured)(f)?;
     let max_tokens = (variant.max_tokens)(f)?;
     let temperature = f.number_in("temperature", 0.0, false, 2.0)?.unwrap_or(1.0);
     let top_p = f.number_in("top_p", 0.0, true, 1.0)?.unwrap_or(1.0);
@@ -373,6 +349,7 @@ pub(crate) fn parse_common(
         cache_salt,
         priority,
         logit_bias,
+        structured,
     })
 }
 

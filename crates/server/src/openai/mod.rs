@@ -19,6 +19,7 @@ pub mod completions;
 pub(crate) mod fields;
 pub mod models;
 pub mod responses;
+pub(crate) mod structured;
 #[cfg(test)]
 mod tests;
 
@@ -92,6 +93,8 @@ pub struct GenParams {
     pub priority: i32,
     /// `logit_bias`: (token id, bias), sorted by id.
     pub logit_bias: Vec<(u32, f32)>,
+    /// The grammar the output must follow, and the field that asked.
+    pub structured: Option<structured::StructuredOutput>,
 }
 
 // ---- shapes every endpoint shares ------------------------------------------

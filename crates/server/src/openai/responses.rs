@@ -13,6 +13,7 @@ use request::{DoneEvent, TokenEvent};
 use serde_json::{json, Value};
 
 use super::fields::{parse_common, parse_content, parse_object, type_name, Fields, Variant};
+use super::structured::StructuredOutput;
 use super::{
     sse, Base, Choice, GenParams, Generate, Input, Shaper, TokenLogprob, MESSAGES_MAX,
     TOP_LOGPROBS_MAX,
@@ -55,6 +56,11 @@ impl Generate for Responses {
             top_p: p.top_p,
             max_tokens: p.max_tokens,
             instructions: p.instructions.clone(),
+            format: p
+                .structured
+                .as_ref()
+                .and_then(|s| s.format.clone())
+                .unwrap_or_else(|| json!({"type": "text"})),
             seq: 0,
             texts: vec![String::new(); choices],
             tokens: vec![Vec::new(); choices],
@@ -65,7 +71,22 @@ impl Generate for Responses {
 const VARIANT: Variant = Variant {
     max_tokens: |f| f.int_in("max_output_tokens", 1, request::MAX_TOKENS_MAX as i64),
     logprobs,
+    structured,
 };
+
+/// `text.format`; the chat fields that ask for a format are refused here
+/// (the Responses API names it `text.format`).
+fn structured(f: &Fields<'_>) -> Result<Option<StructuredOutput>, ApiError> {
+    for field in ["response_format", "structured_outputs"] {
+        if f.get(field).is_some() {
+            return Err(ApiError::unsupported(
+                field,
+                "the Responses API asks for a format with `text.format`",
+            ));
+        }
+    }
+    super::structured::parse_text_format(f)
+}
 
 /// Log-probabilities come with the output text when `include` names
 /// them; `top_logprobs` alternatives each.
@@ -107,10 +128,10 @@ fn logprobs(f: &Fields<'_>) -> Result<Option<usize>, ApiError> {
 /// Parses and validates a `/v1/responses` body: `input` (a string, or
 /// messages as `{role, content}` items whose content is a string or
 /// `input_text`/`output_text` parts), `instructions` (a system message
-/// first), `max_output_tokens`, the sampling fields, `stream`. Nothing is
-/// stored, so what needs a stored response or a tool is refused:
-/// `previous_response_id`, `conversation`, `background`, tools, and a
-/// `text.format` other than `text`.
+/// first), `max_output_tokens`, the sampling fields, `stream`, and
+/// `text.format` (structured outputs). Nothing is stored, so what needs a
+/// stored response or a tool is refused: `previous_response_id`,
+/// `conversation`, `background`, tools.
 pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
     let obj = parse_object(body)?;
     let f = Fields(&obj);
@@ -134,25 +155,6 @@ pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
             "n",
             "the Responses API has one output; ask /v1/chat/completions for `n` choices",
         ));
-    }
-    match f.get("text") {
-        None => {}
-        Some(Value::Object(t)) => match t.get("format").filter(|v| !v.is_null()) {
-            None => {}
-            Some(Value::Object(fm)) if fm.get("type").and_then(Value::as_str) == Some("text") => {}
-            Some(_) => {
-                return Err(ApiError::unsupported(
-                    "text.format",
-                    "only `{\"type\": \"text\"}`: this server does not constrain output",
-                ))
-            }
-        },
-        Some(v) => {
-            return Err(ApiError::invalid_type(
-                "text",
-                &format!("an object, got {}", type_name(v)),
-            ))
-        }
     }
     let mut msgs = Vec::new();
     let instructions = f.string("instructions")?.map(str::to_string);
@@ -235,6 +237,8 @@ struct ResponseShaper {
     top_p: f32,
     max_tokens: Option<usize>,
     instructions: Option<String>,
+    /// `text.format` as the request gave it.
+    format: Value,
     /// The `sequence_number` of the next stream event.
     seq: u64,
     /// Text so far per choice, and its tokens (with log-probabilities,
@@ -307,7 +311,7 @@ impl ResponseShaper {
                "metadata": {}, "parallel_tool_calls": false,
                "temperature": shown_f32(self.temperature), "top_p": shown_f32(self.top_p),
                "tool_choice": "none", "tools": [],
-               "text": {"format": {"type": "text"}}, "truncation": "disabled",
+               "text": {"format": self.format}, "truncation": "disabled",
                "store": false, "background": false, "previous_response_id": null,
                "reasoning": {"effort": null, "summary": null}})
     }

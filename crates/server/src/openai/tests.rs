@@ -193,7 +193,19 @@ fn a_responses_body_becomes_a_conversation() {
         (json!({"input": "x", "n": 2}), "n"),
         (
             json!({"input": "x", "text": {"format": {"type": "json_schema"}}}),
-            "text.format",
+            "text.format.name",
+        ),
+        (
+            json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}),
+            "text.format.schema",
+        ),
+        (
+            json!({"input": "x", "text": {"format": {"type": "yaml"}}}),
+            "text.format.type",
+        ),
+        (
+            json!({"input": "x", "response_format": {"type": "json_object"}}),
+            "response_format",
         ),
         (json!({"input": "x", "text": 1}), "text"),
         (
@@ -249,21 +261,11 @@ fn logit_bias_is_read_sorted_and_bounded() {
     chat_err("logit_bias", json!({"1": "5"}), "logit_bias");
 }
 
-/// JSON mode and tool calls are refused, never answered with free text
-/// under a 200; their "off" values pass.
+/// Tool calls are refused, never answered with free text under a 200;
+/// their "off" values pass.
 #[test]
-fn structured_output_requests_are_refused_not_ignored() {
+fn tool_requests_are_refused_not_ignored() {
     for (field, value, param) in [
-        (
-            "response_format",
-            json!({"type": "json_object"}),
-            "response_format",
-        ),
-        (
-            "response_format",
-            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-            "response_format",
-        ),
         ("response_format", json!({}), "response_format.type"),
         ("response_format", json!("json"), "response_format"),
         (
@@ -283,9 +285,6 @@ fn structured_output_requests_are_refused_not_ignored() {
     ] {
         chat_err(field, value, param);
     }
-    let e = chat(json!({"messages": msgs(), "response_format": {"type": "json_object"}}))
-        .expect_err("json mode");
-    assert_eq!(e.code, Some("unsupported_value"), "{e}");
     for (field, value) in [
         ("response_format", json!({"type": "text"})),
         ("tools", json!([])),
@@ -296,11 +295,151 @@ fn structured_output_requests_are_refused_not_ignored() {
     ] {
         let mut body = json!({"messages": msgs()});
         body[field] = value.clone();
-        chat(body).unwrap_or_else(|e| panic!("{field} = {value}: {e}"));
+        let p = chat(body).unwrap_or_else(|e| panic!("{field} = {value}: {e}"));
+        assert_eq!(p.structured, None);
     }
-    let e = completion(json!({"prompt": "x", "response_format": {"type": "json_object"}}))
-        .expect_err("json mode on completions");
-    assert_eq!(e.param.as_deref(), Some("response_format"));
+}
+
+/// Every field that asks for structured output becomes one grammar, and
+/// names itself in errors; what the server would not honour is refused.
+#[test]
+fn structured_output_fields_become_one_grammar() {
+    use request::GrammarSpec;
+    let schema = json!({"type": "object"});
+    let cases = [
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            GrammarSpec::JsonObject,
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema":
+                {"name": "x", "schema": schema, "strict": true}}}),
+            GrammarSpec::JsonSchema {
+                schema: schema.to_string(),
+                strict: true,
+            },
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_object", "schema": schema}}),
+            GrammarSpec::JsonSchema {
+                schema: schema.to_string(),
+                strict: false,
+            },
+            "response_format",
+        ),
+        (
+            json!({"structured_outputs": {"json": schema.to_string()}}),
+            GrammarSpec::JsonSchema {
+                schema: schema.to_string(),
+                strict: false,
+            },
+            "structured_outputs",
+        ),
+        (
+            json!({"structured_outputs": {"regex": "a+"}}),
+            GrammarSpec::Regex("a+".into()),
+            "structured_outputs",
+        ),
+        (
+            json!({"structured_outputs": {"choice": ["a", "b"]}}),
+            GrammarSpec::Choice(vec!["a".into(), "b".into()]),
+            "structured_outputs",
+        ),
+        (
+            json!({"structured_outputs": {"grammar": "start: \"a\""}}),
+            GrammarSpec::Lark("start: \"a\"".into()),
+            "structured_outputs",
+        ),
+        (
+            json!({"structured_outputs": {"json_object": true}}),
+            GrammarSpec::JsonObject,
+            "structured_outputs",
+        ),
+        (
+            json!({"guided_regex": "[0-9]+"}),
+            GrammarSpec::Regex("[0-9]+".into()),
+            "guided_regex",
+        ),
+    ];
+    for (extra, spec, param) in cases {
+        let mut body = json!({"messages": msgs()});
+        for (k, v) in extra.as_object().expect("an object") {
+            body[k] = v.clone();
+        }
+        let p = chat(body.clone()).unwrap_or_else(|e| panic!("{body}: {e}"));
+        let s = p.structured.expect("a grammar");
+        assert_eq!((s.spec, s.param), (spec.clone(), param), "{body}");
+        // Completions read the same fields.
+        body.as_object_mut().expect("object").remove("messages");
+        body["prompt"] = json!("x");
+        let p = completion(body.clone()).unwrap_or_else(|e| panic!("{body}: {e}"));
+        assert_eq!(p.structured.expect("a grammar").spec, spec);
+    }
+    for (field, value, param) in [
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"schema": {}}}),
+            "response_format.json_schema.name",
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            "response_format",
+            json!({"type": "json_object", "extra": 1}),
+            "response_format.extra",
+        ),
+        (
+            "structured_outputs",
+            json!({"regex": "a", "choice": ["b"]}),
+            "structured_outputs",
+        ),
+        ("structured_outputs", json!({}), "structured_outputs"),
+        (
+            "structured_outputs",
+            json!({"whitespace_pattern": " "}),
+            "structured_outputs.whitespace_pattern",
+        ),
+        (
+            "structured_outputs",
+            json!({"choice": [1]}),
+            "structured_outputs.choice[0]",
+        ),
+        (
+            "structured_outputs",
+            json!({"regex": "a".repeat(request::constraint::GRAMMAR_BYTES_MAX + 1)}),
+            "structured_outputs",
+        ),
+        (
+            "guided_decoding_backend",
+            json!("xgrammar"),
+            "guided_decoding_backend",
+        ),
+    ] {
+        chat_err(field, value, param);
+    }
+    // Two fields asking for a grammar: refused, naming the second.
+    let e = chat(
+        json!({"messages": msgs(), "response_format": {"type": "json_object"},
+                        "guided_choice": ["a"]}),
+    )
+    .expect_err("two grammars");
+    assert_eq!(e.param.as_deref(), Some("guided_choice"), "{e}");
+    // The Responses API's flat form, echoed back as sent.
+    let fmt = json!({"type": "json_schema", "name": "n", "schema": schema, "strict": true});
+    let p = responses(json!({"input": "x", "text": {"format": fmt}})).expect("valid");
+    let s = p.structured.expect("a grammar");
+    assert_eq!(s.param, "text.format");
+    assert_eq!(s.format, Some(fmt));
 }
 
 #[test]

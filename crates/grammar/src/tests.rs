@@ -1,0 +1,265 @@
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use request::TenantId;
+
+use super::*;
+
+const EOS: u32 = 256;
+
+/// Every byte a token, a few multi-byte tokens, a control token and EOS.
+fn vocab() -> Vocabulary {
+    let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+    words.push(b"<eos>".to_vec()); // 256
+    words.push(b"<|im_start|>".to_vec()); // 257, control
+    for w in [
+        "{\"", "\": ", "true", "false", "name", "\"}", ", \"", "yes", "no",
+    ] {
+        words.push(w.as_bytes().to_vec());
+    }
+    words.push(Vec::new()); // an empty token: never allowed
+    Vocabulary::from_words(words, &[EOS, 257], &[EOS]).unwrap()
+}
+
+fn compiler() -> Compiler {
+    Compiler::new(vocab(), Limits::default()).unwrap()
+}
+
+fn scope(t: u64) -> Scope {
+    Scope::tenant(TenantId(t))
+}
+
+/// Greedy over a fixed preference: at each step the first allowed token of
+/// `prefer` (bytes of a target text, then EOS); returns the text.
+fn drive(m: &mut Matcher, target: &[u8], max_steps: usize) -> (Vec<u8>, bool) {
+    let mut out = Vec::new();
+    for _ in 0..max_steps {
+        let mask = m.mask().unwrap();
+        let next = target.get(out.len()).copied().map(u32::from);
+        match next {
+            Some(b) if mask.allows(b) => {
+                m.consume(b).unwrap();
+                out.push(b as u8);
+            }
+            _ => {
+                return (out, mask.allows(EOS));
+            }
+        }
+        if m.is_stopped() {
+            return (out, true);
+        }
+    }
+    (out, false)
+}
+
+#[test]
+fn a_schema_allows_its_documents_and_nothing_else() {
+    let c = compiler();
+    let spec = GrammarSpec::JsonSchema {
+        schema: r#"{"type":"object","properties":{"ok":{"type":"boolean"}},"required":["ok"],"additionalProperties":false}"#.into(),
+        strict: true,
+    };
+    let g = c.compile(scope(1), &spec).unwrap();
+    let mut m = g.matcher();
+    let first = m.mask().unwrap();
+    assert!(first.allows(b'{' as u32));
+    assert!(first.allows(258)); // `{"`
+    assert!(!first.allows(b' ' as u32) && !first.allows(b'[' as u32));
+    assert!(!first.allows(EOS) && !first.allows(257) && !first.allows(267));
+    let (out, ended) = drive(&mut m, br#"{"ok": true}"#, 64);
+    assert_eq!(out, br#"{"ok": true}"#);
+    assert!(ended && m.is_stopped());
+    // Once ended, only EOS.
+    let last = m.mask().unwrap();
+    assert_eq!(last.count(), 1);
+    assert!(last.allows(EOS));
+    // A document with another key is cut where it leaves the schema.
+    let mut m = g.matcher();
+    let (out, _) = drive(&mut m, br#"{"no": 1}"#, 64);
+    assert_eq!(out, br#"{""#);
+}
+
+#[test]
+fn json_object_regex_choice_and_lark_constrain() {
+    let c = compiler();
+    let cases: Vec<(GrammarSpec, &[u8], &[u8])> = vec![
+        (
+            GrammarSpec::JsonObject,
+            br#"{"a": [1, 2]}"#,
+            br#"{"a": [1, 2]}"#,
+        ),
+        (GrammarSpec::JsonObject, b"[1]", b""),
+        (GrammarSpec::Regex("[0-9]{3}-x".into()), b"123-x", b"123-x"),
+        (GrammarSpec::Regex("[0-9]{3}-x".into()), b"12a", b"12"),
+        (
+            GrammarSpec::Choice(vec!["yes".into(), "no".into()]),
+            b"nope",
+            b"no",
+        ),
+        (
+            GrammarSpec::Lark("start: \"a\" b\nb: \"b\"+".into()),
+            b"abbbc",
+            b"abbb",
+        ),
+    ];
+    for (spec, target, want) in cases {
+        let g = c.compile(scope(1), &spec).unwrap();
+        let mut m = g.matcher();
+        let (out, _) = drive(&mut m, target, 64);
+        assert_eq!(out, want, "{spec:?}");
+    }
+}
+
+#[test]
+fn eos_is_allowed_exactly_where_the_grammar_may_end() {
+    let c = compiler();
+    let g = c
+        .compile(scope(1), &GrammarSpec::Regex("a+".into()))
+        .unwrap();
+    let mut m = g.matcher();
+    assert!(!m.mask().unwrap().allows(EOS));
+    m.consume(b'a' as u32).unwrap();
+    let mask = m.mask().unwrap();
+    assert!(mask.allows(EOS) && mask.allows(b'a' as u32));
+    assert!(!m.is_stopped());
+}
+
+#[test]
+fn bad_grammars_are_refused_with_what_is_wrong() {
+    let c = compiler();
+    let bad = [
+        (
+            GrammarSpec::JsonSchema {
+                schema: "{not json".into(),
+                strict: false,
+            },
+            "not JSON",
+        ),
+        (
+            GrammarSpec::JsonSchema {
+                schema: "[1]".into(),
+                strict: false,
+            },
+            "array",
+        ),
+        (
+            GrammarSpec::JsonSchema {
+                schema: r#"{"type":"object","x-guidance":{}}"#.into(),
+                strict: false,
+            },
+            "x-guidance",
+        ),
+        (
+            GrammarSpec::JsonSchema {
+                schema: r#"{"type":"string","format":"no-such-format"}"#.into(),
+                strict: true,
+            },
+            "format",
+        ),
+        (GrammarSpec::Regex("(".into()), "regex"),
+        (GrammarSpec::Lark("start: nothing_defined".into()), ""),
+        (GrammarSpec::Choice(vec![]), "choice"),
+    ];
+    for (spec, says) in bad {
+        let e = c.compile(scope(1), &spec).unwrap_err();
+        assert!(
+            e.to_string().to_lowercase().contains(&says.to_lowercase()),
+            "{spec:?}: {e}"
+        );
+    }
+    // Nothing was cached for them.
+    assert_eq!(c.cache_stats().entries, 0);
+}
+
+#[test]
+fn the_cache_is_per_scope() {
+    let c = compiler();
+    let spec = GrammarSpec::Regex("[a-z]{2,5}".into());
+    let a1 = c.compile(scope(1), &spec).unwrap();
+    let a2 = c.compile(scope(1), &spec).unwrap();
+    let b = c.compile(scope(2), &spec).unwrap();
+    assert!(Arc::ptr_eq(&a1, &a2), "one scope shares its compile");
+    assert!(!Arc::ptr_eq(&a1, &b), "another scope compiles its own");
+    let s = c.cache_stats();
+    assert_eq!((s.scopes, s.entries, s.hits_total), (2, 2, 1));
+}
+
+#[test]
+fn a_sequences_matcher_is_its_own() {
+    let c = compiler();
+    let g = c
+        .compile(
+            scope(1),
+            &GrammarSpec::Choice(vec!["yes".into(), "no".into()]),
+        )
+        .unwrap();
+    let (mut m1, mut m2) = (g.matcher(), g.matcher());
+    m1.consume(b'y' as u32).unwrap();
+    // m2 is still at the start.
+    let mask = m2.mask().unwrap();
+    assert!(mask.allows(b'n' as u32));
+    assert!(!m1.mask().unwrap().allows(b'n' as u32));
+}
+
+#[test]
+fn mask_apply_bans_every_other_token_and_the_tail() {
+    let c = compiler();
+    let g = c
+        .compile(scope(1), &GrammarSpec::Regex("b".into()))
+        .unwrap();
+    let mask = g.matcher().mask().unwrap();
+    // Logits longer than the vocabulary (a padded output layer).
+    let mut logits = vec![1.0f32; 300];
+    mask.apply(&mut logits);
+    for (i, l) in logits.iter().enumerate() {
+        assert_eq!(l.is_finite(), i == b'b' as usize, "token {i}");
+    }
+}
+
+#[test]
+fn pathological_inputs_end_in_bounded_time() {
+    let c = compiler();
+    let deep = format!(
+        "{}{{\"type\":\"integer\"}}{}",
+        r#"{"type":"array","items":"#.repeat(200),
+        "}".repeat(200)
+    );
+    let huge_enum = format!(
+        r#"{{"enum":[{}]}}"#,
+        (0..5000)
+            .map(|i| format!("\"value-{i}\""))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let specs = [
+        GrammarSpec::JsonSchema {
+            schema: deep,
+            strict: false,
+        },
+        GrammarSpec::JsonSchema {
+            schema: huge_enum,
+            strict: false,
+        },
+        GrammarSpec::Regex("(a*)*b".into()),
+        GrammarSpec::Regex("(x+x+)+y".into()),
+        GrammarSpec::Regex("[a-z]{1,1000}[0-9]{1,1000}".into()),
+        GrammarSpec::Lark("start: start \"a\" | \"a\"".into()),
+    ];
+    for spec in specs {
+        let t = Instant::now();
+        let r = c.compile_cold(&spec);
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "{:?} took {took:?}",
+            spec.kind()
+        );
+        if let Ok(g) = r {
+            // A step's mask is bounded too.
+            let mut m = g.matcher();
+            let t = Instant::now();
+            let _ = m.mask();
+            assert!(t.elapsed() < Duration::from_secs(2));
+        }
+    }
+}
