@@ -9,7 +9,7 @@ import concurrent.futures as cf
 import json
 import re
 import time
-from typing import List, Literal, Optional
+from typing import Annotated, List, Literal, Optional
 
 import jsonschema
 import openai
@@ -37,7 +37,7 @@ class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=30)
     age: int = pydantic.Field(ge=0, le=130)
     role: Literal["engineer", "doctor", "teacher", "artist"]
-    languages: List[str] = pydantic.Field(max_length=3)
+    languages: List[Annotated[str, pydantic.Field(max_length=20)]] = pydantic.Field(max_length=3)
     manager: Optional[str] = None
 
 
@@ -263,7 +263,7 @@ def test_malicious_grammars_get_a_400_or_an_answer_in_bounded_time(server):
         deep = {"type": "array", "items": deep}
     huge_enum = {"enum": [f"value-{i:05d}" for i in range(8000)]}
     big = {"type": "object", "properties": {
-        f"field_{i}": {"type": "string", "description": "x" * 40} for i in range(1500)}}
+        f"field_{i}": {"type": "string", "description": "x" * 40} for i in range(1100)}}
     assert 100_000 < len(json.dumps(big)) < 128 << 10
     cases = [
         {"structured_outputs": {"json": deep}},
@@ -283,7 +283,11 @@ def test_malicious_grammars_get_a_400_or_an_answer_in_bounded_time(server):
         assert took < 20, (list(body["structured_outputs"].keys()), took)
         assert r.status_code in (200, 400), r.text
         if r.status_code == 400:
-            assert r.json()["error"]["param"].startswith("structured_outputs")
+            e = r.json()["error"]
+            # Refused at compile (naming the field), past the body parser's
+            # nesting bound, or past a step's bound mid-output.
+            assert (e["param"] or "").startswith("structured_outputs") or \
+                e["code"] in ("invalid_json", "grammar_error"), e
         else:
             assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     # The engine is still serving, and nothing is held.

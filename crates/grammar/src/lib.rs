@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::{Matcher as LlMatcher, ParserFactory, TokenParser};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 pub use cache::{CacheStats, SCOPES_MAX, SCOPE_ENTRIES_MAX};
@@ -80,7 +80,9 @@ fn clip(s: &str) -> String {
 
 /// A bound llguidance reports is "too complex"; anything else is "invalid".
 fn classify(msg: &str) -> GrammarError {
-    let m = clip(msg);
+    // A caught panic's message is followed by its backtrace: keep the line.
+    let first = msg.split("\n<backtrace>").next().unwrap_or(msg);
+    let m = clip(first);
     let lower = msg.to_ascii_lowercase();
     let bound = [
         "fuel",
@@ -241,7 +243,8 @@ impl Default for Limits {
             step_max_items: 30_000,
             max_lexer_states: 50_000,
             max_grammar_size: 200_000,
-            max_items_in_row: 2_000,
+            // An object of ~2,000 optional properties still fits a row.
+            max_items_in_row: 8_000,
         }
     }
 }
@@ -276,6 +279,95 @@ fn json_options() -> Value {
     })
 }
 
+/// Numbers a JSON grammar generates have at most this many digits before
+/// the point (unless the schema's own bounds allow more)...
+pub const NUMBER_BOUND: f64 = 1e15;
+/// ...and at most 8 after it (unless the schema's `multipleOf` says
+/// otherwise). As llama.cpp bounds them: a small model left an unbounded
+/// number writes digits until its budget runs out. (llguidance's
+/// `multipleOf` overflows from 1e-9 on.)
+pub const NUMBER_STEP: f64 = 1e-8;
+
+/// The keywords whose values are schemas (a map of them, or a list):
+/// what [`bound_numbers`] walks. `enum`, `const`, `default` and
+/// `examples` hold data, never walked.
+const SCHEMA_MAPS: [&str; 5] = [
+    "properties",
+    "patternProperties",
+    "$defs",
+    "definitions",
+    "dependentSchemas",
+];
+const SCHEMA_LISTS: [&str; 4] = ["anyOf", "oneOf", "allOf", "prefixItems"];
+const SCHEMA_ONE: [&str; 8] = [
+    "additionalProperties",
+    "items",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+];
+
+/// Bounds every number and integer subschema's digits ([`NUMBER_BOUND`],
+/// [`NUMBER_STEP`]) where the schema leaves them unbounded. The values
+/// generated stay valid under the schema as sent: the bounds only narrow
+/// what the grammar allows.
+fn bound_numbers(v: &mut Value) {
+    let Value::Object(m) = v else {
+        return;
+    };
+    let types: Vec<&str> = match m.get("type") {
+        Some(Value::String(t)) => vec![t.as_str()],
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let number = types.contains(&"number");
+    if number || types.contains(&"integer") {
+        let num = |m: &Map<String, Value>, k: &str| m.get(k).and_then(Value::as_f64);
+        let (lo, hi) = (
+            num(m, "minimum").or(num(m, "exclusiveMinimum")),
+            num(m, "maximum").or(num(m, "exclusiveMaximum")),
+        );
+        // A bound of the schema's own past NUMBER_BOUND: left as sent (the
+        // engine's integer ranges stop near 1e18).
+        let within = |b: Option<f64>| b.is_none_or(|x| x.abs() <= NUMBER_BOUND);
+        if hi.is_none() && within(lo) {
+            m.insert(
+                "maximum".into(),
+                json!(lo.unwrap_or(0.0).max(0.0) + NUMBER_BOUND),
+            );
+        }
+        if lo.is_none() && within(hi) {
+            m.insert(
+                "minimum".into(),
+                json!(hi.unwrap_or(0.0).min(0.0) - NUMBER_BOUND),
+            );
+        }
+        if number && !m.contains_key("multipleOf") {
+            m.insert("multipleOf".into(), json!(NUMBER_STEP));
+        }
+    }
+    for k in SCHEMA_MAPS {
+        if let Some(Value::Object(sub)) = m.get_mut(k) {
+            sub.values_mut().for_each(bound_numbers);
+        }
+    }
+    for k in SCHEMA_LISTS {
+        if let Some(Value::Array(sub)) = m.get_mut(k) {
+            sub.iter_mut().for_each(bound_numbers);
+        }
+    }
+    for k in SCHEMA_ONE {
+        match m.get_mut(k) {
+            Some(Value::Array(sub)) => sub.iter_mut().for_each(bound_numbers),
+            Some(sub) => bound_numbers(sub),
+            None => {}
+        }
+    }
+}
+
 /// The llguidance grammar for a spec (no compile yet: cheap).
 fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
     spec.check_bounds().map_err(GrammarError::Invalid)?;
@@ -298,6 +390,7 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
                         ));
                     }
                     m.insert("x-guidance".into(), json_options());
+                    bound_numbers(&mut v);
                 }
                 Value::Bool(true) => {
                     v = json!({"x-guidance": json_options()});

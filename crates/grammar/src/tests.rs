@@ -157,6 +157,23 @@ fn bad_grammars_are_refused_with_what_is_wrong() {
             "format",
         ),
         (GrammarSpec::Regex("(".into()), "regex"),
+        (
+            GrammarSpec::JsonSchema {
+                schema: r#"{"type":"number","multipleOf":1e-12}"#.into(),
+                strict: false,
+            },
+            "multipleOf",
+        ),
+        // llguidance's arithmetic overflows on this range and step: the
+        // panic is caught (overflow checks are on for it in release builds
+        // too) and is a refusal, never a wrong grammar.
+        (
+            GrammarSpec::JsonSchema {
+                schema: r#"{"type":"number","multipleOf":1e-9,"maximum":1e12}"#.into(),
+                strict: false,
+            },
+            "overflow",
+        ),
         (GrammarSpec::Lark("start: nothing_defined".into()), ""),
         (GrammarSpec::Choice(vec![]), "choice"),
     ];
@@ -262,4 +279,44 @@ fn pathological_inputs_end_in_bounded_time() {
             assert!(t.elapsed() < Duration::from_secs(2));
         }
     }
+}
+
+#[test]
+fn unbounded_numbers_are_generated_with_bounded_digits() {
+    let c = compiler();
+    let schema = r#"{"type":"object","properties":{
+        "f":{"type":"number"},"i":{"type":["integer","null"]},
+        "k":{"type":"number","multipleOf":0.5},"big":{"type":"integer","minimum":1e12},
+        "e":{"enum":[{"type":"number"}]}},"required":["f","i","k","big"],
+        "additionalProperties":false}"#;
+    let g = c
+        .compile(
+            scope(1),
+            &GrammarSpec::JsonSchema {
+                schema: schema.into(),
+                strict: false,
+            },
+        )
+        .unwrap();
+    let doc = format!(
+        r#"{{"f": 0.{}, "i": {}, "k": 2.5, "big": 1000000000000}}"#,
+        "1".repeat(30),
+        "9".repeat(30)
+    );
+    let (out, _) = drive(&mut g.matcher(), doc.as_bytes(), 400);
+    // Eight fraction digits, then the number must end.
+    assert_eq!(String::from_utf8_lossy(&out), r#"{"f": 0.11111111"#);
+    let doc = format!(r#"{{"f": 1.5, "i": {}"#, "9".repeat(30));
+    let (out, _) = drive(&mut g.matcher(), doc.as_bytes(), 400);
+    // At most 16 integer digits (≤ 1e15).
+    assert_eq!(
+        String::from_utf8_lossy(&out),
+        format!(r#"{{"f": 1.5, "i": {}"#, "9".repeat(15))
+    );
+    // The schema's own bounds and steps are kept: 2.5 is a multiple of
+    // 0.5, and a minimum of 1e12 leaves room above it.
+    let doc = r#"{"f": 1.5, "i": null, "k": 2.5, "big": 1000000000000000}"#;
+    let (out, ended) = drive(&mut g.matcher(), doc.as_bytes(), 400);
+    assert_eq!(out, doc.as_bytes());
+    assert!(ended);
 }
