@@ -16,6 +16,7 @@ Every node and server listens on 127.0.0.1 with ephemeral ports; every wait
 is bounded.
 """
 
+import json
 import os
 import re
 import select
@@ -223,6 +224,53 @@ def test_n_choices_over_pd_equal_unified(pd_set, server):
     b = requests.post(pd_set["gateway"].url("/v1/responses"), json=body, timeout=120).json()
     assert b["object"] == "response" and b["status"] in ("completed", "incomplete"), b
     assert a["output"][0]["content"][0]["text"] == b["output"][0]["content"][0]["text"]
+
+
+def test_structured_outputs_over_pd_equal_unified(pd_set, server):
+    """The grammar crosses with the request (wire v6): prefill samples the
+    first token under it, decode continues from its state after that
+    token; greedy and seeded output equal the unified server's byte for
+    byte (K12), streamed and not, and a bad grammar is the gateway's 400."""
+    gw = pd_set["gateway"]
+    person = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+        "required": ["name", "age", "tags"], "additionalProperties": False}
+    cases = [
+        {"response_format": {"type": "json_schema",
+                             "json_schema": {"name": "p", "schema": person, "strict": True}}},
+        {"structured_outputs": {"regex": "[A-Z][a-z]{2,8}, [0-9]{2}"}},
+        {"structured_outputs": {"choice": ["north", "south", "east", "west"]}},
+        {"structured_outputs": {"grammar": 'start: "Answer: " WORD\nWORD: /[a-z]{1,12}/'}},
+    ]
+    for extra in cases:
+        for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
+            body = dict({"model": MODEL, "max_tokens": 60,
+                         "messages": [{"role": "user", "content": "Describe someone."}]},
+                        **sampling, **extra)
+            a = requests.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+            b = requests.post(gw.url("/v1/chat/completions"), json=body, timeout=120)
+            assert a.status_code == b.status_code == 200, (a.text, b.text)
+            ca, cb = a.json()["choices"][0], b.json()["choices"][0]
+            assert ca["message"] == cb["message"], extra
+            assert ca["finish_reason"] == cb["finish_reason"] == "stop", (ca, cb)
+            assert b.json()["usage"]["completion_tokens"] == a.json()["usage"]["completion_tokens"]
+            body["stream"] = True
+            st = Stream(gw, "/v1/chat/completions", body, timeout=120)
+            text = "".join(c["choices"][0]["delta"].get("content") or ""
+                           for c in st.json_events() if c.get("choices"))
+            assert text == ca["message"]["content"]
+    json.loads(requests.post(gw.url("/v1/chat/completions"), timeout=120, json=dict(
+        {"model": MODEL, "max_tokens": 60, "temperature": 0,
+         "messages": [{"role": "user", "content": "Describe someone."}]}, **cases[0])
+    ).json()["choices"][0]["message"]["content"])
+    r = requests.post(gw.url("/v1/chat/completions"), timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "structured_outputs": {"regex": "(unclosed"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    pool_free(pd_set["decode"])
+    pool_free(pd_set["prefill"])
 
 
 def test_over_long_request_is_refused_at_the_gateway(pd_set):
