@@ -288,8 +288,24 @@ pub const NUMBER_BOUND: f64 = 1e15;
 /// `multipleOf` overflows from 1e-9 on.)
 pub const NUMBER_STEP: f64 = 1e-8;
 
+/// The longest value of each string `format`: no standard value is longer
+/// (RFC 5321's 254 for an address, RFC 1035's 253 for a host name, RFC
+/// 3339 times with nine fraction digits). A format left unbounded lets a
+/// small model write fraction digits, or an address, without end.
+const FORMAT_BYTES_MAX: [(&str, u64); 9] = [
+    ("date", 10),
+    ("time", 24),
+    ("date-time", 35),
+    ("duration", 64),
+    ("email", 254),
+    ("hostname", 253),
+    ("ipv4", 15),
+    ("ipv6", 45),
+    ("uuid", 36),
+];
+
 /// The keywords whose values are schemas (a map of them, or a list):
-/// what [`bound_numbers`] walks. `enum`, `const`, `default` and
+/// what [`narrow_schema`] walks. `enum`, `const`, `default` and
 /// `examples` hold data, never walked.
 const SCHEMA_MAPS: [&str; 5] = [
     "properties",
@@ -310,14 +326,39 @@ const SCHEMA_ONE: [&str; 8] = [
     "propertyNames",
 ];
 
-/// Bounds every number and integer subschema's digits ([`NUMBER_BOUND`],
-/// [`NUMBER_STEP`]) where the schema leaves them unbounded. The values
-/// generated stay valid under the schema as sent: the bounds only narrow
-/// what the grammar allows.
-fn bound_numbers(v: &mut Value) {
+/// Narrows a schema to what a generator should write, never beyond what
+/// the schema as sent accepts (every value generated stays valid under
+/// it):
+/// - every number and integer's digits where the schema leaves them
+///   unbounded ([`NUMBER_BOUND`], [`NUMBER_STEP`]);
+/// - every formatted string's length where the schema does not bound it
+///   ([`FORMAT_BYTES_MAX`]);
+/// - `strict` (OpenAI's strict mode, whose schemas must close every
+///   object): an object with `properties` and no `additionalProperties`
+///   is closed;
+/// - `uniqueItems: false` (no constraint) is dropped: llguidance knows
+///   only `true`, which it refuses.
+fn narrow_schema(v: &mut Value, strict: bool) {
     let Value::Object(m) = v else {
         return;
     };
+    if m.get("uniqueItems") == Some(&Value::Bool(false)) {
+        m.remove("uniqueItems");
+    }
+    if strict
+        && (m.contains_key("properties") || m.contains_key("patternProperties"))
+        && !m.contains_key("additionalProperties")
+    {
+        m.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    if let Some(max) = m
+        .get("format")
+        .and_then(Value::as_str)
+        .and_then(|f| FORMAT_BYTES_MAX.iter().find(|(name, _)| *name == f))
+        .map(|(_, max)| *max)
+    {
+        m.entry("maxLength").or_insert(json!(max));
+    }
     let types: Vec<&str> = match m.get("type") {
         Some(Value::String(t)) => vec![t.as_str()],
         Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
@@ -351,21 +392,26 @@ fn bound_numbers(v: &mut Value) {
     }
     for k in SCHEMA_MAPS {
         if let Some(Value::Object(sub)) = m.get_mut(k) {
-            sub.values_mut().for_each(bound_numbers);
+            sub.values_mut().for_each(narrow(strict));
         }
     }
     for k in SCHEMA_LISTS {
         if let Some(Value::Array(sub)) = m.get_mut(k) {
-            sub.iter_mut().for_each(bound_numbers);
+            sub.iter_mut().for_each(narrow(strict));
         }
     }
     for k in SCHEMA_ONE {
         match m.get_mut(k) {
-            Some(Value::Array(sub)) => sub.iter_mut().for_each(bound_numbers),
-            Some(sub) => bound_numbers(sub),
+            Some(Value::Array(sub)) => sub.iter_mut().for_each(narrow(strict)),
+            Some(sub) => narrow_schema(sub, strict),
             None => {}
         }
     }
+}
+
+/// [`narrow_schema`] over each member of a list or map.
+fn narrow(strict: bool) -> impl FnMut(&mut Value) {
+    move |v| narrow_schema(v, strict)
 }
 
 /// The llguidance grammar for a spec (no compile yet: cheap).
@@ -377,7 +423,7 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
             s["x-guidance"] = json_options();
             TopLevelGrammar::from_json_schema(s)
         }
-        GrammarSpec::JsonSchema { schema, .. } => {
+        GrammarSpec::JsonSchema { schema, strict } => {
             let mut v: Value = serde_json::from_str(schema)
                 .map_err(|e| GrammarError::Invalid(format!("the schema is not JSON: {e}")))?;
             match &mut v {
@@ -390,7 +436,7 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
                         ));
                     }
                     m.insert("x-guidance".into(), json_options());
-                    bound_numbers(&mut v);
+                    narrow_schema(&mut v, *strict);
                 }
                 Value::Bool(true) => {
                     v = json!({"x-guidance": json_options()});

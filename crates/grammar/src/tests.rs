@@ -320,3 +320,43 @@ fn unbounded_numbers_are_generated_with_bounded_digits() {
     assert_eq!(out, doc.as_bytes());
     assert!(ended);
 }
+
+#[test]
+fn strict_closes_objects_and_formats_are_bounded() {
+    let c = compiler();
+    let schema = r#"{"type":"object","properties":{"a":{"type":"boolean"}},"required":["a"]}"#;
+    let doc = br#"{"a": true, "b": 1}"#;
+    // Strict: the object must end after `a`; not strict: `b` may follow.
+    for (strict, want) in [(true, &br#"{"a": true"#[..]), (false, &doc[..])] {
+        let g = c
+            .compile(
+                scope(1),
+                &GrammarSpec::JsonSchema {
+                    schema: schema.into(),
+                    strict,
+                },
+            )
+            .unwrap();
+        let (out, _) = drive(&mut g.matcher(), doc, 64);
+        assert_eq!(out, want, "strict {strict}");
+    }
+    // A time's fraction digits end where no RFC 3339 time is longer; the
+    // time can still end there.
+    let g = c
+        .compile(
+            scope(1),
+            &GrammarSpec::JsonSchema {
+                schema: r#"{"type":"string","format":"time","uniqueItems":false}"#.into(),
+                strict: false,
+            },
+        )
+        .unwrap();
+    let t = format!("\"20:00:00.{}Z\"", "0".repeat(40));
+    let (out, _) = drive(&mut g.matcher(), t.as_bytes(), 64);
+    assert_eq!(out.len(), 1 + 23, "{}", String::from_utf8_lossy(&out));
+    let mut m = g.matcher();
+    for b in &out {
+        m.consume(*b as u32).unwrap();
+    }
+    assert!(m.mask().unwrap().allows(b'Z' as u32));
+}

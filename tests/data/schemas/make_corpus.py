@@ -28,7 +28,7 @@ ENUMS = [["red", "green", "blue"], ["small", "medium", "large"], ["low", "high"]
 PATTERNS = [("^[A-Z]{3}-[0-9]{3}$", "a code like ABC-123"),
             ("^[0-9]{4}-[0-9]{2}-[0-9]{2}$", "a date"),
             ("^#[0-9a-f]{6}$", "a hex colour"),
-            ("^[a-z]+(-[a-z]+){0,2}$", "a slug"),
+            ("^[a-z]{1,10}(-[a-z]{1,10}){0,2}$", "a slug"),
             ("^\\+?[0-9]{7,12}$", "a phone number")]
 FORMATS = ["date", "time", "date-time", "email", "uuid", "ipv4"]
 
