@@ -94,7 +94,8 @@ def assert_clean(p, report):
     checks = {c["check"]: c["status"] for c in report["checks"]}
     assert checks == {"markers": "passed", "determinism": "passed",
                       "over-length": "passed", "prefix-cache": "passed",
-                      "timing": "passed", "tokens": "passed"}, report["checks"]
+                      "grammar-cache": "passed", "timing": "passed",
+                      "tokens": "passed"}, report["checks"]
     # Content, not status: every loaded output equalled its idle output,
     # the window was read from /v1/models, the rate was measured.
     assert report["determinism_agreement"] == 1.0
@@ -105,7 +106,8 @@ def assert_clean(p, report):
     # sizing prompt, a wave of 8 short ones, 8 near the window, and one
     # alone before each over-recall) + 7 window edges (3 over-recalls,
     # under, at's sizing and at, over) + 9 prefix-cache trials (3 × the
-    # first tenant's prompt, the second's copy and its cold twin).
+    # first tenant's prompt, the second's copy and its cold twin) + 9
+    # grammar-cache trials (the same, with JSON schemas).
     # The near-window flood prompts are as many as the measured prefill
     # rate lets finish in time (8 on an idle machine; at least the 2 that
     # cover the window plus a quarter): 14–20 flood requests in all.
@@ -114,7 +116,7 @@ def assert_clean(p, report):
     assert m, markers
     flood = int(m.group(1))
     assert 14 <= flood <= 20, markers
-    assert report["requests_sent"] == 41 + flood, report
+    assert report["requests_sent"] == 50 + flood, report
     # 6 idle + 12 loaded + the flood + 6 window edges (3 over-recalls,
     # under, at, over) read; every answer but the four refused over-long
     # ones came with its tokens (logprobs) and was matched on both.
@@ -216,6 +218,8 @@ def test_probe_catches_the_fault_incident_build(tmp_root):
         assert checks["over-length"] == "findings" and checks["timing"] == "findings", checks
         assert checks["markers"] == "findings", checks
         assert checks["prefix-cache"] == "findings", checks
+        # Grammars are still cached per scope in this build: no finding.
+        assert checks["grammar-cache"] == "passed", checks
         leak = next(f for f in report["findings"] if f["kind"] == "marker_cross_tenant")
         # The over-recall (tenant 2, secret-free) recited the flood's secret
         # (tenant 1's fourth).
@@ -334,3 +338,29 @@ def test_audit_exits_2_with_a_one_line_message_when_it_cannot(tmp_root):
     assert "no record carries the fields of any rule" in p.stderr, p.stderr
     p, _ = run_audit(junk, tmp_root, "badmap", "--map", "latency=x")
     assert p.returncode == 2 and "unknown field `latency`" in p.stderr, p.stderr
+
+
+def test_probe_catches_a_grammar_cache_shared_across_tenants(tmp_root):
+    """Issue 34: the fault build with ISOSERVE_FAULT_SHARED_GRAMMAR_CACHE=1
+    keeps one compiled-grammar cache for every scope; the probe's
+    grammar-cache check catches it (a schema another tenant sent answers
+    several times faster than a fresh one), and the prefix-cache check,
+    whose cache is still per scope here, passes."""
+    assert FAULT_BIN.exists(), f"{FAULT_BIN} missing: ./scripts/test builds it"
+    s = Server(SERVE_ARGS + ["--tenants", str(tenants(tmp_root, "grammar-fault"))],
+               tmp_root, "probe-grammar-fault", binary=FAULT_BIN,
+               env_extra={"ISOSERVE_FAULT_SHARED_GRAMMAR_CACHE": "1"})
+    try:
+        assert "one grammar cache for every scope" in s.stderr()
+        p, report = run_probe(s.url(""), tmp_root, "grammar-fault")
+        assert p.returncode == 1, p.stdout + p.stderr
+        kinds = {f["kind"] for f in report["findings"]}
+        assert "grammar_cache_shared_across_tenants" in kinds, report["findings"]
+        checks = {c["check"]: c["status"] for c in report["checks"]}
+        assert checks["grammar-cache"] == "findings", checks
+        assert checks["prefix-cache"] == "passed", checks
+        g = next(f for f in report["findings"]
+                 if f["kind"] == "grammar_cache_shared_across_tenants")
+        assert g["evidence"] == "statistical", g
+    finally:
+        assert s.terminate() == 0, s.stderr()

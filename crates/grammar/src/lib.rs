@@ -292,7 +292,7 @@ pub const NUMBER_STEP: f64 = 1e-8;
 /// (RFC 5321's 254 for an address, RFC 1035's 253 for a host name, RFC
 /// 3339 times with nine fraction digits). A format left unbounded lets a
 /// small model write fraction digits, or an address, without end.
-const FORMAT_BYTES_MAX: [(&str, u64); 9] = [
+const FORMAT_BYTES_MAX: [(&str, u64); 10] = [
     ("date", 10),
     ("time", 24),
     ("date-time", 35),
@@ -302,6 +302,8 @@ const FORMAT_BYTES_MAX: [(&str, u64); 9] = [
     ("ipv4", 15),
     ("ipv6", 45),
     ("uuid", 36),
+    // What browsers and most servers accept.
+    ("uri", 2048),
 ];
 
 /// The keywords whose values are schemas (a map of them, or a list):

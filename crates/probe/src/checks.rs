@@ -15,9 +15,9 @@ fn finding(check: &str, kind: &str, detail: String) -> Finding {
 /// How sure each kind of finding is (docs/probe.md says why).
 pub fn evidence_of(kind: &str) -> Evidence {
     match kind {
-        "answered_faster_than_prefill" | "prefix_cache_shared_across_tenants" => {
-            Evidence::Statistical
-        }
+        "answered_faster_than_prefill"
+        | "prefix_cache_shared_across_tenants"
+        | "grammar_cache_shared_across_tenants" => Evidence::Statistical,
         "prompt_tokens_implausible" | "prompt_tokens_not_monotone" => Evidence::Heuristic,
         _ => Evidence::Exact,
     }
@@ -319,6 +319,51 @@ pub fn cache_scope(trials: &[CacheTrial]) -> Vec<Finding> {
         }
     }
     found
+}
+
+/// One trial of the grammar-cache check: the second tenant's time for a
+/// schema the first tenant had just sent, and for a fresh schema of the
+/// same size (one token each, the same short prompt).
+#[derive(Clone, Debug)]
+pub struct GrammarTrial {
+    pub schema_bytes: usize,
+    pub shared_s: f64,
+    pub cold_s: f64,
+}
+
+/// A compiled-grammar cache shared across tenants is a timing side
+/// channel on their schemas: another tenant's schema answered faster than
+/// this share of a fresh one's time, in every trial, is a finding.
+pub const GRAMMAR_SPEEDUP_MAX: f64 = 0.5;
+
+/// Trials the grammar-cache check needs before it may conclude.
+pub const GRAMMAR_TRIALS_MIN: usize = 2;
+
+/// K11 for compiled grammars: whether a schema compiles fast must not
+/// depend on what another tenant sent.
+pub fn grammar_cache(trials: &[GrammarTrial]) -> Vec<Finding> {
+    if trials.len() < GRAMMAR_TRIALS_MIN
+        || !trials
+            .iter()
+            .all(|t| t.shared_s < t.cold_s * GRAMMAR_SPEEDUP_MAX)
+    {
+        return Vec::new();
+    }
+    let times: Vec<String> = trials
+        .iter()
+        .map(|t| format!("{:.3} s vs {:.3} s", t.shared_s, t.cold_s))
+        .collect();
+    vec![finding(
+        "grammar-cache",
+        "grammar_cache_shared_across_tenants",
+        format!(
+            "a JSON schema another tenant had just sent was answered faster than a fresh one \
+             of the same size ({} bytes) in every trial: {} — one tenant can learn another's \
+             schemas from how fast its own compile",
+            trials[0].schema_bytes,
+            times.join(", ")
+        ),
+    )]
 }
 
 /// A prompt the probe sent and the server's count of its tokens.
@@ -628,6 +673,24 @@ mod tests {
         assert_eq!(f.len(), 1, "{f:?}");
         assert_eq!(f[0].kind, "prompt_tokens_not_monotone");
         assert_eq!(f[0].evidence, Evidence::Heuristic);
+    }
+
+    #[test]
+    fn a_shared_grammar_cache_is_a_finding_only_when_every_trial_is_fast() {
+        let t = |shared_s: f64, cold_s: f64| GrammarTrial {
+            schema_bytes: 70_000,
+            shared_s,
+            cold_s,
+        };
+        assert!(grammar_cache(&[t(0.08, 0.09), t(0.09, 0.08), t(0.07, 0.08)]).is_empty());
+        // One fast trial is noise.
+        assert!(grammar_cache(&[t(0.01, 0.08), t(0.08, 0.08), t(0.01, 0.08)]).is_empty());
+        // One trial cannot conclude.
+        assert!(grammar_cache(&[t(0.01, 0.08)]).is_empty());
+        let f = grammar_cache(&[t(0.010, 0.080), t(0.009, 0.085), t(0.011, 0.09)]);
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].kind, "grammar_cache_shared_across_tenants");
+        assert_eq!(f[0].evidence, Evidence::Statistical);
     }
 
     #[test]

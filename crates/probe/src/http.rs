@@ -70,6 +70,11 @@ impl HttpEndpoint {
         if tokens {
             body["logprobs"] = json!(0);
         }
+        if let Some(schema) = &req.schema {
+            let schema: Value = serde_json::from_str(schema).unwrap_or(Value::Null);
+            body["response_format"] = json!({"type": "json_schema",
+                "json_schema": {"name": "probe", "schema": schema}});
+        }
         let start = Instant::now();
         let timed_out = || ProbeError::TimedOut {
             url: self.base.clone(),
@@ -204,6 +209,7 @@ mod tests {
         let req = Request {
             prompt: "one two three".into(),
             max_tokens: 4,
+            schema: None,
         };
         let err = ep.complete("k", &req).unwrap_err();
         let text = err.to_string();

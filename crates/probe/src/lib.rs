@@ -70,6 +70,9 @@ pub struct ModelInfo {
 pub struct Request {
     pub prompt: String,
     pub max_tokens: u32,
+    /// A JSON schema the output must follow (`response_format`
+    /// `json_schema`), as JSON text; `None`: free text.
+    pub schema: Option<String>,
 }
 
 /// One answer (success or an HTTP error).

@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use rand::seq::SliceRandom;
 
-use crate::checks::{self, Boundary, CacheTrial, Counted, Make, Output, Timed};
-use crate::secrets::{cache_prompt, flood_prompt, prompt_with_secret, unit_prompt, Secret};
+use crate::checks::{self, Boundary, CacheTrial, Counted, GrammarTrial, Make, Output, Timed};
+use crate::secrets::{
+    cache_prompt, flood_prompt, grammar_schema, prompt_with_secret, unit_prompt, Secret,
+};
 use crate::{CheckResult, Completion, Endpoint, Finding, ProbeError, Report, Request};
 
 /// What a run does; every count is a bound.
@@ -231,6 +233,7 @@ pub fn run(
             &Request {
                 prompt: unit_prompt(next_nonce(), 4),
                 max_tokens: 1,
+                schema: None,
             },
         )?;
         if c.status == 401 || c.status == 403 {
@@ -255,6 +258,7 @@ pub fn run(
         &Request {
             prompt: unit_prompt(next_nonce(), small),
             max_tokens: 1,
+            schema: None,
         },
     )?;
     let p2 = r.send(
@@ -263,6 +267,7 @@ pub fn run(
         &Request {
             prompt: unit_prompt(next_nonce(), large),
             max_tokens: 1,
+            schema: None,
         },
     )?;
     let calibration = match (p1.prompt_tokens, p2.prompt_tokens) {
@@ -288,6 +293,7 @@ pub fn run(
             &Request {
                 prompt: unit_prompt(next_nonce(), units),
                 max_tokens: 1,
+                schema: None,
             },
         )?;
         if c.ok() {
@@ -340,6 +346,7 @@ pub fn run(
             &Request {
                 prompt: prompt.clone(),
                 max_tokens: cfg.max_tokens,
+                schema: None,
             },
         )?;
         if !c.ok() {
@@ -537,6 +544,26 @@ pub fn run(
         });
     findings.extend(f);
 
+    // Compiled grammars across tenants (K11 for the grammar cache).
+    progress.phase("grammar cache", 3 * GRAMMAR_TRIALS as u64);
+    let (trials, refused) = grammar_trials(&r, &mut next_nonce)?;
+    let f = checks::grammar_cache(&trials);
+    report.checks.push(if let Some(why) = refused {
+        skipped("grammar-cache", &why)
+    } else if trials.len() < checks::GRAMMAR_TRIALS_MIN {
+        skipped("grammar-cache", "too few trials were answered")
+    } else {
+        result(
+            "grammar-cache",
+            &f,
+            format!(
+                "{} trials: another tenant's fresh JSON schema vs a cold one of the same size",
+                trials.len()
+            ),
+        )
+    });
+    findings.extend(f);
+
     // Timing against the measured prefill rate.
     match rate {
         Some(rate) => {
@@ -571,6 +598,63 @@ pub fn run(
     Ok(report)
 }
 
+/// Trials of the grammar-cache check, and the size of its schemas.
+const GRAMMAR_TRIALS: usize = 3;
+const GRAMMAR_PROPERTIES: usize = 800;
+
+/// Per trial: the first tenant sends a fresh JSON schema (filling any
+/// grammar cache it may fill); the second tenant then sends that very
+/// schema and a fresh one of the same size, in alternating order, one
+/// token each, timed. A server that refuses `json_schema` skips the check
+/// (the reason comes back).
+fn grammar_trials(
+    r: &Runner<'_>,
+    next_nonce: &mut impl FnMut() -> u64,
+) -> Result<(Vec<GrammarTrial>, Option<String>), ProbeError> {
+    let mut trials = Vec::new();
+    for trial in 0..GRAMMAR_TRIALS {
+        let prompt = unit_prompt(next_nonce(), 4);
+        let shared = grammar_schema(next_nonce(), GRAMMAR_PROPERTIES);
+        let cold = grammar_schema(next_nonce(), GRAMMAR_PROPERTIES);
+        let send = |t: usize, schema: &str| {
+            r.send_as(
+                r.key(t),
+                &Request {
+                    prompt: prompt.clone(),
+                    max_tokens: 1,
+                    schema: Some(schema.to_string()),
+                },
+                None,
+            )
+        };
+        let first = send(0, &shared)?;
+        if (400..500).contains(&first.status) {
+            return Ok((
+                Vec::new(),
+                Some(format!(
+                    "the server refused a json_schema response_format (HTTP {})",
+                    first.status
+                )),
+            ));
+        }
+        let (s, c) = if trial % 2 == 0 {
+            let s = send(1, &shared)?;
+            (s, send(1, &cold)?)
+        } else {
+            let c = send(1, &cold)?;
+            (send(1, &shared)?, c)
+        };
+        if first.ok() && s.ok() && c.ok() {
+            trials.push(GrammarTrial {
+                schema_bytes: shared.len(),
+                shared_s: s.latency_s,
+                cold_s: c.latency_s,
+            });
+        }
+    }
+    Ok((trials, None))
+}
+
 /// Trials of the prefix-cache check.
 const CACHE_TRIALS: usize = 3;
 
@@ -590,6 +674,7 @@ fn cache_trials(
         let one = |prompt: &str| Request {
             prompt: prompt.to_string(),
             max_tokens: 1,
+            schema: None,
         };
         let send = |t: usize, p: &str| r.send_as(r.key(t), &one(p), None);
         let warm = send(0, &shared)?;
@@ -641,6 +726,7 @@ fn send_all(
                     &Request {
                         prompt: prompt.to_string(),
                         max_tokens: r.cfg.max_tokens,
+                        schema: None,
                     },
                 ) {
                     Ok(c) => answers.lock().expect("not poisoned").push((i, c)),
@@ -695,6 +781,7 @@ fn flood(
         &Request {
             prompt: sizing.clone(),
             max_tokens: 1,
+            schema: None,
         },
     )?;
     // An over-estimate of tokens per word (the fixed part counts as
@@ -798,6 +885,7 @@ fn over_recalls(
             &Request {
                 prompt: flood_prompt(nonce(), words, secret),
                 max_tokens: r.cfg.max_tokens,
+                schema: None,
             },
         )?;
         let room = recall_room(window, f.prompt_tokens.filter(|_| f.ok()), back, fixed);
@@ -810,6 +898,7 @@ fn over_recalls(
             &Request {
                 prompt: recall,
                 max_tokens,
+                schema: None,
             },
         )?;
         cases.push(Boundary {
@@ -838,6 +927,7 @@ fn boundaries(
         &Request {
             prompt: under,
             max_tokens: 1,
+            schema: None,
         },
     )?;
     cases.push(Boundary {
@@ -860,6 +950,7 @@ fn boundaries(
         &Request {
             prompt: at.clone(),
             max_tokens: 1,
+            schema: None,
         },
     )?;
     // If the sizing probe itself was refused or not counted, "at" is not
@@ -873,6 +964,7 @@ fn boundaries(
             &Request {
                 prompt: at,
                 max_tokens: rest,
+                schema: None,
             },
         )?;
         cases.push(Boundary {
@@ -890,6 +982,7 @@ fn boundaries(
         &Request {
             prompt: over,
             max_tokens: 1,
+            schema: None,
         },
     )?;
     cases.push(Boundary {

@@ -246,6 +246,25 @@ pub fn cache_prompt(nonce: u64, words: usize) -> String {
     )
 }
 
+/// A JSON schema no one has sent before (its property names carry the
+/// nonce): an object of `properties` optional strings, each with its own
+/// pattern, so that compiling it takes a measurable time (about 80 ms for
+/// 800 on isoserve's 2-core machine) and a cached compile does not.
+pub fn grammar_schema(nonce: u64, properties: usize) -> String {
+    let props: Vec<String> = (0..properties)
+        .map(|i| {
+            format!(
+                r#""k{:x}_{i}":{{"type":"string","maxLength":16,"pattern":"^[a-z]{{1,8}}{i}$"}}"#,
+                shown(nonce)
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"type":"object","properties":{{{}}},"additionalProperties":false}}"#,
+        props.join(",")
+    )
+}
+
 /// `units` repetitions of one short word after a nonce: a prompt whose
 /// token count grows by a fixed step per unit on any tokenizer that
 /// gives the word one token (checked, not assumed: see `checks`).

@@ -20,6 +20,11 @@ struct Fake {
     cache: Cache,
     /// (key or "" for a global cache, prompt) seen.
     seen: Mutex<HashSet<(String, String)>>,
+    /// A compiled-grammar cache: a schema seen before compiles at once,
+    /// a new one takes 80 ms; `None`: `json_schema` is refused (400).
+    grammar: Option<Cache>,
+    /// (key or "", schema) compiled.
+    compiled: Mutex<HashSet<(String, String)>>,
     /// Keeps 4 tokens of the window spare by dropping the prompt's oldest
     /// tokens, silently (llama.cpp's `truncated`, reported only in its own
     /// fields).
@@ -107,6 +112,32 @@ impl Fake {
         if let Some(c) = code_of(&req.prompt) {
             *self.last_code.lock().unwrap() = c;
         }
+        let mut compile_s = 0.0;
+        if let Some(schema) = &req.schema {
+            let Some(grammar) = self.grammar else {
+                return Ok(Completion {
+                    status: 400,
+                    text: String::new(),
+                    prompt_tokens: None,
+                    completion_tokens: None,
+                    tokens: None,
+                    error_code: Some("invalid_value".into()),
+                    latency_s: 0.001,
+                    cached_tokens: None,
+                });
+            };
+            let scope = match grammar {
+                Cache::Global => String::new(),
+                _ => key.to_string(),
+            };
+            let fresh = grammar == Cache::Off
+                || self
+                    .compiled
+                    .lock()
+                    .unwrap()
+                    .insert((scope, schema.clone()));
+            compile_s = if fresh { 0.080 } else { 0.0 };
+        }
         let scope = match self.cache {
             Cache::Global => String::new(),
             _ => key.to_string(),
@@ -125,10 +156,11 @@ impl Fake {
             completion_tokens: Some(1),
             tokens: Some(tokens_out),
             error_code: None,
-            latency_s: match hit {
-                true => 0.002 + 0.001 * req.max_tokens as f64,
-                false => tokens as f64 / 2000.0 + 0.001 * req.max_tokens as f64,
-            },
+            latency_s: compile_s
+                + match hit {
+                    true => 0.002 + 0.001 * req.max_tokens as f64,
+                    false => tokens as f64 / 2000.0 + 0.001 * req.max_tokens as f64,
+                },
             cached_tokens: Some(if hit { tokens - 1 } else { 0 }),
         })
     }
@@ -158,6 +190,8 @@ fn with_cache(incident: bool, cache: Cache) -> Fake {
         last_code: Mutex::new(String::new()),
         cache,
         seen: Mutex::new(HashSet::new()),
+        grammar: Some(Cache::PerKey),
+        compiled: Mutex::new(HashSet::new()),
         cuts: false,
         busy: Default::default(),
         busy_max: Default::default(),
@@ -209,6 +243,7 @@ fn an_honest_server_has_no_findings() {
             ("determinism", "passed"),
             ("over-length", "passed"),
             ("prefix-cache", "passed"),
+            ("grammar-cache", "passed"),
             ("timing", "passed"),
             ("tokens", "passed")
         ],
@@ -324,4 +359,37 @@ fn a_prefix_cache_shared_across_tenants_is_caught() {
         r.human()
     );
     assert_eq!(r.exit_code(), 1);
+}
+
+/// Issue 34: a compiled-grammar cache shared across tenants answers a
+/// schema another tenant sent at once; the probe finds exactly that, and
+/// nothing for a per-tenant cache, none at all, or a server that refuses
+/// `json_schema` (the check is skipped).
+#[test]
+fn a_grammar_cache_shared_across_tenants_is_caught_and_nothing_else() {
+    for (grammar, finds, status) in [
+        (Some(Cache::Global), true, "findings"),
+        (Some(Cache::PerKey), false, "passed"),
+        (Some(Cache::Off), false, "passed"),
+        (None, false, "skipped"),
+    ] {
+        let f = Fake {
+            grammar,
+            ..fake(false)
+        };
+        let r = run(&f, "fake://", &cfg(), &Quiet).expect("runs");
+        let kinds: Vec<&str> = r.findings.iter().map(|f| f.kind.as_str()).collect();
+        let want: &[&str] = if finds {
+            &["grammar_cache_shared_across_tenants"]
+        } else {
+            &[]
+        };
+        assert_eq!(kinds, want, "{}", r.human());
+        let check = r
+            .checks
+            .iter()
+            .find(|c| c.check == "grammar-cache")
+            .unwrap();
+        assert_eq!(check.status, status, "{}", r.human());
+    }
 }

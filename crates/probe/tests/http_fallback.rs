@@ -113,6 +113,7 @@ fn a_server_refusing_logprobs_is_asked_again_without_them_and_never_again() {
     let short = Request {
         prompt: "The capital of France is".into(),
         max_tokens: 1,
+        schema: None,
     };
     // First: refused for logprobs, asked once more without, answered.
     let c = ep.complete("k", &short).expect("answered");
@@ -139,6 +140,7 @@ fn a_server_refusing_logprobs_is_asked_again_without_them_and_never_again() {
     let long = Request {
         prompt: "word ".repeat(20),
         max_tokens: 1,
+        schema: None,
     };
     let c = ep.complete("k", &long).expect("answered");
     assert_eq!(c.status, 400);
