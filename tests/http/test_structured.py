@@ -190,8 +190,19 @@ def test_constrained_greedy_is_the_same_solo_batched_and_cached(server):
     solo = chat(server, body).json()
     text = solo["choices"][0]["message"]["content"]
     Person.model_validate_json(text)
-    # Again: the prompt's pages now come from the prefix cache.
+    before = server.metrics()
+    # Again: the prompt's pages now come from the prefix cache, the grammar
+    # from the scope's grammar cache.
     again = chat(server, body).json()
+    after = server.metrics()
+    hit = 'isoserve_grammar_cache_lookups_total{result="hit"}'
+    miss = 'isoserve_grammar_cache_lookups_total{result="miss"}'
+    assert after[hit] == before[hit] + 1 and after[miss] == before[miss]
+    # A mask a step, each timed; none failed.
+    masks = after["isoserve_grammar_mask_seconds_count"] - \
+        before["isoserve_grammar_mask_seconds_count"]
+    assert masks == again["usage"]["completion_tokens"], masks
+    assert after["isoserve_grammar_mask_failures_total"] == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert again["choices"][0]["message"]["content"] == text
     # Beside seven other requests, constrained and not.

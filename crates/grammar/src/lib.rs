@@ -35,7 +35,9 @@
 #![forbid(unsafe_code)]
 
 mod cache;
+pub mod stats;
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -46,6 +48,7 @@ use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 pub use cache::{CacheStats, SCOPES_MAX, SCOPE_ENTRIES_MAX};
 pub use request::{GrammarSpec, Scope};
+pub use stats::{GrammarStats, StatsSnapshot};
 
 /// Why a grammar was refused or could not be followed. The message names
 /// the problem; the HTTP layer names the field.
@@ -485,6 +488,7 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
 /// one scope only ([`Compiler`]).
 pub struct Compiled {
     parser: TokenParser,
+    stats: Arc<GrammarStats>,
     /// How long compiling took (cold), for the metrics.
     pub compile_time: Duration,
 }
@@ -504,6 +508,7 @@ impl Compiled {
         Matcher {
             inner: LlMatcher::new(Ok(self.parser.clone())),
             steps: 0,
+            stats: self.stats.clone(),
         }
     }
 }
@@ -513,6 +518,7 @@ impl Compiled {
 /// how fast a compile answers says nothing about other tenants' schemas.
 pub struct Compiler {
     factory: ParserFactory,
+    stats: Arc<GrammarStats>,
     cache: Mutex<cache::ScopedCache<Arc<Compiled>>>,
     /// `fault-incident` builds with `ISOSERVE_FAULT_SHARED_GRAMMAR_CACHE=1`:
     /// one scope for everyone — the side channel `isoserve probe` must
@@ -529,6 +535,7 @@ impl Compiler {
         *factory.limits_mut() = limits.parser_limits();
         Ok(Compiler {
             factory,
+            stats: Arc::new(GrammarStats::default()),
             cache: Mutex::new(cache::ScopedCache::new()),
             #[cfg(feature = "fault-incident")]
             shared: {
@@ -557,8 +564,10 @@ impl Compiler {
             scope
         };
         if let Some(hit) = self.lock().get(scope, spec) {
+            self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
             return Ok(hit);
         }
+        self.stats.cache_misses.fetch_add(1, Ordering::Relaxed);
         let compiled = Arc::new(self.compile_cold(spec)?);
         self.lock().insert(scope, spec.clone(), compiled.clone());
         Ok(compiled)
@@ -582,10 +591,19 @@ impl Compiler {
         if let Some(e) = probe.get_error() {
             return Err(classify(&e));
         }
+        let compile_time = started.elapsed();
+        self.stats.compiles.record(compile_time);
         Ok(Compiled {
             parser,
-            compile_time: started.elapsed(),
+            stats: self.stats.clone(),
+            compile_time,
         })
+    }
+
+    /// Mask and compile times, cache hits and misses (every grammar this
+    /// compiler made, and their matchers).
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
     }
 
     /// What the cache holds.
@@ -605,6 +623,7 @@ pub struct Matcher {
     inner: LlMatcher,
     /// Masks computed (for the metrics and tests).
     steps: u64,
+    stats: Arc<GrammarStats>,
 }
 
 impl std::fmt::Debug for Matcher {
@@ -623,6 +642,16 @@ impl Matcher {
     /// no token at all is allowed.
     pub fn mask(&mut self) -> Result<Mask, GrammarError> {
         self.steps += 1;
+        let started = Instant::now();
+        let r = self.mask_inner();
+        self.stats.masks.record(started.elapsed());
+        if r.is_err() {
+            self.stats.mask_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn mask_inner(&mut self) -> Result<Mask, GrammarError> {
         let v = self
             .inner
             .compute_mask_or_eos()

@@ -199,6 +199,14 @@ fn the_cache_is_per_scope() {
     assert!(!Arc::ptr_eq(&a1, &b), "another scope compiles its own");
     let s = c.cache_stats();
     assert_eq!((s.scopes, s.entries, s.hits_total), (2, 2, 1));
+    // The counters the metrics read: one hit, two cold compiles timed.
+    let st = c.stats();
+    assert_eq!((st.cache_hits, st.cache_misses), (1, 2));
+    assert_eq!(st.compiles.count(), 2);
+    assert_eq!(st.masks.count(), 0);
+    let mut m = a1.matcher();
+    m.mask().unwrap();
+    assert_eq!(c.stats().masks.count(), 1);
 }
 
 #[test]

@@ -182,7 +182,7 @@ fn every_family_on_a_gateways_metrics_page_is_declared() {
         tenant_sample("isoserve_tenant_service", "alice"),
     ]);
     with_tables(|t| check(t, &backend)).expect("the backend's samples are declared");
-    let text = m.render(stats, backend);
+    let text = m.render(stats, Default::default(), backend);
     let mut exported = BTreeSet::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("# TYPE ") else {

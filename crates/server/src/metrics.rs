@@ -183,6 +183,26 @@ const F_KV_USAGE_RATIO: Family = Family::gauge(
     "Fraction of KV pages held by requests or transfers (0 to 1)",
 );
 
+const F_GRAMMAR_MASK_SECONDS: Family = Family::histogram(
+    "isoserve_grammar_mask_seconds",
+    "Time to compute one sequence's grammar mask for one step (structured outputs; beside \
+     the forward pass)",
+);
+const F_GRAMMAR_COMPILE_SECONDS: Family = Family::histogram(
+    "isoserve_grammar_compile_seconds",
+    "Time to compile a grammar cold (a cache miss in the request's scope)",
+);
+const F_GRAMMAR_CACHE_LOOKUPS: Family = Family::counter(
+    "isoserve_grammar_cache_lookups_total",
+    "Compiled-grammar cache lookups in the request's cache scope (K11), by result",
+)
+.with_labels(&["result"]);
+const F_GRAMMAR_MASK_FAILURES: Family = Family::counter(
+    "isoserve_grammar_mask_failures_total",
+    "Grammar masks that failed (a step's bound, or no token allowed): each ends its request \
+     with grammar_error",
+);
+
 const F_TENANT_REQUESTS: Family = Family::gauge(
     "isoserve_tenant_requests",
     "Requests of an active tenant in the engine, by state (K13)",
@@ -243,6 +263,10 @@ pub const SERVER_FAMILIES: &[Family] = &[
     F_KV_REFUSALS,
     F_ENGINE_REQUESTS,
     F_KV_USAGE_RATIO,
+    F_GRAMMAR_MASK_SECONDS,
+    F_GRAMMAR_COMPILE_SECONDS,
+    F_GRAMMAR_CACHE_LOOKUPS,
+    F_GRAMMAR_MASK_FAILURES,
     F_TENANT_REQUESTS,
     F_TENANT_WEIGHT,
     F_TENANT_SERVICE,
@@ -315,6 +339,23 @@ impl std::fmt::Debug for Metrics {
 #[derive(Debug, Default)]
 struct EngineCollector {
     stats: Mutex<EngineStats>,
+    /// The grammar engine's counters as of the last render.
+    grammar: Mutex<grammar::StatsSnapshot>,
+}
+
+/// A histogram family from a snapshot's per-bucket counts.
+fn const_histogram(
+    enc: &mut DescriptorEncoder,
+    f: &Family,
+    h: &grammar::stats::Histogram,
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(f.base(), f.help, None, MetricType::Histogram)?;
+    m.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+        h.sum_s,
+        h.count(),
+        &h.buckets(),
+        None,
+    )
 }
 
 fn const_counter(enc: &mut DescriptorEncoder, f: &Family, v: u64) -> Result<(), std::fmt::Error> {
@@ -439,6 +480,26 @@ impl Collector for EngineCollector {
             &F_PREFIX_CACHE_HIT_PAGES,
             s.prefix_cache_hit_pages_total,
         )?;
+        let g = self
+            .grammar
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        const_histogram(&mut enc, &F_GRAMMAR_MASK_SECONDS, &g.masks)?;
+        const_histogram(&mut enc, &F_GRAMMAR_COMPILE_SECONDS, &g.compiles)?;
+        {
+            let mut m = enc.encode_descriptor(
+                F_GRAMMAR_CACHE_LOOKUPS.base(),
+                F_GRAMMAR_CACHE_LOOKUPS.help,
+                None,
+                MetricType::Counter,
+            )?;
+            for (result, v) in [("hit", g.cache_hits), ("miss", g.cache_misses)] {
+                let labels = [("result", result)];
+                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        const_counter(&mut enc, &F_GRAMMAR_MASK_FAILURES, g.mask_failures)?;
         Ok(())
     }
 }
@@ -599,8 +660,18 @@ impl Metrics {
 
     /// The exposition, with the engine's state as of `stats` and the
     /// backend's own samples.
-    pub fn render(&self, stats: EngineStats, backend: Vec<MetricSample>) -> String {
+    pub fn render(
+        &self,
+        stats: EngineStats,
+        grammar: grammar::StatsSnapshot,
+        backend: Vec<MetricSample>,
+    ) -> String {
         *self.engine.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+        *self
+            .engine
+            .grammar
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = grammar;
         *self
             .backend
             .samples
@@ -648,7 +719,35 @@ mod tests {
         s.pool.pages_owned = 6;
         s.pool.refused_stale_handle = 3;
         s.running = 2;
-        let text = m.render(s, Vec::new());
+        let mut g = grammar::StatsSnapshot::default();
+        g.masks.counts[3] = 2; // ≤ 2.8 µs
+        g.masks.counts[10] = 1; // ≤ 32 µs
+        g.masks.sum_s = 4e-5;
+        g.cache_hits = 5;
+        let text = m.render(s, g, Vec::new());
+        // The bucket at 32 µs counts every mask up to it (cumulative).
+        let at_32us = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("isoserve_grammar_mask_seconds_bucket{le=\""))
+            .filter_map(|l| l.split_once("\"} "))
+            .find(|(le, _)| le.parse::<f64>().is_ok_and(|x| (x - 3.2e-5).abs() < 1e-9))
+            .map(|(_, v)| v.to_string());
+        assert_eq!(at_32us.as_deref(), Some("3"), "{text}");
+        assert_eq!(
+            value(&text, "isoserve_grammar_mask_seconds_count"),
+            Some(3.0)
+        );
+        assert_eq!(
+            value(
+                &text,
+                "isoserve_grammar_cache_lookups_total{result=\"hit\"}"
+            ),
+            Some(5.0)
+        );
+        assert_eq!(
+            value(&text, "isoserve_grammar_compile_seconds_count"),
+            Some(0.0)
+        );
         assert_eq!(
             value(&text, "isoserve_rejections_total{reason=\"queue_full\"}"),
             Some(2.0)

@@ -71,7 +71,7 @@ pub(crate) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         samples.push(crate::metrics::tenant_weight(&name, f64::from(t.weight)));
         samples.push(crate::metrics::tenant_service(&name, t.service));
     }
-    let text = st.metrics.render(stats, samples);
+    let text = st.metrics.render(stats, st.grammar_stats(), samples);
     (
         [(
             header::CONTENT_TYPE,

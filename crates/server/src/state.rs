@@ -82,6 +82,14 @@ impl AppState {
             .clone()
     }
 
+    /// The grammar engine's counters (zeros before its first use).
+    pub fn grammar_stats(&self) -> grammar::StatsSnapshot {
+        match self.grammar.get() {
+            Some(Ok(c)) => c.stats(),
+            _ => grammar::StatsSnapshot::default(),
+        }
+    }
+
     /// From now on, new requests get 503 and `/health` says so.
     pub fn begin_shutdown(&self) {
         let was = self.shutting_down.swap(true, Ordering::SeqCst);
