@@ -121,6 +121,10 @@ pub struct PdNode {
     drain: Arc<std::sync::atomic::AtomicBool>,
     console: Arc<engine::console::ConsoleCell>,
     name: String,
+    /// The node's grammar compiler, shared with its engine: requests'
+    /// grammars are compiled as their messages arrive, on the thread that
+    /// hands events in, so the node thread finds them in the cache.
+    grammar: Arc<grammar::Compiler>,
 }
 
 /// The KV layout a node advertises (must match its peer's exactly).
@@ -181,6 +185,7 @@ impl PdNode {
         let name = pd.node.clone();
         let grammar = grammar::Vocabulary::from_tokenizer(&tokenizer)
             .and_then(|v| grammar::Compiler::new(v, grammar::Limits::default()))
+            .map(Arc::new)
             .map_err(|e| StartError::Config(format!("the grammar engine: {e}")))?;
         let engine = CoreEngine::new(
             Core::new(
@@ -192,7 +197,7 @@ impl PdNode {
                 Arc::new(Mutex::new(EngineStats::default())),
                 waiting,
             ),
-            grammar,
+            grammar.clone(),
         );
         let glue = match role {
             PdRole::Prefill => {
@@ -256,6 +261,7 @@ impl PdNode {
             drain,
             console,
             name,
+            grammar,
         })
     }
 
@@ -274,7 +280,28 @@ impl PdNode {
     /// Hands an event to the node thread; blocks while its queue is full
     /// (back-pressure on the transport). False once the node stopped.
     pub fn event(&self, ev: NetEvent) -> bool {
+        self.precompile(&ev);
         self.tx.send(Some(ev)).is_ok()
+    }
+
+    /// Compiles the grammar of a request that arrives (in its scope), so
+    /// the node thread's compile is a cache hit: compiling never stalls
+    /// the node's engine. A grammar that does not compile is left to the
+    /// node thread, whose `check` refuses the request with the error.
+    fn precompile(&self, ev: &NetEvent) {
+        let NetEvent::Message { msg, .. } = ev else {
+            return;
+        };
+        let (tenant, gen) = match msg {
+            Message::Reserve { tenant, gen, .. } | Message::Prefill { tenant, gen, .. } => {
+                (*tenant, gen)
+            }
+            _ => return,
+        };
+        if let Some(spec) = gen.grammar.as_deref() {
+            let scope = request::Scope::of(tenant, gen.cache_scope);
+            let _ = self.grammar.compile(scope, spec);
+        }
     }
 
     pub fn stats(&self) -> PdStats {
@@ -411,14 +438,15 @@ struct CoreEngine {
     /// Prefill: requests whose compute started since the loop last looked
     /// (their `queue` span ends there).
     computing: Vec<RequestId>,
-    /// The node's grammar compiler, cached per cache scope (K11): a
-    /// request's grammar is compiled when it arrives (`check`, a refusal
-    /// there is the client's 400) and found in the cache when it starts.
-    grammar: grammar::Compiler,
+    /// The node's grammar compiler, cached per cache scope (K11): the
+    /// event thread compiles a request's grammar as it arrives
+    /// ([`PdNode::event`]); `check` finds it in the cache (or refuses the
+    /// request with its error, the client's 400) and so does the start.
+    grammar: Arc<grammar::Compiler>,
 }
 
 impl CoreEngine {
-    fn new(core: Core, grammar: grammar::Compiler) -> CoreEngine {
+    fn new(core: Core, grammar: Arc<grammar::Compiler>) -> CoreEngine {
         CoreEngine {
             core,
             grammar,
