@@ -9,6 +9,7 @@ import concurrent.futures as cf
 import json
 import re
 import time
+from pathlib import Path
 from typing import Annotated, List, Literal, Optional
 
 import jsonschema
@@ -305,3 +306,57 @@ def test_malicious_grammars_get_a_400_or_an_answer_in_bounded_time(server):
     r = chat(server, {"messages": msgs("Say hi."), "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200
     assert_pool_clean(wait_pool_idle(server))
+
+
+# ---- SentencePiece: Gemma 3's vocabulary -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_server(tmp_root):
+    from conftest import Server
+    s = Server(["--model", "gemma3-270m"], tmp_root, "structured-gemma")
+    yield s
+    assert s.terminate() == 0, s.stderr()
+
+
+def test_a_sentencepiece_vocabulary_is_constrained_too(gemma_server):
+    """Gemma 3 (SentencePiece, `▁` for spaces, byte tokens): the grammar's
+    token environment is built from each id's bytes, so a schema, a regex
+    and a choice hold exactly as on the BPE model."""
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 10},
+        "coastal": {"type": "boolean"}},
+        "required": ["city", "rank", "coastal"], "additionalProperties": False}
+    for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 3}):
+        r = chat(gemma_server, dict({"messages": msgs("Name a city as JSON."), "max_tokens": 80,
+                                     "response_format": {"type": "json_schema", "json_schema": {
+                                         "name": "c", "schema": schema, "strict": True}}},
+                                    **sampling))
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["finish_reason"] == "stop", c
+        jsonschema.validate(json.loads(c["message"]["content"]), schema)
+        r = chat(gemma_server, dict({"messages": msgs("A date?"), "max_tokens": 20,
+                                     "structured_outputs": {"regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}},
+                                    **sampling))
+        c = r.json()["choices"][0]
+        assert re.fullmatch("[0-9]{4}-[0-9]{2}-[0-9]{2}", c["message"]["content"]), c
+        r = chat(gemma_server, dict({"messages": msgs("Yes or no?"), "max_tokens": 8,
+                                     "structured_outputs": {"choice": ["oui", "non", "peut-être"]}},
+                                    **sampling))
+        assert r.json()["choices"][0]["message"]["content"] in ("oui", "non", "peut-être")
+
+
+def test_http_threads_yield_to_the_engine(server):
+    """The HTTP runtime's threads (parsing, tokenising, compiling grammars:
+    one request's own costs) run at nice 10; the engine thread and its
+    kernel workers, which every tenant's decode waits on, at 0."""
+    nice = {}
+    for task in Path(f"/proc/{server.proc.pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        nice.setdefault(comm, set()).add(int(fields[16]))
+    assert nice["isoserve-http"] == {10}, nice
+    assert nice["isoserve-engine"] == {0} and nice["isoserve-worker"] == {0}, nice

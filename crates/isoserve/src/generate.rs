@@ -47,6 +47,9 @@ pub struct GenerateArgs {
     pub params: SamplingParams,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// The grammar the output must follow (`--json-schema`, `--regex`,
+    /// `--grammar-file`); compiled by the engine's compiler on submit.
+    pub grammar: Option<request::GrammarSpec>,
 }
 
 pub struct Timings {
@@ -127,7 +130,7 @@ pub fn generate(
         priority: 0,
         weight: 1,
         trace: None,
-        grammar: None,
+        grammar: args.grammar.clone().map(request::Constraint::new),
     };
     let mut h = engine.submit(req)?;
     while let Some(ev) = h.blocking_next() {
@@ -224,6 +227,7 @@ pub fn run_bench(
         params: SamplingParams::default(),
         stop: Vec::new(),
         ignore_eos: true,
+        grammar: None,
     };
     let (mut pp, mut tg, mut tg_ctx) = (Vec::new(), Vec::new(), Vec::new());
     // One warm-up run (page faults of the mmapped weights).

@@ -85,6 +85,21 @@ enum Cmd {
         /// Keep generating past end-of-sequence tokens.
         #[arg(long)]
         ignore_eos: bool,
+        /// Constrain the output to JSON valid under this JSON schema (its
+        /// text, as llama.cpp's `--json-schema`).
+        #[arg(long, group = "grammar")]
+        json_schema: Option<String>,
+        /// Constrain the output to JSON valid under the JSON schema in
+        /// this file.
+        #[arg(long, group = "grammar")]
+        json_schema_file: Option<PathBuf>,
+        /// Constrain the output to match this regular expression.
+        #[arg(long, group = "grammar")]
+        regex: Option<String>,
+        /// Constrain the output to the Lark grammar in this file
+        /// (llguidance's dialect; llama.cpp's GBNF is not read).
+        #[arg(long, group = "grammar")]
+        grammar_file: Option<PathBuf>,
         /// A GGUF file (llama, qwen2, qwen3, gemma3) or a known model's name
         /// (`smollm2-135m`, the default; `gemma3-270m`), fetched if missing.
         #[arg(long)]
@@ -234,8 +249,28 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             seed,
             stop,
             ignore_eos,
+            json_schema,
+            json_schema_file,
+            regex,
+            grammar_file,
             model,
         } => {
+            let read = |p: &PathBuf| {
+                std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))
+            };
+            let grammar = match (json_schema, json_schema_file, regex, grammar_file) {
+                (Some(s), ..) => Some(request::GrammarSpec::JsonSchema {
+                    schema: s,
+                    strict: false,
+                }),
+                (_, Some(f), ..) => Some(request::GrammarSpec::JsonSchema {
+                    schema: read(&f)?,
+                    strict: false,
+                }),
+                (_, _, Some(r), _) => Some(request::GrammarSpec::Regex(r)),
+                (_, _, _, Some(f)) => Some(request::GrammarSpec::Lark(read(&f)?)),
+                _ => None,
+            };
             let path = fetch::resolve_model(model.as_deref(), false)?;
             let params = model::sample::SamplingParams {
                 temperature,
@@ -257,6 +292,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     params,
                     stop,
                     ignore_eos,
+                    grammar,
                 },
             )?;
         }
