@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kv::{FreeOutcome, Owner, PageRef, Pool, RequestId, TenantId};
 use model::sample::{FinishReason, Sampler, StopStrings};
@@ -85,8 +85,22 @@ pub(crate) struct Active {
     logprobs: Option<usize>,
     sampler: Sampler,
     /// Where the output stands in its grammar (structured outputs): the
-    /// sequence's own state, dropped with it.
+    /// sequence's own state, dropped with it. `None` while it is with the
+    /// mask workers (or without a grammar).
     grammar: Option<grammar::Matcher>,
+    /// The request has a grammar (its matcher is here or with the workers).
+    constrained: bool,
+    /// Its matcher is with the mask workers, computing `mask`.
+    mask_in_flight: bool,
+    /// The mask for the next token, once computed (an error: the grammar
+    /// could not be followed).
+    mask: Option<Result<grammar::Mask, String>>,
+    /// How long its last mask took (cheap masks are computed first).
+    mask_cost_ns: u64,
+    /// Logits whose mask was not ready when the forward pass ended: the
+    /// token is sampled as soon as it is, and the request takes no row
+    /// until then (a slow grammar holds its own request, not the step).
+    stash: Option<Box<Stash>>,
     stops: StopStrings,
     decoder: StreamDecoder,
     pages: Vec<PageRef>,
@@ -114,7 +128,19 @@ pub(crate) struct Active {
     first_token_at: Option<Instant>,
 }
 
+/// A row's logits and log-probabilities, kept until the row's mask is ready.
+pub(crate) struct Stash {
+    logits: Vec<f32>,
+    lp: Vec<f32>,
+    top: Vec<(u32, f32)>,
+}
+
 impl Active {
+    /// Its logits wait for their mask: no row until its token is sampled.
+    fn stashed(&self) -> bool {
+        self.stash.is_some()
+    }
+
     /// One row a step: the last sampled token. Otherwise the request is
     /// prefilling its prompt or, after preemption, recomputing its history.
     fn decoding(&self) -> bool {
@@ -255,6 +281,8 @@ pub struct Core<F: Forward = Runner> {
     clock: Clock,
     /// The last time read: the clock must never run backwards.
     last_time: Option<Instant>,
+    /// The mask workers, started with the first constrained request.
+    masks: Option<masks::Masks>,
 }
 
 /// A driver's clock (see [`Core::set_clock`]).
@@ -299,6 +327,7 @@ impl<F: Forward> Core<F> {
             prefix_keys: kv::PrefixKeys::random(),
             clock: Arc::new(Instant::now),
             last_time: None,
+            masks: None,
             #[cfg(feature = "fault-incident")]
             global_scope: {
                 let on = std::env::var_os("ISOSERVE_FAULT_SHARED_CACHE").is_some_and(|v| v == "1");
@@ -751,6 +780,11 @@ impl<F: Forward> Core<F> {
                 .as_ref()
                 .and_then(compiled_of)
                 .map(|g| g.matcher()),
+            constrained: sub.req.grammar.is_some(),
+            mask_in_flight: false,
+            mask: None,
+            mask_cost_ns: 0,
+            stash: None,
             stops,
             decoder: self.tokenizer.stream_decoder().skip_special(true),
             pages,
@@ -903,7 +937,23 @@ impl<F: Forward> Core<F> {
     /// little while they stay cached), then every page is given back; it
     /// waits first in its tenant's line.
     fn preempt(&mut self, i: usize) {
+        // Its matcher comes home first (a mask is bounded by the grammar's
+        // step limits; the bound here only guards a lost worker).
+        let deadline = Instant::now() + MASK_WAIT_MAX;
+        while self.running[i].mask_in_flight {
+            match self.masks.as_mut().and_then(|m| m.recv(Some(deadline))) {
+                Some(done) => self.mask_done(done),
+                None => {
+                    let a = &mut self.running[i];
+                    a.mask_in_flight = false;
+                    a.mask = Some(Err("the grammar's mask was lost".into()));
+                }
+            }
+        }
         let mut a = self.running.remove(i);
+        // Logits waiting for their mask are recomputed on resuming (K12:
+        // the same logits); the mask, if it came, is kept for them.
+        a.stash = None;
         if self.cfg.prefix_cache == PrefixCache::Tenant {
             let ps = self.cfg.page_size_tokens;
             let computed = a.computed;
@@ -954,16 +1004,120 @@ impl<F: Forward> Core<F> {
             .retain(|t, q| q.has_work() || running.contains(t));
     }
 
+    /// A mask came back from the workers: the matcher goes home with it.
+    /// (A request gone meanwhile — cancelled, failed — drops both.)
+    fn mask_done(&mut self, done: masks::Done) {
+        let Some(a) = self.running.iter_mut().find(|a| a.id == done.req) else {
+            return;
+        };
+        // Paired with `send_mask`: one matcher away, one answer back.
+        assert!(
+            a.mask_in_flight && a.grammar.is_none() && a.mask.is_none(),
+            "request {}'s mask came back twice",
+            a.id
+        );
+        a.mask_in_flight = false;
+        a.grammar = Some(done.matcher);
+        a.mask_cost_ns = done.took.as_nanos().min(u64::MAX as u128) as u64;
+        a.mask = Some(done.mask.map_err(|e| e.to_string()));
+    }
+
+    /// Takes the masks that came back (waiting until `deadline` for the
+    /// first, if given) and samples every request whose logits waited for
+    /// its mask. True if a token was sampled or a request ended.
+    fn sample_stashed(&mut self, deadline: Option<Instant>) -> bool {
+        let mut wait = deadline;
+        while let Some(done) = self.masks.as_mut().and_then(|m| m.recv(wait)) {
+            self.mask_done(done);
+            wait = None;
+        }
+        let ready: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].stashed() && self.running[i].mask.is_some())
+            .collect();
+        if ready.is_empty() {
+            return false;
+        }
+        let now = self.now();
+        let mut ended = Vec::new();
+        for i in ready {
+            let a = &mut self.running[i];
+            let Some(mut stash) = a.stash.take() else {
+                continue;
+            };
+            let top = std::mem::take(&mut stash.top);
+            match sample_row(
+                now,
+                &self.tokenizer,
+                a,
+                &mut stash.logits,
+                &stash.lp,
+                top,
+                &mut self.outbox,
+                &mut self.local,
+                &mut self.masks,
+            ) {
+                RowEnd::Running => {}
+                RowEnd::Ended(f) => ended.push((i, Ok(f))),
+                RowEnd::Failed(e) => ended.push((i, Err(e))),
+            }
+        }
+        self.end_requests(ended);
+        true
+    }
+
+    /// Takes finished and failed requests out of the batch (`None`: a
+    /// prefill handed back to its transfer) and tells their clients.
+    fn end_requests(
+        &mut self,
+        mut ended: Vec<(usize, Result<Option<FinishReason>, RequestError>)>,
+    ) {
+        // Highest index first keeps the indices valid.
+        ended.sort_by_key(|f| std::cmp::Reverse(f.0));
+        let mut dones = Vec::with_capacity(ended.len());
+        let mut errors = Vec::new();
+        for (i, end) in ended {
+            let a = self.running.swap_remove(i);
+            match end {
+                Ok(None) => {}
+                Ok(Some(finish)) => dones.push(self.done_event(a, finish)),
+                Err(e) => {
+                    // (PD roles: `release` leaves the pages to the
+                    // transfer machine, which the error reaches.)
+                    self.release(&a);
+                    errors.push((a, e));
+                    self.local.requests_failed_total += 1;
+                }
+            }
+        }
+        if !errors.is_empty() {
+            self.publish();
+        }
+        for (a, e) in errors {
+            emit(&mut self.outbox, &a, Event::Error(e));
+        }
+        // Publish before telling the clients, so a client that reads the
+        // stats after its Done sees its pages free.
+        if !dones.is_empty() {
+            self.publish();
+        }
+        for (a, done) in dones {
+            emit(&mut self.outbox, &a, Event::Done(done));
+        }
+    }
+
     /// One forward step: a decode row per decoding request whose reader has
     /// room for what the step emits, then prompt chunks under the token
     /// budget. False when no row could run (every request waits for its
     /// reader).
     fn step(&mut self) -> bool {
+        // Requests whose logits waited for their mask sample first (their
+        // token then takes this step's row).
+        self.sample_stashed(None);
         let budget = self.cfg.step_tokens;
         self.rows.clear();
         // Which running request each row belongs to: `seq` indexes `running`.
         for (i, a) in self.running.iter().enumerate() {
-            if a.decoding() && a.has_room() && self.rows.len() < budget {
+            if a.decoding() && !a.stashed() && a.has_room() && self.rows.len() < budget {
                 let pos = a.prompt.len() + a.generated.len() - 1;
                 let token = *a
                     .generated
@@ -982,7 +1136,7 @@ impl<F: Forward> Core<F> {
         // tenant's long prompts do not hold back another's first token.
         let served = |a: &Active| self.tenants.get(&a.owner.tenant).map_or(0.0, |q| q.served);
         let mut chunks: Vec<usize> = (0..self.running.len())
-            .filter(|&i| !self.running[i].decoding())
+            .filter(|&i| !self.running[i].decoding() && !self.running[i].stashed())
             .collect();
         // Within a tenant: by priority, then the fewest positions left to
         // compute — a short prompt's first token does not wait for a long
@@ -1019,16 +1173,22 @@ impl<F: Forward> Core<F> {
             }
         }
         if self.rows.is_empty() {
-            // Every running request waits for its reader (back-pressure).
+            // Every running request waits for its mask or its reader
+            // (back-pressure): a mask that comes back is the step's work.
+            if self.running.iter().any(Active::stashed) {
+                return self.sample_stashed(Some(Instant::now() + BACKPRESSURE_POLL));
+            }
             return false;
         }
-        // The grammar masks of the rows that sample, computed beside the
-        // forward pass: a step's masks are ready when its logits are. The
-        // matchers go to the mask thread and come back with their masks.
-        let mut mask_jobs: Vec<(usize, grammar::Matcher)> = Vec::new();
-        for r in self.rows.iter().filter(|r| r.logits) {
-            if let Some(m) = self.running[r.seq].grammar.take() {
-                mask_jobs.push((r.seq, m));
+        // The grammar masks of the rows that sample: a matcher at home
+        // without its next mask (a first token, a resumed request) goes to
+        // the mask workers now; the others went when their last token was
+        // sampled. Either way the mask is computed beside the forward pass.
+        for ri in 0..self.rows.len() {
+            let r = self.rows[ri];
+            let a = &mut self.running[r.seq];
+            if r.logits && a.constrained && a.mask.is_none() && !a.mask_in_flight {
+                send_mask(&mut self.masks, a);
             }
         }
         let seqs: Vec<SeqCtx<'_>> = self
@@ -1040,45 +1200,24 @@ impl<F: Forward> Core<F> {
             })
             .collect();
         let started = (self.clock)();
-        let (mut result, masked) = match mask_jobs.is_empty() {
-            true => (
-                self.fwd.forward(&mut self.pool, &seqs, &self.rows),
-                Vec::new(),
-            ),
-            false => {
-                let (fwd, pool, rows) = (&mut self.fwd, &mut self.pool, &self.rows);
-                std::thread::scope(|sc| {
-                    let masks = std::thread::Builder::new()
-                        .name("isoserve-masks".into())
-                        .spawn_scoped(sc, move || compute_masks(mask_jobs));
-                    let result = fwd.forward(pool, &seqs, rows);
-                    let masked = match masks {
-                        Ok(h) => h.join().unwrap_or_default(),
-                        Err(e) => {
-                            tracing::error!("cannot start the mask thread: {e}");
-                            Vec::new()
-                        }
-                    };
-                    (result, masked)
-                })
-            }
-        };
+        let mut result = self.fwd.forward(&mut self.pool, &seqs, &self.rows);
         drop(seqs);
-        // Each grammar row's mask (or why there is none), by running index;
-        // a matcher lost with its thread leaves its request without one.
-        let mut masks: BTreeMap<usize, Result<grammar::Mask, String>> = BTreeMap::new();
-        for (i, m, mask) in masked {
-            self.running[i].grammar = Some(m);
-            masks.insert(i, mask.map_err(|e| e.to_string()));
-        }
-        for r in self.rows.iter().filter(|r| r.logits) {
-            let a = &self.running[r.seq];
-            if a.grammar.is_none() && !masks.contains_key(&r.seq) {
-                continue;
+        // The step's masks: wait for them a quarter of the forward's time
+        // more at most; a row whose mask is later keeps its logits and
+        // samples when it comes (its request alone waits).
+        let forward_s = ((self.clock)() - started).as_secs_f64();
+        let grace = Duration::from_secs_f64((forward_s / 4.0).max(MASK_GRACE_MIN_S));
+        let deadline = Instant::now() + grace;
+        while self.rows.iter().any(|r| {
+            r.logits && {
+                let a = &self.running[r.seq];
+                a.constrained && a.mask.is_none() && a.mask_in_flight
             }
-            masks
-                .entry(r.seq)
-                .or_insert_with(|| Err("the mask thread failed".into()));
+        }) {
+            let Some(done) = self.masks.as_mut().and_then(|m| m.recv(Some(deadline))) else {
+                break;
+            };
+            self.mask_done(done);
         }
         let vocab = self.fwd.vocab();
         let logit_rows = self.rows.iter().filter(|r| r.logits).count();
@@ -1167,86 +1306,39 @@ impl<F: Forward> Core<F> {
                 Some(n) => logprobs_of(logits, n),
                 None => (Vec::new(), Vec::new()),
             };
-            match masks.remove(&r.seq) {
-                None => {}
-                Some(Ok(mask)) => mask.apply(logits),
-                Some(Err(why)) => {
-                    failed.push((r.seq, RequestError::Grammar(why)));
-                    continue;
-                }
-            }
-            let next = a.sampler.sample(logits, &a.history);
-            if let Some(m) = a.grammar.as_mut() {
-                if let Err(e) = m.consume(next) {
-                    failed.push((r.seq, RequestError::Grammar(e.to_string())));
-                    continue;
-                }
-            }
-            let logprob = a
-                .logprobs
-                .map(|_| lp.get(next as usize).copied().unwrap_or(f32::NEG_INFINITY));
-            if a.mode == Mode::PrefillOnly {
-                self.outbox.push(Outcome::Computed {
-                    req: a.id,
-                    first: next,
-                    logprobs: logprob.map(|l| (l, top)),
-                    sampler_state: a.sampler.rng_state(),
-                });
-                self.local.generated_tokens_total += 1;
-                finished.push((r.seq, None));
+            if a.constrained && a.mask.is_none() {
+                // Its mask is late: keep the logits for when it comes.
+                a.stash = Some(Box::new(Stash {
+                    logits: logits.to_vec(),
+                    lp,
+                    top,
+                }));
+                self.local.grammar_deferred_total += 1;
                 continue;
             }
-            if let Some(f) = accept_token(
+            match sample_row(
                 now,
                 &self.tokenizer,
                 a,
-                next,
-                logprob,
+                logits,
+                &lp,
                 top,
                 &mut self.outbox,
                 &mut self.local,
+                &mut self.masks,
             ) {
-                finished.push((r.seq, Some(f)));
+                RowEnd::Running => {}
+                RowEnd::Ended(f) => finished.push((r.seq, f)),
+                RowEnd::Failed(e) => failed.push((r.seq, e)),
             }
         }
-        // Remove finished and failed requests (highest index first keeps
-        // indices valid).
-        let mut ended: Vec<(usize, Result<Option<FinishReason>, RequestError>)> = finished
-            .into_iter()
-            .map(|(i, f)| (i, Ok(f)))
-            .chain(failed.into_iter().map(|(i, e)| (i, Err(e))))
-            .collect();
-        ended.sort_by_key(|f| std::cmp::Reverse(f.0));
-        let mut dones = Vec::with_capacity(ended.len());
-        let mut errors = Vec::new();
-        for (i, end) in ended {
-            let a = self.running.swap_remove(i);
-            match end {
-                Ok(None) => {}
-                Ok(Some(finish)) => dones.push(self.done_event(a, finish)),
-                Err(e) => {
-                    // (PD roles: `release` leaves the pages to the
-                    // transfer machine, which the error reaches.)
-                    self.release(&a);
-                    errors.push((a, e));
-                    self.local.requests_failed_total += 1;
-                }
-            }
-        }
-        if !errors.is_empty() {
-            self.publish();
-        }
-        for (a, e) in errors {
-            emit(&mut self.outbox, &a, Event::Error(e));
-        }
-        // Publish before telling the clients, so a client that reads the
-        // stats after its Done sees its pages free.
-        if !dones.is_empty() {
-            self.publish();
-        }
-        for (a, done) in dones {
-            emit(&mut self.outbox, &a, Event::Done(done));
-        }
+        self.end_requests(
+            finished
+                .into_iter()
+                .map(|(i, f)| (i, Ok(f)))
+                .chain(failed.into_iter().map(|(i, e)| (i, Err(e))))
+                .collect(),
+        );
         true
     }
 
@@ -1313,6 +1405,11 @@ impl<F: Forward> Core<F> {
             logprobs: job.logprobs,
             sampler: Sampler::new(job.params),
             grammar: job.grammar.as_ref().map(|g| g.matcher()),
+            constrained: job.grammar.is_some(),
+            mask_in_flight: false,
+            mask: None,
+            mask_cost_ns: 0,
+            stash: None,
             stops: StopStrings::new(Vec::new()).expect("no stop strings are valid"),
             decoder: self.tokenizer.stream_decoder().skip_special(true),
             shared,
@@ -1353,6 +1450,11 @@ impl<F: Forward> Core<F> {
             logprobs: job.logprobs,
             sampler: Sampler::with_rng_state(job.params, job.sampler_state),
             grammar: job.grammar.as_ref().map(|g| g.matcher()),
+            constrained: job.grammar.is_some(),
+            mask_in_flight: false,
+            mask: None,
+            mask_cost_ns: 0,
+            stash: None,
             stops,
             decoder: self.tokenizer.stream_decoder().skip_special(true),
             shared: vec![false; job.pages.len()],
@@ -1518,20 +1620,101 @@ fn accept_token(
     }
 }
 
-/// Each matcher's next mask (the mask thread's work).
-fn compute_masks(
-    jobs: Vec<(usize, grammar::Matcher)>,
-) -> Vec<(
-    usize,
-    grammar::Matcher,
-    Result<grammar::Mask, grammar::GrammarError>,
-)> {
-    jobs.into_iter()
-        .map(|(i, mut m)| {
-            let mask = m.mask();
-            (i, m, mask)
-        })
-        .collect()
+/// The least a step waits for its masks after the forward pass, however
+/// short the forward.
+const MASK_GRACE_MIN_S: f64 = 0.000_2;
+
+/// Longest a preemption waits for a request's matcher to come back.
+const MASK_WAIT_MAX: Duration = Duration::from_secs(10);
+
+/// How a sampled row left its request.
+enum RowEnd {
+    Running,
+    /// Finished (`None`: a prefill handed back to its transfer).
+    Ended(Option<FinishReason>),
+    Failed(RequestError),
+}
+
+/// Sends a request's matcher to the mask workers (started on first use).
+fn send_mask(masks: &mut Option<masks::Masks>, a: &mut Active) {
+    let Some(m) = a.grammar.take() else {
+        return;
+    };
+    if masks.is_none() {
+        match masks::Masks::start() {
+            Ok(w) => *masks = Some(w),
+            Err(e) => {
+                a.grammar = Some(m);
+                a.mask = Some(Err(format!("cannot start the mask workers: {e}")));
+                return;
+            }
+        }
+    }
+    if let Some(w) = masks.as_mut() {
+        w.send(a.id, m, a.mask_cost_ns);
+        a.mask_in_flight = true;
+    }
+}
+
+/// Samples a request's next token from `logits` (its mask applied first,
+/// greedy included), moves its grammar past the token and sends its
+/// matcher for the next mask; the token is taken in (or handed to the
+/// transfer on a prefill node).
+#[allow(clippy::too_many_arguments)] // the request's parts the step holds apart
+fn sample_row(
+    now: Instant,
+    tokenizer: &Tokenizer,
+    a: &mut Active,
+    logits: &mut [f32],
+    lp: &[f32],
+    top: Vec<(u32, f32)>,
+    outbox: &mut Vec<Outcome>,
+    local: &mut EngineStats,
+    masks: &mut Option<masks::Masks>,
+) -> RowEnd {
+    if a.constrained {
+        match a.mask.take() {
+            Some(Ok(mask)) => mask.apply(logits),
+            Some(Err(why)) => return RowEnd::Failed(RequestError::Grammar(why)),
+            // A constrained row is sampled only with its mask.
+            None => {
+                return RowEnd::Failed(RequestError::Internal(format!(
+                    "request {} was sampled without its grammar's mask",
+                    a.id
+                )))
+            }
+        }
+    }
+    let next = a.sampler.sample(logits, &a.history);
+    if let Some(m) = a.grammar.as_mut() {
+        if let Err(e) = m.consume(next) {
+            return RowEnd::Failed(RequestError::Grammar(e.to_string()));
+        }
+    }
+    let logprob = a
+        .logprobs
+        .map(|_| lp.get(next as usize).copied().unwrap_or(f32::NEG_INFINITY));
+    if a.mode == Mode::PrefillOnly {
+        outbox.push(Outcome::Computed {
+            req: a.id,
+            first: next,
+            logprobs: logprob.map(|l| (l, top)),
+            sampler_state: a.sampler.rng_state(),
+        });
+        local.generated_tokens_total += 1;
+        return RowEnd::Ended(None);
+    }
+    match accept_token(now, tokenizer, a, next, logprob, top, outbox, local) {
+        Some(f) => RowEnd::Ended(Some(f)),
+        None => {
+            // The next mask is computed while the request waits for its
+            // next row.
+            if a.constrained {
+                send_mask(masks, a);
+            }
+            RowEnd::Running
+        }
+    }
 }
 
 /// Log-softmax of the raw logits (before penalties), and the `n` most likely
@@ -1559,6 +1742,7 @@ fn logprobs_of(logits: &[f32], n: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
     (lp, top)
 }
 
+mod masks;
 #[cfg(test)]
 mod tests;
 

@@ -954,6 +954,10 @@ pub struct EngineStats {
     pub requests_preempted_total: u64,
     /// Preempted requests waiting to resume.
     pub preempted: usize,
+    /// Constrained rows whose grammar mask was not ready when the forward
+    /// pass ended: the request sampled a step later, and the step did not
+    /// wait for it.
+    pub grammar_deferred_total: u64,
     /// Each active tenant's requests in the engine (K13), by tenant id.
     pub tenants: Vec<TenantLoad>,
 }

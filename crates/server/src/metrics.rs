@@ -197,6 +197,11 @@ const F_GRAMMAR_CACHE_LOOKUPS: Family = Family::counter(
     "Compiled-grammar cache lookups in the request's cache scope (K11), by result",
 )
 .with_labels(&["result"]);
+const F_GRAMMAR_DEFERRED: Family = Family::counter(
+    "isoserve_grammar_deferred_samples_total",
+    "Constrained tokens sampled a step late because their grammar mask was not ready when \
+     the forward pass ended (the step did not wait for them)",
+);
 const F_GRAMMAR_MASK_FAILURES: Family = Family::counter(
     "isoserve_grammar_mask_failures_total",
     "Grammar masks that failed (a step's bound, or no token allowed): each ends its request \
@@ -266,6 +271,7 @@ pub const SERVER_FAMILIES: &[Family] = &[
     F_GRAMMAR_MASK_SECONDS,
     F_GRAMMAR_COMPILE_SECONDS,
     F_GRAMMAR_CACHE_LOOKUPS,
+    F_GRAMMAR_DEFERRED,
     F_GRAMMAR_MASK_FAILURES,
     F_TENANT_REQUESTS,
     F_TENANT_WEIGHT,
@@ -499,6 +505,7 @@ impl Collector for EngineCollector {
                 ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
             }
         }
+        const_counter(&mut enc, &F_GRAMMAR_DEFERRED, s.grammar_deferred_total)?;
         const_counter(&mut enc, &F_GRAMMAR_MASK_FAILURES, g.mask_failures)?;
         Ok(())
     }

@@ -591,6 +591,55 @@ fn greedy_tokens_do_not_depend_on_the_batch_k12() {
     assert_eq!(crowded.client(b).text, want);
 }
 
+/// A request under a grammar beside others: its letters follow the
+/// grammar, it stops where the grammar ends (not at max_tokens), and its
+/// greedy output does not depend on the batch or on when its masks came
+/// back from the workers (a late mask samples a step later: K12).
+#[test]
+fn a_grammar_constrains_greedy_output_whatever_the_batch_k12() {
+    let compiler = grammar::Compiler::new(
+        grammar::Vocabulary::from_tokenizer(&tokenizer()).unwrap(),
+        grammar::Limits::default(),
+    )
+    .unwrap();
+    let spec = request::GrammarSpec::Regex("[ab]{3}-[xyz]{2}".into());
+    let constrained = |prompt_len: usize| {
+        let c = compiler.compile(Scope::tenant(TenantId(1)), &spec).unwrap();
+        GenRequest {
+            grammar: Some(request::Constraint {
+                spec: Arc::new(spec.clone()),
+                compiled: Some(c as Arc<dyn std::any::Any + Send + Sync>),
+            }),
+            ..GenRequest::greedy(TenantId(1), prompt(prompt_len), 20)
+        }
+    };
+    let mut alone = Harness::new(32, 32, 4);
+    let a = alone.submit(constrained(7));
+    alone.run(200);
+    let want = alone.client(a).text.clone();
+    let ok = want.len() == 6
+        && want[..3].bytes().all(|b| b == b'a' || b == b'b')
+        && &want[3..4] == "-"
+        && want[4..].bytes().all(|b| (b'x'..=b'z').contains(&b));
+    assert!(ok, "{want:?}\n{}", alone.log);
+    assert!(alone.log.contains("done stop (6 tokens"), "{}", alone.log);
+    let mut crowded = Harness::new(32, 3, 3);
+    crowded.greedy(5, 4);
+    let b = crowded.submit(constrained(7));
+    crowded.greedy(2, 8);
+    crowded.run(400);
+    let got = crowded.client(b).text.clone();
+    assert_eq!(got, want, "{}", crowded.log);
+    // The unconstrained neighbours are untouched by the grammar.
+    let mut plain = Harness::new(32, 3, 3);
+    let p = plain.greedy(5, 4);
+    plain.run(200);
+    let neighbour = crowded.client(1).text.clone();
+    assert_eq!(neighbour, plain.client(p).text);
+    alone.assert_quiet();
+    crowded.assert_quiet();
+}
+
 #[test]
 fn shutdown_without_drain_cancels_queued_and_running_requests() {
     let mut h = Harness::new(8, 32, 1);
