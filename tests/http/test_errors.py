@@ -57,8 +57,11 @@ def test_invalid_requests_are_refused_with_the_field_named(server):
         (CHAT, {"model": MODEL, "messages": MSGS, "temperature": -1}, False, 400,
          "invalid_value", "temperature"),
         (CHAT, {"model": MODEL, "messages": MSGS, "n": 17}, False, 400, "invalid_value", "n"),
-        (CHAT, {"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}},
-         False, 400, "unsupported_value", "response_format"),
+        (CHAT, {"model": MODEL, "messages": MSGS, "response_format": {"type": "xml"}},
+         False, 400, "unsupported_value", "response_format.type"),
+        (CHAT, {"model": MODEL, "messages": MSGS, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+         False, 400, "invalid_value", "response_format"),
         (CHAT, {"model": MODEL, "messages": MSGS,
                 "tools": [{"type": "function", "function": {"name": "f"}}]},
          False, 400, "unsupported_value", "tools"),

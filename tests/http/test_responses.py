@@ -91,7 +91,8 @@ def test_logprobs_come_with_the_text_when_included(client):
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"background": True}, "background"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
      "input[0].type"),

@@ -156,3 +156,61 @@ fn bad_ids_for_logits_and_perplexity_are_clear_errors() {
         "{err}"
     );
 }
+
+/// `isoserve generate` takes llama.cpp's grammar flags: the output follows
+/// the grammar; a bad grammar is a one-line error; two grammars are the
+/// parser's refusal. (The default model: scripts/test fetches it.)
+#[test]
+fn generate_follows_a_regex_or_a_json_schema_and_refuses_bad_ones() {
+    let run = |args: &[&str]| {
+        isoserve()
+            .args([
+                "generate",
+                "--prompt",
+                "The year it happened:",
+                "--max-tokens",
+                "24",
+            ])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--regex", " [12][0-9]{3}\\."]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let t = text.trim_end_matches('\n');
+    assert!(
+        t.len() == 6
+            && t.starts_with(' ')
+            && t.ends_with('.')
+            && t[1..5].bytes().all(|b| b.is_ascii_digit()),
+        "{t:?}"
+    );
+    let out = run(&[
+        "--json-schema",
+        r#"{"type":"object","properties":{"year":{"type":"integer","minimum":1000,"maximum":2100}},"required":["year"],"additionalProperties":false}"#,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let t = text.trim_end_matches('\n');
+    assert!(t.starts_with("{\"year\": ") && t.ends_with('}'), "{t:?}");
+    let out = run(&["--regex", "(unclosed"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("isoserve: ") && err.contains("regex"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let out = run(&["--regex", "a", "--json-schema", "{}"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+}
