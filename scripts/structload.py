@@ -20,10 +20,11 @@ Only the URL given is contacted. Standard library only.
 import argparse
 import http.client
 import json
-import statistics
 import threading
 import time
 import urllib.parse
+
+from loadgen import sse_events  # the same SSE reader (scripts/ is on sys.path)
 
 PROMPTS = [
     "List some cities of Europe as JSON.",
@@ -62,24 +63,6 @@ ITEMS = [
           "color": {"type": "string", "pattern": "^[a-z]{3,10}$"}}),
 ]
 SCHEMAS = [{"type": "array", "items": it, "minItems": 40} for it in ITEMS]
-
-
-def sse_events(resp):
-    buf = b""
-    while True:
-        chunk = resp.read1(65536)
-        if not chunk:
-            return
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                yield json.loads(data)
 
 
 def one_request(url, k, max_tokens, schema, key, timeout_s):

@@ -137,19 +137,39 @@ fn only_keys(m: &Map<String, Value>, param: &str, known: &[&str]) -> Result<(), 
     }
 }
 
+/// The object under `key`, if present; another type is the error.
+fn object<'a>(f: &Fields<'a>, key: &str) -> Result<Option<&'a Map<String, Value>>, ApiError> {
+    match f.get(key) {
+        None => Ok(None),
+        Some(Value::Object(m)) => Ok(Some(m)),
+        Some(v) => Err(ApiError::invalid_type(
+            key,
+            &format!("an object, got {}", type_name(v)),
+        )),
+    }
+}
+
+/// A `json_schema` format's fields (`name`, `schema`, `strict`; the
+/// object `m`, named `param` in errors).
+fn json_schema_of(m: &Map<String, Value>, param: &str) -> Result<GrammarSpec, ApiError> {
+    check_name(m, param)?;
+    let schema_param = format!("{param}.schema");
+    let schema = match m.get("schema").filter(|v| !v.is_null()) {
+        Some(s) => schema_text(&schema_param, s)?,
+        None => return Err(ApiError::missing(&schema_param)),
+    };
+    Ok(GrammarSpec::JsonSchema {
+        schema,
+        strict: strict_of(m, param)?,
+    })
+}
+
 /// OpenAI's `response_format` (chat and completions): `text`,
 /// `json_object` (llama.cpp's `schema` inside it too) or `json_schema`.
 fn response_format(f: &Fields<'_>) -> Result<Option<StructuredOutput>, ApiError> {
     const P: &str = "response_format";
-    let m = match f.get(P) {
-        None => return Ok(None),
-        Some(Value::Object(m)) => m,
-        Some(v) => {
-            return Err(ApiError::invalid_type(
-                P,
-                &format!("an object, got {}", type_name(v)),
-            ))
-        }
+    let Some(m) = object(f, P)? else {
+        return Ok(None);
     };
     let spec = match m.get("type") {
         Some(Value::String(t)) if t == "text" => {
@@ -182,15 +202,7 @@ fn response_format(f: &Fields<'_>) -> Result<Option<StructuredOutput>, ApiError>
             };
             const JS: &str = "response_format.json_schema";
             only_keys(js, JS, &["name", "description", "schema", "strict"])?;
-            check_name(js, JS)?;
-            let schema = match js.get("schema").filter(|v| !v.is_null()) {
-                Some(s) => schema_text("response_format.json_schema.schema", s)?,
-                None => return Err(ApiError::missing("response_format.json_schema.schema")),
-            };
-            GrammarSpec::JsonSchema {
-                schema,
-                strict: strict_of(js, JS)?,
-            }
+            json_schema_of(js, JS)?
         }
         Some(Value::String(t)) => {
             return Err(ApiError::unsupported(
@@ -216,15 +228,8 @@ fn response_format(f: &Fields<'_>) -> Result<Option<StructuredOutput>, ApiError>
 /// `grammar`, `json_object`.
 fn structured_outputs(f: &Fields<'_>) -> Result<Option<StructuredOutput>, ApiError> {
     const P: &str = "structured_outputs";
-    let m = match f.get(P) {
-        None => return Ok(None),
-        Some(Value::Object(m)) => m,
-        Some(v) => {
-            return Err(ApiError::invalid_type(
-                P,
-                &format!("an object, got {}", type_name(v)),
-            ))
-        }
+    let Some(m) = object(f, P)? else {
+        return Ok(None);
     };
     only_keys(m, P, &["json", "regex", "choice", "grammar", "json_object"])?;
     let mut found: Vec<GrammarSpec> = Vec::new();
@@ -368,15 +373,8 @@ pub(crate) fn parse(f: &Fields<'_>) -> Result<Option<StructuredOutput>, ApiError
 /// `type` (the Responses API's flat form).
 pub(crate) fn parse_text_format(f: &Fields<'_>) -> Result<Option<StructuredOutput>, ApiError> {
     const P: &str = "text.format";
-    let t = match f.get("text") {
-        None => return Ok(None),
-        Some(Value::Object(t)) => t,
-        Some(v) => {
-            return Err(ApiError::invalid_type(
-                "text",
-                &format!("an object, got {}", type_name(v)),
-            ))
-        }
+    let Some(t) = object(f, "text")? else {
+        return Ok(None);
     };
     only_keys(t, "text", &["format", "verbosity"])?;
     if let Some(v) = t.get("verbosity").filter(|v| !v.is_null()) {
@@ -409,15 +407,7 @@ pub(crate) fn parse_text_format(f: &Fields<'_>) -> Result<Option<StructuredOutpu
         }
         Some("json_schema") => {
             only_keys(fm, P, &["type", "name", "description", "schema", "strict"])?;
-            check_name(fm, P)?;
-            let schema = match fm.get("schema").filter(|v| !v.is_null()) {
-                Some(s) => schema_text("text.format.schema", s)?,
-                None => return Err(ApiError::missing("text.format.schema")),
-            };
-            GrammarSpec::JsonSchema {
-                schema,
-                strict: strict_of(fm, P)?,
-            }
+            json_schema_of(fm, P)?
         }
         Some(other) => {
             return Err(ApiError::unsupported(
