@@ -199,6 +199,7 @@ pub(crate) fn tokenize(
     st: &AppState,
     input: &Input,
     chat_param: &str,
+    kwargs: &tokenizer::TemplateKwargs,
 ) -> Result<(Vec<u32>, String), ApiError> {
     match input {
         Input::Tokens(ids) => Ok((ids.clone(), format!("{ids:?}"))),
@@ -208,7 +209,7 @@ pub(crate) fn tokenize(
             Ok((ids, t.clone()))
         }
         Input::Chat(msgs) => {
-            let p = chat_prompt(st, msgs, chat_param)?;
+            let p = chat_prompt(st, msgs, chat_param, kwargs)?;
             Ok((p.ids, p.text))
         }
     }
@@ -218,6 +219,7 @@ fn chat_prompt(
     st: &AppState,
     msgs: &[(String, String)],
     param: &str,
+    kwargs: &tokenizer::TemplateKwargs,
 ) -> Result<tokenizer::Prompt, ApiError> {
     let template = st
         .template
@@ -227,7 +229,12 @@ fn chat_prompt(
         .iter()
         .map(|(r, c)| ChatMessage::new(r.as_str(), c.as_str()))
         .collect();
-    tokenizer::encode_chat(&st.tokenizer, template, &ms).map_err(|e| ApiError::bad_prompt(param, e))
+    tokenizer::encode_chat_with(&st.tokenizer, template, &ms, kwargs).map_err(|e| match e {
+        tokenizer::TokenizerError::ReservedTemplateVariable(ref k) => {
+            ApiError::invalid_value(format!("chat_template_kwargs.{k}"), e.to_string())
+        }
+        e => ApiError::bad_prompt(param, e),
+    })
 }
 
 /// Compiles a request's grammar (cached in its scope); a grammar that is
@@ -283,7 +290,7 @@ async fn admit(
         tokio::task::spawn_blocking(move || {
             let prompts = std::iter::once(&params.input)
                 .chain(&params.more_inputs)
-                .map(|input| tokenize(&st2, input, ep.prompt_param()))
+                .map(|input| tokenize(&st2, input, ep.prompt_param(), &params.template_kwargs))
                 .collect::<Result<Vec<_>, _>>()?;
             let grammar = params
                 .structured

@@ -28,8 +28,8 @@ pub(crate) async fn handle(
         let bytes =
             crate::http::read_body(body, &headers, st.cfg.max_body_bytes, st.cfg.body_timeout)
                 .await?;
-        let input = parse_tokenize(&bytes)?;
-        let (ids, _) = crate::http::tokenize(&st, &input, "messages")?;
+        let (input, kwargs) = parse_tokenize(&bytes)?;
+        let (ids, _) = crate::http::tokenize(&st, &input, "messages", &kwargs)?;
         Ok::<_, ApiError>(serde_json::json!({
             "count": ids.len(),
             "max_model_len": st.max_request(),
@@ -48,11 +48,19 @@ pub(crate) async fn handle(
 
 /// Parses a `/tokenize` body (the endpoint vLLM's and llama.cpp's servers
 /// have): `messages`, rendered as `/v1/chat/completions` renders them, or
-/// a text `prompt`, tokenised as `/v1/completions` tokenises it.
-pub fn parse_tokenize(body: &[u8]) -> Result<Input, ApiError> {
+/// a text `prompt`, tokenised as `/v1/completions` tokenises it; with
+/// messages, `chat_template_kwargs` as chat takes them.
+pub fn parse_tokenize(body: &[u8]) -> Result<(Input, tokenizer::TemplateKwargs), ApiError> {
     let obj = parse_object(body)?;
     let f = Fields(&obj);
-    match (f.get("messages"), f.get("prompt")) {
+    let kwargs = crate::openai::fields::parse_template_kwargs(&f)?;
+    if !kwargs.is_empty() && f.get("messages").is_none() {
+        return Err(ApiError::unsupported(
+            "chat_template_kwargs",
+            "the chat template renders messages only",
+        ));
+    }
+    let input = match (f.get("messages"), f.get("prompt")) {
         (Some(_), Some(_)) => Err(ApiError::invalid_value(
             "prompt",
             "give either messages or prompt, not both",
@@ -64,5 +72,6 @@ pub fn parse_tokenize(body: &[u8]) -> Result<Input, ApiError> {
             &format!("a string, got {}", type_name(v)),
         )),
         (None, None) => Err(ApiError::missing("prompt")),
-    }
+    }?;
+    Ok((input, kwargs))
 }

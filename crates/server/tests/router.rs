@@ -704,3 +704,91 @@ async fn no_console_payload_carries_a_prompt_a_key_or_a_scope() {
         assert!(max < 1 << 63, "a scope value in a snapshot: {max}");
     }
 }
+
+/// Issue 35's first point: `chat_template_kwargs` reach the chat template
+/// (as `enable_thinking` reaches Qwen 3's), on chat and `/tokenize` alike;
+/// not an object, a name the template sets itself, or an endpoint without
+/// a template is a 400 naming the field.
+#[tokio::test]
+async fn chat_template_kwargs_reach_the_template() {
+    let path = model_path(256);
+    let model = model::Model::load(&path, kernels::ThreadPool::new(1)).expect("load");
+    let tok = tokenizer::Tokenizer::from_gguf(model.gguf()).expect("tokenizer");
+    let template = tokenizer::ChatTemplate::new(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}\
+         {% if enable_thinking is defined and not enable_thinking %}nothink\n{% endif %}\
+         {% if add_generation_prompt %}assistant:{% endif %}",
+        "",
+        "",
+    )
+    .expect("template");
+    let engine =
+        engine::Engine::start(model, tok.clone(), engine::EngineConfig::default()).expect("start");
+    let app = Server::new(
+        engine,
+        tok.clone(),
+        Some(template),
+        Tenants::anonymous(),
+        None,
+        ServerConfig::new(MODEL_ID),
+    )
+    .router();
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    // The text a /tokenize answer's ids decode to (BOS left out).
+    let text = |v: &Value| {
+        let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).expect("ids");
+        tok.decode_with(&ids, true).expect("decode")
+    };
+    let (s, plain) = call(&app, post("/tokenize", json!({"messages": msgs}))).await;
+    assert_eq!(s, StatusCode::OK, "{plain}");
+    assert_eq!(text(&plain), "user: hi\nassistant:");
+    let off = json!({"enable_thinking": false, "unused": {"a": [1, 2.5, null]}});
+    let (s, v) = call(
+        &app,
+        post(
+            "/tokenize",
+            json!({"messages": msgs, "chat_template_kwargs": off}),
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(text(&v), "user: hi\nnothink\nassistant:");
+    let thinking_off = v["count"].clone();
+    // A chat request renders the same prompt: its usage counts it.
+    let (s, v) = call(
+        &app,
+        post(
+            "/v1/chat/completions",
+            json!({"messages": msgs, "max_tokens": 1, "chat_template_kwargs": off}),
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], thinking_off);
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "chat_template_kwargs": [1]}),
+            "chat_template_kwargs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "chat_template_kwargs": {"messages": []}}),
+            "chat_template_kwargs.messages",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "chat_template_kwargs": {"enable_thinking": false}}),
+            "chat_template_kwargs",
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "chat_template_kwargs": {"enable_thinking": false}}),
+            "chat_template_kwargs",
+        ),
+    ] {
+        let (s, v) = call(&app, post(path, body)).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{path}: {v}");
+        assert_eq!(v["error"]["param"], json!(param), "{path}: {v}");
+    }
+}

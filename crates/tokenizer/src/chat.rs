@@ -50,6 +50,51 @@ impl ChatMessage {
     }
 }
 
+/// A value a request hands the template (`chat_template_kwargs`, as
+/// vLLM's and Hugging Face's `apply_chat_template` take extra variables):
+/// JSON's shapes, without a JSON library here.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TemplateValue {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(String),
+    List(Vec<TemplateValue>),
+    Map(BTreeMap<String, TemplateValue>),
+}
+
+/// A request's extra template variables, by name.
+pub type TemplateKwargs = BTreeMap<String, TemplateValue>;
+
+/// The variables the template's render sets itself: a request may not
+/// replace them.
+pub const TEMPLATE_RESERVED: [&str; 5] = [
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "raise_exception",
+];
+
+impl TemplateValue {
+    fn to_value(&self) -> Value {
+        match self {
+            TemplateValue::Null => Value::from(()),
+            TemplateValue::Bool(b) => Value::from(*b),
+            TemplateValue::Int(i) => Value::from(*i),
+            TemplateValue::Float(x) => Value::from(*x),
+            TemplateValue::Str(s) => Value::from(s.as_str()),
+            TemplateValue::List(l) => Value::from(l.iter().map(Self::to_value).collect::<Vec<_>>()),
+            TemplateValue::Map(m) => Value::from(
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.to_value()))
+                    .collect::<BTreeMap<String, Value>>(),
+            ),
+        }
+    }
+}
+
 /// A compiled chat template.
 ///
 /// Rendered like Hugging Face `apply_chat_template`: Jinja with
@@ -178,6 +223,24 @@ impl ChatTemplate {
     /// Renders `messages`; with `add_generation_prompt` the text ends with
     /// the opening of the assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &TemplateKwargs::new())
+    }
+
+    /// [`ChatTemplate::render`] with a request's extra variables
+    /// (`enable_thinking`, ...); a name in [`TEMPLATE_RESERVED`] is an
+    /// error, never a replacement.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &TemplateKwargs,
+    ) -> Result<String> {
+        if let Some(k) = kwargs
+            .keys()
+            .find(|k| TEMPLATE_RESERVED.contains(&k.as_str()))
+        {
+            return Err(TokenizerError::ReservedTemplateVariable(k.clone()));
+        }
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -187,7 +250,10 @@ impl ChatTemplate {
                 Value::from(map)
             })
             .collect();
-        let mut ctx = BTreeMap::new();
+        let mut ctx: BTreeMap<String, Value> = kwargs
+            .iter()
+            .map(|(k, v)| (k.clone(), v.to_value()))
+            .collect();
         ctx.insert("messages".to_string(), Value::from(messages));
         ctx.insert(
             "add_generation_prompt".to_string(),
@@ -221,4 +287,58 @@ fn map_render_error(e: minijinja::Error) -> TokenizerError {
         cur = err.source();
     }
     TokenizerError::Template(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A thinking model's switch, as Qwen 3's template reads it.
+    const THINKING: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}\
+        {% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not \
+        enable_thinking %}<think></think>{% endif %}{% endif %}\
+        {% if style is defined %}[{{ style.tone }}:{{ style.levels | join(',') }}]{% endif %}";
+
+    #[test]
+    fn kwargs_reach_the_template_and_cannot_replace_its_own_variables() {
+        let t = ChatTemplate::new(THINKING, "<s>", "</s>").unwrap();
+        let msgs = [ChatMessage::user("hi")];
+        let plain = t.render(&msgs, true).unwrap();
+        assert_eq!(plain, "<|user|>hi\n<|assistant|>");
+        let off: TemplateKwargs = [("enable_thinking".to_string(), TemplateValue::Bool(false))]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            t.render_with(&msgs, true, &off).unwrap(),
+            "<|user|>hi\n<|assistant|><think></think>"
+        );
+        // Anything else passes through, nested values included.
+        let style: TemplateKwargs = [(
+            "style".to_string(),
+            TemplateValue::Map(
+                [
+                    ("tone".to_string(), TemplateValue::Str("dry".into())),
+                    (
+                        "levels".to_string(),
+                        TemplateValue::List(vec![TemplateValue::Int(1), TemplateValue::Float(2.5)]),
+                    ),
+                ]
+                .into_iter()
+                .collect(),
+            ),
+        )]
+        .into_iter()
+        .collect();
+        assert!(t
+            .render_with(&msgs, true, &style)
+            .unwrap()
+            .ends_with("[dry:1,2.5]"));
+        for name in TEMPLATE_RESERVED {
+            let bad: TemplateKwargs = [(name.to_string(), TemplateValue::Null)]
+                .into_iter()
+                .collect();
+            let e = t.render_with(&msgs, true, &bad).unwrap_err();
+            assert!(matches!(e, TokenizerError::ReservedTemplateVariable(ref k) if k == name));
+        }
+    }
 }

@@ -46,6 +46,11 @@ pub enum TokenizerError {
     #[error("the model's chat template does not keep message content verbatim")]
     TemplateAltersContent,
 
+    /// A request's template variable would replace one the render sets
+    /// (`messages`, `bos_token`, ...).
+    #[error("`{0}` is the template's own variable and cannot be passed in")]
+    ReservedTemplateVariable(String),
+
     /// The chat template called `raise_exception(message)`.
     #[error("chat template raised an exception: {0}")]
     TemplateException(String),

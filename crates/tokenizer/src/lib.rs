@@ -49,7 +49,7 @@ pub mod spm;
 mod stream;
 
 pub use bpe::{PreTokenizer, TokenType, Tokenizer};
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, TemplateKwargs, TemplateValue, TEMPLATE_RESERVED};
 pub use error::{Result, TokenizerError};
-pub use prompt::{encode_chat, encode_text, Prompt};
+pub use prompt::{encode_chat, encode_chat_with, encode_text, Prompt};
 pub use stream::StreamDecoder;

@@ -7,7 +7,7 @@
 //! `<|im_start|>system` gets those characters, not a forged turn. BOS is
 //! prepended when the model asks for it.
 
-use crate::{ChatMessage, ChatTemplate, Result, Tokenizer, TokenizerError};
+use crate::{ChatMessage, ChatTemplate, Result, TemplateKwargs, Tokenizer, TokenizerError};
 
 /// A prompt's token ids and the text they encode (for logs).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,7 +30,19 @@ pub fn encode_chat(
     template: &ChatTemplate,
     messages: &[ChatMessage],
 ) -> Result<Prompt> {
-    let text = template.render(messages, true)?;
+    encode_chat_with(tok, template, messages, &TemplateKwargs::new())
+}
+
+/// [`encode_chat`] with a request's extra template variables
+/// (`chat_template_kwargs`: `enable_thinking`, ...). The variables are the
+/// template's input like its own text; message contents stay plain text.
+pub fn encode_chat_with(
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+    kwargs: &TemplateKwargs,
+) -> Result<Prompt> {
+    let text = template.render_with(messages, true, kwargs)?;
     // The same render with each content replaced by a sentinel shows where
     // the contents sit in the template's text.
     let marked: Vec<ChatMessage> = messages
@@ -38,7 +50,7 @@ pub fn encode_chat(
         .enumerate()
         .map(|(i, m)| ChatMessage::new(m.role.as_str(), sentinel(i)))
         .collect();
-    let skeleton = template.render(&marked, true)?;
+    let skeleton = template.render_with(&marked, true, kwargs)?;
     let mut ids = Vec::new();
     // The text the ids encode, rebuilt piece by piece: it must be the
     // rendered text, or the template did something to the content that

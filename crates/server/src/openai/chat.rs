@@ -60,6 +60,7 @@ const VARIANT: Variant = Variant {
     max_tokens: fields::max_tokens,
     logprobs,
     structured: super::structured::parse,
+    chat_template: true,
 };
 
 /// `logprobs: true`, with `top_logprobs` alternatives.

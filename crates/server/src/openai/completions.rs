@@ -68,6 +68,7 @@ const VARIANT: Variant = Variant {
     max_tokens: fields::max_tokens,
     logprobs,
     structured: super::structured::parse,
+    chat_template: false,
 };
 
 /// `logprobs`: the number of alternatives (an integer, not chat's

@@ -20,6 +20,9 @@ pub(crate) struct Variant {
     pub logprobs: fn(&Fields<'_>) -> Result<Option<usize>, ApiError>,
     /// The output's grammar, from the fields the endpoint reads it from.
     pub structured: fn(&Fields<'_>) -> Result<Option<StructuredOutput>, ApiError>,
+    /// The endpoint renders messages through the chat template (and so
+    /// takes `chat_template_kwargs`).
+    pub chat_template: bool,
 }
 
 /// A number as an error message shows it: short whatever its size (Rust's
@@ -270,6 +273,13 @@ pub(crate) fn parse_common(
     }
     let logit_bias = parse_logit_bias(f)?;
     refuse_tools(f)?;
+    let template_kwargs = parse_template_kwargs(f)?;
+    if !template_kwargs.is_empty() && !variant.chat_template {
+        return Err(ApiError::unsupported(
+            "chat_template_kwargs",
+            "this endpoint does not render a chat template (use /v1/chat/completions)",
+        ));
+    }
     let structured = (variant.structured)(f)?;
     let max_tokens = (variant.max_tokens)(f)?;
     let temperature = f.number_in("temperature", 0.0, false, 2.0)?.unwrap_or(1.0);
@@ -350,7 +360,68 @@ pub(crate) fn parse_common(
         priority,
         logit_bias,
         structured,
+        template_kwargs,
     })
+}
+
+/// Most keys of `chat_template_kwargs`.
+pub const TEMPLATE_KWARGS_MAX: usize = 64;
+
+/// `chat_template_kwargs` (vLLM's): an object whose members reach the
+/// chat template as variables (`enable_thinking`, or anything the
+/// template reads); not an object is a 400, as is a name the template's
+/// render sets itself (`messages`, ...).
+pub(crate) fn parse_template_kwargs(f: &Fields<'_>) -> Result<tokenizer::TemplateKwargs, ApiError> {
+    const P: &str = "chat_template_kwargs";
+    let m = match f.get(P) {
+        None => return Ok(tokenizer::TemplateKwargs::new()),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                P,
+                &format!("an object, got {}", type_name(v)),
+            ))
+        }
+    };
+    if m.len() > TEMPLATE_KWARGS_MAX {
+        return Err(ApiError::invalid_value(
+            P,
+            format!("at most {TEMPLATE_KWARGS_MAX} keys, got {}", m.len()),
+        ));
+    }
+    if let Some(k) = m
+        .keys()
+        .find(|k| tokenizer::TEMPLATE_RESERVED.contains(&k.as_str()))
+    {
+        return Err(ApiError::invalid_value(
+            format!("{P}.{k}"),
+            "the template sets this variable itself",
+        ));
+    }
+    Ok(m.iter()
+        .map(|(k, v)| (k.clone(), template_value(v)))
+        .collect())
+}
+
+/// A JSON value as the template sees it (the body parser bounded its
+/// nesting).
+fn template_value(v: &Value) -> tokenizer::TemplateValue {
+    use tokenizer::TemplateValue as T;
+    match v {
+        Value::Null => T::Null,
+        Value::Bool(b) => T::Bool(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => T::Int(i),
+            None => T::Float(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Value::String(s) => T::Str(s.clone()),
+        Value::Array(a) => T::List(a.iter().map(template_value).collect()),
+        Value::Object(m) => T::Map(
+            m.iter()
+                .map(|(k, v)| (k.clone(), template_value(v)))
+                .collect(),
+        ),
+    }
 }
 
 /// `logit_bias`: an object from token ids (decimal strings, as JSON keys

@@ -95,6 +95,8 @@ pub struct GenParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// The grammar the output must follow, and the field that asked.
     pub structured: Option<structured::StructuredOutput>,
+    /// `chat_template_kwargs`: variables for the chat template.
+    pub template_kwargs: tokenizer::TemplateKwargs,
 }
 
 // ---- shapes every endpoint shares ------------------------------------------

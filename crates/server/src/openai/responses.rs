@@ -72,6 +72,7 @@ const VARIANT: Variant = Variant {
     max_tokens: |f| f.int_in("max_output_tokens", 1, request::MAX_TOKENS_MAX as i64),
     logprobs,
     structured,
+    chat_template: true,
 };
 
 /// `text.format`; the chat fields that ask for a format are refused here
