@@ -82,6 +82,31 @@ pub struct HttpArgs {
     /// before they are cancelled (new requests get 503 meanwhile).
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
+    /// A Jinja chat template file to render chat messages with, in place
+    /// of the model's own (`tokenizer.chat_template`), as vLLM's and
+    /// llama.cpp's `--chat-template` take one.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+}
+
+impl HttpArgs {
+    /// The chat template to serve: `--chat-template`'s, or `own` (the
+    /// model's).
+    pub fn chat_template(
+        &self,
+        gguf: &gguf::GgufFile,
+        own: Option<tokenizer::ChatTemplate>,
+    ) -> anyhow::Result<Option<tokenizer::ChatTemplate>> {
+        use anyhow::Context as _;
+        let Some(path) = &self.chat_template else {
+            return Ok(own);
+        };
+        let source = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the chat template {}", path.display()))?;
+        let t = tokenizer::ChatTemplate::with_source(source, gguf)
+            .with_context(|| format!("the chat template {} does not compile", path.display()))?;
+        Ok(Some(t))
+    }
 }
 
 /// The engine side of `serve`, `prefill` and `decode`.

@@ -182,7 +182,7 @@ struct GatewayModel {
     fingerprint: [u8; 32],
 }
 
-fn gateway_model(path: &Path) -> Result<GatewayModel> {
+fn gateway_model(path: &Path, http: &HttpArgs) -> Result<GatewayModel> {
     let f =
         gguf::GgufFile::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let config = model::Config::from_gguf(&f).context("unsupported model")?;
@@ -190,6 +190,7 @@ fn gateway_model(path: &Path) -> Result<GatewayModel> {
     let template = tokenizer::ChatTemplate::from_gguf_or_builtin(&f)
         .ok()
         .map(|(t, _)| t);
+    let template = http.chat_template(&f, template)?;
     let fingerprint = f.fingerprint().context("cannot fingerprint the model")?;
     Ok(GatewayModel {
         id: path
@@ -307,7 +308,7 @@ pub fn run_gateway(args: GatewayArgs) -> Result<()> {
     let transport = args.tls.transport_config(&addrs, "node address")?;
     let (tenants, reqlog) = tenants_and_log(&args.http)?;
     let path = fetch::resolve_model(args.model.as_deref(), false)?;
-    let model = gateway_model(&path)?;
+    let model = gateway_model(&path, &args.http)?;
     let telemetry = args.otlp.telemetry("isoserve-gateway", "gateway")?;
     let rt = runtime()?;
     rt.block_on(serve_gateway(
@@ -437,7 +438,7 @@ pub fn run_supervised(args: ServeArgs) -> Result<()> {
     serve::init_tracing();
     let (tenants, reqlog) = tenants_and_log(&args.http)?;
     let path = fetch::resolve_model(args.engine.model.as_deref(), false)?;
-    let model = gateway_model(&path)?;
+    let model = gateway_model(&path, &args.http)?;
     // The children's engine flags come from the same struct (a new flag
     // cannot miss them), with the model resolved here.
     let engine = NodeEngineArgs {

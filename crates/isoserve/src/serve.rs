@@ -100,6 +100,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tokenizer,
         template,
     } = generate::load(&path)?;
+    let template = http.chat_template(model.gguf(), template)?;
     if template.is_none() {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
     }

@@ -171,6 +171,14 @@ impl ChatTemplate {
         Self::new(source, bos, eos)
     }
 
+    /// A template of one's own (`--chat-template FILE`) in place of the
+    /// GGUF's, with the model's `bos_token` and `eos_token` texts.
+    pub fn with_source(source: impl Into<String>, file: &GgufFile) -> Result<ChatTemplate> {
+        let bos = token_text(file, "tokenizer.ggml.bos_token_id")?;
+        let eos = token_text(file, "tokenizer.ggml.eos_token_id")?;
+        Self::new(source, bos, eos)
+    }
+
     /// Compiles a template; syntax errors are [`TokenizerError::Template`].
     pub fn new(
         source: impl Into<String>,
