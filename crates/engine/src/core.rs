@@ -88,19 +88,9 @@ pub(crate) struct Active {
     /// sequence's own state, dropped with it. `None` while it is with the
     /// mask workers (or without a grammar).
     grammar: Option<grammar::Matcher>,
-    /// The request has a grammar (its matcher is here or with the workers).
-    constrained: bool,
-    /// Its matcher is with the mask workers, computing `mask`.
-    mask_in_flight: bool,
-    /// The mask for the next token, once computed (an error: the grammar
-    /// could not be followed).
-    mask: Option<Result<grammar::Mask, String>>,
-    /// How long its last mask took (cheap masks are computed first).
-    mask_cost_ns: u64,
-    /// Logits whose mask was not ready when the forward pass ended: the
-    /// token is sampled as soon as it is, and the request takes no row
-    /// until then (a slow grammar holds its own request, not the step).
-    stash: Option<Box<Stash>>,
+    /// Its next mask: with the workers, computed, or late (see
+    /// [`Masking`]).
+    masking: Masking,
     stops: StopStrings,
     decoder: StreamDecoder,
     pages: Vec<PageRef>,
@@ -128,6 +118,22 @@ pub(crate) struct Active {
     first_token_at: Option<Instant>,
 }
 
+/// A constrained request's next mask (structured outputs).
+#[derive(Default)]
+pub(crate) struct Masking {
+    /// Its matcher is with the mask workers, computing `ready`.
+    in_flight: bool,
+    /// The mask for the next token, once computed (an error: the grammar
+    /// could not be followed).
+    ready: Option<Result<grammar::Mask, String>>,
+    /// How long its last mask took (cheap masks are computed first).
+    cost_ns: u64,
+    /// Logits whose mask was not ready when the forward pass ended: the
+    /// token is sampled as soon as it is, and the request takes no row
+    /// until then (a slow grammar holds its own request, not the step).
+    stash: Option<Box<Stash>>,
+}
+
 /// A row's logits and log-probabilities, kept until the row's mask is ready.
 pub(crate) struct Stash {
     logits: Vec<f32>,
@@ -136,9 +142,15 @@ pub(crate) struct Stash {
 }
 
 impl Active {
+    /// It has a grammar: its matcher is here or with the workers, or its
+    /// mask (an error, if the matcher was lost) waits to be used.
+    fn constrained(&self) -> bool {
+        self.grammar.is_some() || self.masking.in_flight || self.masking.ready.is_some()
+    }
+
     /// Its logits wait for their mask: no row until its token is sampled.
     fn stashed(&self) -> bool {
-        self.stash.is_some()
+        self.masking.stash.is_some()
     }
 
     /// One row a step: the last sampled token. Otherwise the request is
@@ -780,11 +792,7 @@ impl<F: Forward> Core<F> {
                 .as_ref()
                 .and_then(compiled_of)
                 .map(|g| g.matcher()),
-            constrained: sub.req.grammar.is_some(),
-            mask_in_flight: false,
-            mask: None,
-            mask_cost_ns: 0,
-            stash: None,
+            masking: Masking::default(),
             stops,
             decoder: self.tokenizer.stream_decoder().skip_special(true),
             pages,
@@ -940,20 +948,20 @@ impl<F: Forward> Core<F> {
         // Its matcher comes home first (a mask is bounded by the grammar's
         // step limits; the bound here only guards a lost worker).
         let deadline = Instant::now() + MASK_WAIT_MAX;
-        while self.running[i].mask_in_flight {
+        while self.running[i].masking.in_flight {
             match self.masks.as_mut().and_then(|m| m.recv(Some(deadline))) {
                 Some(done) => self.mask_done(done),
                 None => {
                     let a = &mut self.running[i];
-                    a.mask_in_flight = false;
-                    a.mask = Some(Err("the grammar's mask was lost".into()));
+                    a.masking.in_flight = false;
+                    a.masking.ready = Some(Err("the grammar's mask was lost".into()));
                 }
             }
         }
         let mut a = self.running.remove(i);
         // Logits waiting for their mask are recomputed on resuming (K12:
         // the same logits); the mask, if it came, is kept for them.
-        a.stash = None;
+        a.masking.stash = None;
         if self.cfg.prefix_cache == PrefixCache::Tenant {
             let ps = self.cfg.page_size_tokens;
             let computed = a.computed;
@@ -1012,14 +1020,14 @@ impl<F: Forward> Core<F> {
         };
         // Paired with `send_mask`: one matcher away, one answer back.
         assert!(
-            a.mask_in_flight && a.grammar.is_none() && a.mask.is_none(),
+            a.masking.in_flight && a.grammar.is_none() && a.masking.ready.is_none(),
             "request {}'s mask came back twice",
             a.id
         );
-        a.mask_in_flight = false;
+        a.masking.in_flight = false;
         a.grammar = Some(done.matcher);
-        a.mask_cost_ns = done.took.as_nanos().min(u64::MAX as u128) as u64;
-        a.mask = Some(done.mask.map_err(|e| e.to_string()));
+        a.masking.cost_ns = done.took.as_nanos().min(u64::MAX as u128) as u64;
+        a.masking.ready = Some(done.mask.map_err(|e| e.to_string()));
     }
 
     /// Takes the masks that came back (waiting until `deadline` for the
@@ -1032,7 +1040,7 @@ impl<F: Forward> Core<F> {
             wait = None;
         }
         let ready: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].stashed() && self.running[i].mask.is_some())
+            .filter(|&i| self.running[i].stashed() && self.running[i].masking.ready.is_some())
             .collect();
         if ready.is_empty() {
             return false;
@@ -1041,7 +1049,7 @@ impl<F: Forward> Core<F> {
         let mut ended = Vec::new();
         for i in ready {
             let a = &mut self.running[i];
-            let Some(mut stash) = a.stash.take() else {
+            let Some(mut stash) = a.masking.stash.take() else {
                 continue;
             };
             let top = std::mem::take(&mut stash.top);
@@ -1187,7 +1195,7 @@ impl<F: Forward> Core<F> {
         for ri in 0..self.rows.len() {
             let r = self.rows[ri];
             let a = &mut self.running[r.seq];
-            if r.logits && a.constrained && a.mask.is_none() && !a.mask_in_flight {
+            if r.logits && a.constrained() && a.masking.ready.is_none() && !a.masking.in_flight {
                 send_mask(&mut self.masks, a);
             }
         }
@@ -1211,7 +1219,7 @@ impl<F: Forward> Core<F> {
         while self.rows.iter().any(|r| {
             r.logits && {
                 let a = &self.running[r.seq];
-                a.constrained && a.mask.is_none() && a.mask_in_flight
+                a.constrained() && a.masking.ready.is_none() && a.masking.in_flight
             }
         }) {
             let Some(done) = self.masks.as_mut().and_then(|m| m.recv(Some(deadline))) else {
@@ -1306,9 +1314,9 @@ impl<F: Forward> Core<F> {
                 Some(n) => logprobs_of(logits, n),
                 None => (Vec::new(), Vec::new()),
             };
-            if a.constrained && a.mask.is_none() {
+            if a.constrained() && a.masking.ready.is_none() {
                 // Its mask is late: keep the logits for when it comes.
-                a.stash = Some(Box::new(Stash {
+                a.masking.stash = Some(Box::new(Stash {
                     logits: logits.to_vec(),
                     lp,
                     top,
@@ -1405,11 +1413,7 @@ impl<F: Forward> Core<F> {
             logprobs: job.logprobs,
             sampler: Sampler::new(job.params),
             grammar: job.grammar.as_ref().map(|g| g.matcher()),
-            constrained: job.grammar.is_some(),
-            mask_in_flight: false,
-            mask: None,
-            mask_cost_ns: 0,
-            stash: None,
+            masking: Masking::default(),
             stops: StopStrings::new(Vec::new()).expect("no stop strings are valid"),
             decoder: self.tokenizer.stream_decoder().skip_special(true),
             shared,
@@ -1450,11 +1454,7 @@ impl<F: Forward> Core<F> {
             logprobs: job.logprobs,
             sampler: Sampler::with_rng_state(job.params, job.sampler_state),
             grammar: job.grammar.as_ref().map(|g| g.matcher()),
-            constrained: job.grammar.is_some(),
-            mask_in_flight: false,
-            mask: None,
-            mask_cost_ns: 0,
-            stash: None,
+            masking: Masking::default(),
             stops,
             decoder: self.tokenizer.stream_decoder().skip_special(true),
             shared: vec![false; job.pages.len()],
@@ -1645,14 +1645,14 @@ fn send_mask(masks: &mut Option<masks::Masks>, a: &mut Active) {
             Ok(w) => *masks = Some(w),
             Err(e) => {
                 a.grammar = Some(m);
-                a.mask = Some(Err(format!("cannot start the mask workers: {e}")));
+                a.masking.ready = Some(Err(format!("cannot start the mask workers: {e}")));
                 return;
             }
         }
     }
     if let Some(w) = masks.as_mut() {
-        w.send(a.id, m, a.mask_cost_ns);
-        a.mask_in_flight = true;
+        w.send(a.id, m, a.masking.cost_ns);
+        a.masking.in_flight = true;
     }
 }
 
@@ -1672,8 +1672,8 @@ fn sample_row(
     local: &mut EngineStats,
     masks: &mut Option<masks::Masks>,
 ) -> RowEnd {
-    if a.constrained {
-        match a.mask.take() {
+    if a.constrained() {
+        match a.masking.ready.take() {
             Some(Ok(mask)) => mask.apply(logits),
             Some(Err(why)) => return RowEnd::Failed(RequestError::Grammar(why)),
             // A constrained row is sampled only with its mask.
@@ -1709,7 +1709,7 @@ fn sample_row(
         None => {
             // The next mask is computed while the request waits for its
             // next row.
-            if a.constrained {
+            if a.constrained() {
                 send_mask(masks, a);
             }
             RowEnd::Running
