@@ -637,13 +637,7 @@ fn grammar_trials(
                 )),
             ));
         }
-        let (s, c) = if trial % 2 == 0 {
-            let s = send(1, &shared)?;
-            (s, send(1, &cold)?)
-        } else {
-            let c = send(1, &cold)?;
-            (send(1, &shared)?, c)
-        };
+        let (s, c) = alternating(trial, || send(1, &shared), || send(1, &cold))?;
         if first.ok() && s.ok() && c.ok() {
             trials.push(GrammarTrial {
                 schema_bytes: shared.len(),
@@ -657,6 +651,22 @@ fn grammar_trials(
 
 /// Trials of the prefix-cache check.
 const CACHE_TRIALS: usize = 3;
+
+/// Runs `shared` then `cold` in even trials and the other way round in odd
+/// ones (so neither always goes first); their answers in that order.
+fn alternating<T, E>(
+    trial: usize,
+    shared: impl FnOnce() -> Result<T, E>,
+    cold: impl FnOnce() -> Result<T, E>,
+) -> Result<(T, T), E> {
+    if trial % 2 == 0 {
+        let s = shared()?;
+        Ok((s, cold()?))
+    } else {
+        let c = cold()?;
+        Ok((shared()?, c))
+    }
+}
 
 /// Per trial: the first tenant sends a fresh prompt (warming any cache it
 /// may fill); the second tenant then sends that very prompt and a fresh
@@ -678,13 +688,7 @@ fn cache_trials(
         };
         let send = |t: usize, p: &str| r.send_as(r.key(t), &one(p), None);
         let warm = send(0, &shared)?;
-        let (s, c) = if trial % 2 == 0 {
-            let s = send(1, &shared)?;
-            (s, send(1, &cold)?)
-        } else {
-            let c = send(1, &cold)?;
-            (send(1, &shared)?, c)
-        };
+        let (s, c) = alternating(trial, || send(1, &shared), || send(1, &cold))?;
         if warm.ok() && s.ok() && c.ok() {
             trials.push(CacheTrial {
                 prompt_tokens: s.prompt_tokens.unwrap_or(0),

@@ -74,6 +74,20 @@ impl Endpoint for Fake {
     }
 }
 
+/// A 400 answer with `code`.
+fn refused(code: &str) -> Completion {
+    Completion {
+        status: 400,
+        text: String::new(),
+        prompt_tokens: None,
+        completion_tokens: None,
+        tokens: None,
+        error_code: Some(code.into()),
+        latency_s: 0.001,
+        cached_tokens: None,
+    }
+}
+
 impl Fake {
     fn answer(&self, key: &str, req: &Request) -> Result<Completion, ProbeError> {
         if !key.starts_with("key-") {
@@ -93,16 +107,7 @@ impl Fake {
         let mut text = code_of(&req.prompt).unwrap_or_else(|| " hello".into());
         if total > self.window {
             if !self.incident {
-                return Ok(Completion {
-                    status: 400,
-                    text: String::new(),
-                    prompt_tokens: None,
-                    completion_tokens: None,
-                    tokens: None,
-                    error_code: Some("context_length_exceeded".into()),
-                    latency_s: 0.001,
-                    cached_tokens: None,
-                });
+                return Ok(refused("context_length_exceeded"));
             }
             tokens = 1;
             text = self.last_code.lock().unwrap().clone();
@@ -115,16 +120,7 @@ impl Fake {
         let mut compile_s = 0.0;
         if let Some(schema) = &req.schema {
             let Some(grammar) = self.grammar else {
-                return Ok(Completion {
-                    status: 400,
-                    text: String::new(),
-                    prompt_tokens: None,
-                    completion_tokens: None,
-                    tokens: None,
-                    error_code: Some("invalid_value".into()),
-                    latency_s: 0.001,
-                    cached_tokens: None,
-                });
+                return Ok(refused("invalid_value"));
             };
             let scope = match grammar {
                 Cache::Global => String::new(),
