@@ -1034,6 +1034,10 @@ impl<F: Forward> Core<F> {
     /// first, if given) and samples every request whose logits waited for
     /// its mask. True if a token was sampled or a request ended.
     fn sample_stashed(&mut self, deadline: Option<Instant>) -> bool {
+        // No mask workers: no constrained request ever ran, none waits.
+        if self.masks.is_none() {
+            return false;
+        }
         let mut wait = deadline;
         while let Some(done) = self.masks.as_mut().and_then(|m| m.recv(wait)) {
             self.mask_done(done);
