@@ -659,7 +659,7 @@ fn alternating<T, E>(
     shared: impl FnOnce() -> Result<T, E>,
     cold: impl FnOnce() -> Result<T, E>,
 ) -> Result<(T, T), E> {
-    if trial % 2 == 0 {
+    if trial.is_multiple_of(2) {
         let s = shared()?;
         Ok((s, cold()?))
     } else {
