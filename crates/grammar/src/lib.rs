@@ -482,6 +482,40 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
     })
 }
 
+/// A JSON schema narrowed as a `json_schema` request's is
+/// ([`GrammarSpec::JsonSchema`]: bounded numbers and formats, `strict`
+/// closing objects), for a schema that is part of a larger one (a tool's
+/// arguments inside a call).
+pub fn narrowed_schema(schema: &Value, strict: bool) -> Result<Value, GrammarError> {
+    let mut v = schema.clone();
+    match &mut v {
+        Value::Object(m) => {
+            if m.contains_key("x-guidance") {
+                return Err(GrammarError::Invalid(
+                    "`x-guidance` is not accepted in a schema: the server sets the JSON layout"
+                        .into(),
+                ));
+            }
+            narrow_schema(&mut v, strict);
+            Ok(v)
+        }
+        Value::Bool(true) => Ok(json!({})),
+        _ => Err(GrammarError::Invalid(
+            "a schema is a JSON object (or `true`)".into(),
+        )),
+    }
+}
+
+/// A (narrowed) schema as a Lark grammar inlines it, `%json { … }`, laid
+/// out as a `json_schema` request's output is (`", "`, `": "`).
+pub fn inline_schema(schema: &Value) -> String {
+    let mut v = schema.clone();
+    if let Value::Object(m) = &mut v {
+        m.insert("x-guidance".into(), json_options());
+    }
+    format!("%json {v}")
+}
+
 /// A grammar compiled over the vocabulary: a parser in its start state,
 /// which every sequence clones. Clones share the lexer's lazily built
 /// states, so the cache that holds it is what decides who shares them:

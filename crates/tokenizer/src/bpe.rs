@@ -174,6 +174,9 @@ struct Inner {
     eos_ids: Vec<u32>,
     add_bos: bool,
     pre: PreTokenizer,
+    /// Matches control tokens' texts ([`Tokenizer::control_text_in`]), and
+    /// the id of each pattern.
+    controls: std::sync::OnceLock<(Option<aho_corasick::AhoCorasick>, Vec<u32>)>,
 }
 
 /// A byte-level BPE tokenizer built from GGUF metadata.
@@ -515,6 +518,7 @@ impl Tokenizer {
                 eos_ids,
                 add_bos,
                 pre,
+                controls: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -539,6 +543,39 @@ impl Tokenizer {
             }
             Engine::Spm { spm, specials } => Ok(encode_spm(spm, specials, text, parse_special)),
         }
+    }
+
+    /// The first control token's text (`<|im_start|>`, ...) that occurs in
+    /// `s`, if any: text that [`encode`](Self::encode) with
+    /// `parse_special` would turn into that token.
+    pub fn control_text_in(&self, s: &str) -> Option<&str> {
+        let i = &self.inner;
+        // One automaton over every control text, built on first use (Gemma's
+        // vocabulary has thousands of them).
+        let (ac, ids) = i.controls.get_or_init(|| {
+            let ids: Vec<u32> = (0..i.tokens.len() as u32)
+                .filter(|&id| {
+                    i.types[id as usize] == TokenType::Control && !i.tokens[id as usize].is_empty()
+                })
+                .collect();
+            let ac =
+                aho_corasick::AhoCorasick::new(ids.iter().map(|&id| &i.tokens[id as usize])).ok();
+            (ac, ids)
+        });
+        let m = ac.as_ref()?.find(s)?;
+        Some(i.tokens[ids[m.pattern().as_usize()] as usize].as_str())
+    }
+
+    /// The id of the control or user-defined token whose text is `text`
+    /// (`<tool_call>` in Qwen's vocabulary): a format's marker the model
+    /// writes as one token.
+    pub fn special_id(&self, text: &str) -> Option<u32> {
+        let id = *self.inner.ids.get(text)?;
+        matches!(
+            self.inner.types[id as usize],
+            TokenType::Control | TokenType::UserDefined
+        )
+        .then_some(id)
     }
 
     /// The bytes token `id` decodes to (control tokens: their text).

@@ -17,12 +17,19 @@ const RAISE_PREFIX: &str = "raise_exception: ";
 const FUEL: u64 = 50_000_000;
 
 /// One chat message.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, ...
+    /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
-    /// The message text.
-    pub content: String,
+    /// The message text; `None` where the client sent `null` (an assistant
+    /// turn that only calls tools): the template sees `none`.
+    pub content: Option<String>,
+    /// Further members the template may read, in order: `tool_calls`,
+    /// `tool_call_id`, `name`, `reasoning_content`. Client-supplied text in
+    /// them is the template's input like its own text (see
+    /// [`crate::encode_chat_with`] for what keeps it from forging special
+    /// tokens).
+    pub extra: Vec<(String, TemplateValue)>,
 }
 
 impl ChatMessage {
@@ -30,7 +37,8 @@ impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
         ChatMessage {
             role: role.into(),
-            content: content.into(),
+            content: Some(content.into()),
+            extra: Vec::new(),
         }
     }
 
@@ -48,6 +56,17 @@ impl ChatMessage {
     pub fn assistant(content: impl Into<String>) -> ChatMessage {
         Self::new("assistant", content)
     }
+
+    /// The message with one more member for the template.
+    pub fn with(mut self, key: impl Into<String>, value: TemplateValue) -> ChatMessage {
+        self.extra.push((key.into(), value));
+        self
+    }
+
+    /// The text, `""` when there is none.
+    pub fn text(&self) -> &str {
+        self.content.as_deref().unwrap_or("")
+    }
 }
 
 /// A value a request hands the template (`chat_template_kwargs`, as
@@ -61,7 +80,9 @@ pub enum TemplateValue {
     Float(f64),
     Str(String),
     List(Vec<TemplateValue>),
-    Map(BTreeMap<String, TemplateValue>),
+    /// Members in the order given (a tool's JSON schema reaches the model
+    /// with its properties in the client's order, as Python's dicts keep it).
+    Map(Vec<(String, TemplateValue)>),
 }
 
 /// A request's extra template variables, by name.
@@ -86,13 +107,18 @@ impl TemplateValue {
             TemplateValue::Float(x) => Value::from(*x),
             TemplateValue::Str(s) => Value::from(s.as_str()),
             TemplateValue::List(l) => Value::from(l.iter().map(Self::to_value).collect::<Vec<_>>()),
-            TemplateValue::Map(m) => Value::from(
-                m.iter()
-                    .map(|(k, v)| (k.clone(), v.to_value()))
-                    .collect::<BTreeMap<String, Value>>(),
-            ),
+            TemplateValue::Map(m) => ordered_map(m.iter().map(|(k, v)| (k.clone(), v.to_value()))),
         }
     }
+}
+
+/// A template map whose members keep the order given.
+pub(crate) fn ordered_map(members: impl Iterator<Item = (String, Value)>) -> Value {
+    Value::from(
+        members
+            .map(|(k, v)| (Value::from(k), v))
+            .collect::<indexmap::IndexMap<Value, Value>>(),
+    )
 }
 
 /// A compiled chat template.
@@ -195,6 +221,7 @@ impl ChatTemplate {
         );
         env.set_fuel(Some(FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", crate::pyjson::tojson);
         env.add_function(
             "raise_exception",
             |msg: String| -> std::result::Result<Value, minijinja::Error> {
@@ -252,10 +279,18 @@ impl ChatTemplate {
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
-                let mut map = BTreeMap::new();
-                map.insert("role".to_string(), Value::from(m.role.as_str()));
-                map.insert("content".to_string(), Value::from(m.content.as_str()));
-                Value::from(map)
+                let content = match &m.content {
+                    Some(c) => Value::from(c.as_str()),
+                    None => Value::from(()),
+                };
+                ordered_map(
+                    [
+                        ("role".to_string(), Value::from(m.role.as_str())),
+                        ("content".to_string(), content),
+                    ]
+                    .into_iter()
+                    .chain(m.extra.iter().map(|(k, v)| (k.clone(), v.to_value()))),
+                )
             })
             .collect();
         let mut ctx: BTreeMap<String, Value> = kwargs

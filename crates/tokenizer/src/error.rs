@@ -51,6 +51,15 @@ pub enum TokenizerError {
     #[error("`{0}` is the template's own variable and cannot be passed in")]
     ReservedTemplateVariable(String),
 
+    /// Client text the template prints outside a message's content (a
+    /// tool's schema, a call's arguments, a template variable) holds a
+    /// control token's text: rendered, it would be that token, a forged
+    /// turn. `at` is where (`messages[2].tool_calls[0]...`, `tools[0]...`).
+    #[error(
+        "{at} contains the control token text {token:?}, which only the chat template may write"
+    )]
+    ControlTokenInTemplateInput { at: String, token: String },
+
     /// The chat template called `raise_exception(message)`.
     #[error("chat template raised an exception: {0}")]
     TemplateException(String),

@@ -45,6 +45,7 @@ mod bpe;
 mod chat;
 mod error;
 mod prompt;
+mod pyjson;
 pub mod spm;
 mod stream;
 

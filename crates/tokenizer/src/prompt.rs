@@ -7,7 +7,9 @@
 //! `<|im_start|>system` gets those characters, not a forged turn. BOS is
 //! prepended when the model asks for it.
 
-use crate::{ChatMessage, ChatTemplate, Result, TemplateKwargs, Tokenizer, TokenizerError};
+use crate::{
+    ChatMessage, ChatTemplate, Result, TemplateKwargs, TemplateValue, Tokenizer, TokenizerError,
+};
 
 /// A prompt's token ids and the text they encode (for logs).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,13 +44,31 @@ pub fn encode_chat_with(
     messages: &[ChatMessage],
     kwargs: &TemplateKwargs,
 ) -> Result<Prompt> {
+    // Client text the template prints as its own (a tool's schema, a
+    // call's arguments, a variable) is encoded with the template's text:
+    // it may not hold a control token's text.
+    for (k, v) in kwargs {
+        no_control_text(tok, v, k)?;
+    }
+    for (i, m) in messages.iter().enumerate() {
+        for (k, v) in &m.extra {
+            no_control_text(tok, v, &format!("messages[{i}].{k}"))?;
+        }
+    }
     let text = template.render_with(messages, true, kwargs)?;
     // The same render with each content replaced by a sentinel shows where
-    // the contents sit in the template's text.
+    // the contents sit in the template's text. An empty or absent content
+    // stays as it is (a template may test it: `{% if m.content %}`).
     let marked: Vec<ChatMessage> = messages
         .iter()
         .enumerate()
-        .map(|(i, m)| ChatMessage::new(m.role.as_str(), sentinel(i)))
+        .map(|(i, m)| {
+            let mut c = m.clone();
+            if !m.text().is_empty() {
+                c.content = Some(sentinel(i));
+            }
+            c
+        })
         .collect();
     let skeleton = template.render_with(&marked, true, kwargs)?;
     let mut ids = Vec::new();
@@ -58,6 +78,9 @@ pub fn encode_chat_with(
     let mut rebuilt = String::with_capacity(text.len());
     let mut rest = skeleton.as_str();
     for (i, m) in messages.iter().enumerate() {
+        if m.text().is_empty() {
+            continue;
+        }
         let mark = sentinel(i);
         let Some(at) = rest.find(&mark) else {
             // The template transformed or dropped the content: refuse rather
@@ -65,9 +88,9 @@ pub fn encode_chat_with(
             return Err(TokenizerError::TemplateAltersContent);
         };
         ids.extend(tok.encode(&rest[..at], true)?);
-        ids.extend(tok.encode(&m.content, false)?);
+        ids.extend(tok.encode(m.text(), false)?);
         rebuilt.push_str(&rest[..at]);
-        rebuilt.push_str(&m.content);
+        rebuilt.push_str(m.text());
         rest = &rest[at + mark.len()..];
     }
     ids.extend(tok.encode(rest, true)?);
@@ -77,6 +100,33 @@ pub fn encode_chat_with(
     }
     with_bos(tok, &mut ids);
     Ok(Prompt { ids, text })
+}
+
+/// Refuses a control token's text anywhere in `v` (keys included); `at`
+/// names where, as a JSON path.
+fn no_control_text(tok: &Tokenizer, v: &TemplateValue, at: &str) -> Result<()> {
+    let found = |s: &str, at: String| match tok.control_text_in(s) {
+        Some(t) => Err(TokenizerError::ControlTokenInTemplateInput {
+            at,
+            token: t.to_string(),
+        }),
+        None => Ok(()),
+    };
+    match v {
+        TemplateValue::Str(s) => found(s, at.to_string()),
+        TemplateValue::List(l) => l
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, x)| no_control_text(tok, x, &format!("{at}[{i}]"))),
+        TemplateValue::Map(m) => m.iter().try_for_each(|(k, x)| {
+            found(k, format!("{at}.{k}"))?;
+            no_control_text(tok, x, &format!("{at}.{k}"))
+        }),
+        TemplateValue::Null
+        | TemplateValue::Bool(_)
+        | TemplateValue::Int(_)
+        | TemplateValue::Float(_) => Ok(()),
+    }
 }
 
 fn with_bos(tok: &Tokenizer, ids: &mut Vec<u32>) {

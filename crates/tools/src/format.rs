@@ -1,0 +1,246 @@
+//! The formats: how a model is shown its tools, and the grammar its calls
+//! are held to.
+
+use serde_json::{json, Map, Value};
+
+use crate::{Choice, ToolError, ToolSet};
+
+/// Most calls in one turn (`parallel_tool_calls`): the grammar allows no
+/// more, so a model that repeats a call cannot spend its whole budget.
+pub const CALLS_MAX: usize = 16;
+
+/// A way a model calls tools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// No tool format in the template: the tools in a system message, a
+    /// call as `{"tool_calls": [{"name": …, "arguments": …}]}`.
+    Generic,
+    /// `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>` (Hermes,
+    /// Qwen 2.5 and 3): the template shows the tools.
+    Hermes,
+}
+
+/// Every format by the name `--tool-format` takes.
+pub const FORMATS: [(&str, Format); 2] = [("generic", Format::Generic), ("hermes", Format::Hermes)];
+
+/// Hermes's markers.
+const TOOL_CALL_OPEN: &str = "<tool_call>";
+const TOOL_CALL_CLOSE: &str = "</tool_call>";
+
+/// Marker texts the model's vocabulary has as one special token (by id):
+/// the grammar names such a marker by id, so the model writes the token
+/// and not its text piece by piece. A marker not listed is text.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Markers {
+    pub special: Vec<(String, u32)>,
+}
+
+impl Markers {
+    /// The texts a format's grammar may name: look each up in the
+    /// vocabulary and list those that are special tokens.
+    pub fn texts() -> [&'static str; 2] {
+        [TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
+    }
+
+    /// `text` in the grammar: a token reference, or a string literal.
+    fn lark(&self, text: &str) -> String {
+        match self.special.iter().find(|(t, _)| t == text) {
+            Some((_, id)) => format!("<[{id}]>"),
+            None => lark_string(text),
+        }
+    }
+
+    fn is_special(&self, text: &str) -> bool {
+        self.special.iter().any(|(t, _)| t == text)
+    }
+}
+
+/// A Lark string literal (JSON's escapes are Lark's).
+fn lark_string(s: &str) -> String {
+    Value::String(s.to_string()).to_string()
+}
+
+/// Escapes `s` for use inside a `/…/` regex literal.
+fn lark_regex_literal(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        if c == '/' {
+            out.push_str("\\/");
+        } else if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+            out.push(c);
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+impl Format {
+    /// The format a chat template speaks: Hermes if it writes
+    /// `<tool_call>`, else the generic fallback.
+    pub fn detect(template_source: &str) -> Format {
+        if template_source.contains(TOOL_CALL_OPEN) {
+            Format::Hermes
+        } else {
+            Format::Generic
+        }
+    }
+
+    /// Its `--tool-format` name.
+    pub fn name(self) -> &'static str {
+        FORMATS
+            .iter()
+            .find(|(_, f)| *f == self)
+            .map(|(n, _)| *n)
+            .unwrap_or("generic")
+    }
+
+    /// The format `--tool-format NAME` names.
+    pub fn from_name(name: &str) -> Option<Format> {
+        FORMATS.iter().find(|(n, _)| *n == name).map(|(_, f)| *f)
+    }
+
+    /// Whether the chat template shows the tools, the calls and their
+    /// results itself (else the server writes them into the messages).
+    pub fn native(self) -> bool {
+        self != Format::Generic
+    }
+
+    /// The Lark grammar the output follows, or `None` when nothing is
+    /// constrained (no tools, or `tool_choice: none`).
+    pub fn grammar(self, set: &ToolSet, markers: &Markers) -> Result<Option<String>, ToolError> {
+        if !set.active() {
+            return Ok(None);
+        }
+        let callable = set.callable();
+        if callable.is_empty() {
+            return Err(ToolError {
+                tool: None,
+                message: "tool_choice names a tool that is not declared".into(),
+            });
+        }
+        let mut schemas = Vec::with_capacity(callable.len());
+        for t in &callable {
+            let i = set.tools.iter().position(|x| x.name == t.name);
+            let params =
+                grammar::narrowed_schema(&t.parameters, t.strict).map_err(|e| ToolError {
+                    tool: i,
+                    message: e.to_string(),
+                })?;
+            schemas.push(call_schema(&t.name, params));
+        }
+        let max_calls = if set.parallel { CALLS_MAX } else { 1 };
+        let forced = matches!(set.choice, Choice::Required | Choice::Named(_));
+        Ok(Some(match self {
+            Format::Generic => {
+                let mut tool_calls =
+                    json!({"type": "array", "items": {"anyOf": schemas}, "minItems": 1});
+                tool_calls["maxItems"] = json!(max_calls);
+                let envelope = json!({
+                    "type": "object",
+                    "properties": {"tool_calls": tool_calls},
+                    "required": ["tool_calls"],
+                    "additionalProperties": false,
+                });
+                let body = grammar::inline_schema(&envelope);
+                if forced {
+                    format!("start: calls\ncalls: {body}\n")
+                } else {
+                    // Prose must not open with `{`: an output that does is
+                    // the call, under the schema.
+                    format!("start: TEXT | calls\nTEXT: /([^{{](?s:.*))?/\ncalls: {body}\n")
+                }
+            }
+            Format::Hermes => {
+                let mut g = String::new();
+                let open = markers.lark(TOOL_CALL_OPEN);
+                let close = markers.lark(TOOL_CALL_CLOSE);
+                let more = match max_calls {
+                    1 => String::new(),
+                    n => format!("(\"\\n\" call){{0,{}}}", n - 1),
+                };
+                if forced {
+                    g.push_str(&format!("start: call {more}\n"));
+                } else if markers.is_special(TOOL_CALL_OPEN) {
+                    // The trigger is a token no text can form: prose is free.
+                    g.push_str(&format!(
+                        "start: TEXT? | TEXT? call {more}\nTEXT: /(?s:.+)/\n"
+                    ));
+                } else {
+                    // Prose is any text without the trigger; the first
+                    // trigger ends it and starts the call.
+                    let rx = lark_regex_literal(TOOL_CALL_OPEN);
+                    g.push_str(&format!(
+                        "start: FREE | LEAD body {close} {more}\n\
+                         FREE: /(?s:.*)/ & ~/(?s:.*){rx}(?s:.*)/\n\
+                         LEAD: FREE {}\n",
+                        lark_string(TOOL_CALL_OPEN)
+                    ));
+                }
+                g.push_str(&format!("call: {open} body {close}\n"));
+                g.push_str("body: \"\\n\" args \"\\n\"\n");
+                let alts: Vec<String> = (0..schemas.len()).map(|i| format!("c{i}")).collect();
+                g.push_str(&format!("args: {}\n", alts.join(" | ")));
+                for (i, s) in schemas.iter().enumerate() {
+                    g.push_str(&format!("c{i}: {}\n", grammar::inline_schema(s)));
+                }
+                g
+            }
+        }))
+    }
+}
+
+/// A call of one tool: its name, then its arguments under its schema.
+fn call_schema(name: &str, params: Value) -> Value {
+    let mut props = Map::new();
+    props.insert("name".into(), json!({"const": name}));
+    props.insert("arguments".into(), params);
+    json!({
+        "type": "object",
+        "properties": props,
+        "required": ["name", "arguments"],
+        "additionalProperties": false,
+    })
+}
+
+/// The system message that shows a template with no tool format the
+/// tools, and the one way to call them.
+pub fn generic_system_prompt(set: &ToolSet) -> String {
+    let mut s = String::from(
+        "You can call the following functions (tools). Each is described by its name, \
+         what it does and a JSON schema of its arguments:\n",
+    );
+    for t in set.callable() {
+        let mut d = Map::new();
+        d.insert("name".into(), Value::String(t.name.clone()));
+        if let Some(desc) = &t.description {
+            d.insert("description".into(), Value::String(desc.clone()));
+        }
+        d.insert("parameters".into(), t.parameters.clone());
+        s.push_str(&Value::Object(d).to_string());
+        s.push('\n');
+    }
+    s.push_str(
+        "\nTo call functions, reply with only a JSON object of this form and nothing else:\n\
+         {\"tool_calls\": [{\"name\": \"<function name>\", \"arguments\": {<its arguments>}}]}\n",
+    );
+    match &set.choice {
+        Choice::Auto => s.push_str("If no function is needed, reply to the user in plain text."),
+        Choice::Required => s.push_str("You must call at least one function."),
+        Choice::Named(n) => s.push_str(&format!("You must call the function `{n}`.")),
+        Choice::None => {}
+    }
+    s
+}
+
+/// Calls as the generic format writes them (an assistant turn of the
+/// history, shown to a template with no tool format): `(name, arguments
+/// JSON text)`.
+pub fn generic_calls_text(calls: &[(String, String)]) -> String {
+    let items: Vec<String> = calls
+        .iter()
+        .map(|(n, a)| format!("{{\"name\": {}, \"arguments\": {a}}}", lark_string(n)))
+        .collect();
+    format!("{{\"tool_calls\": [{}]}}", items.join(", "))
+}

@@ -1,0 +1,174 @@
+//! The formats' grammars, run by llguidance over a byte vocabulary: what
+//! they let a model write and what they stop.
+
+use grammar::{Compiler, Limits, Vocabulary};
+use request::{GrammarSpec, Scope, TenantId};
+use serde_json::json;
+use tools::{Choice, Format, Markers, Tool, ToolSet};
+
+const EOS: u32 = 256;
+/// A special token standing for `<tool_call>` (as in Qwen's vocabulary).
+const OPEN_TOKEN: u32 = 257;
+
+fn compiler() -> Compiler {
+    let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+    words.push(b"<eos>".to_vec());
+    words.push(b"<tool_call>".to_vec());
+    let vocab = Vocabulary::from_words(words, &[EOS, OPEN_TOKEN], &[EOS]).unwrap();
+    Compiler::new(vocab, Limits::default()).unwrap()
+}
+
+fn set(choice: Choice, parallel: bool) -> ToolSet {
+    ToolSet {
+        tools: vec![
+            Tool::new(
+                "get_weather",
+                Some("Weather in a city".into()),
+                json!({"type": "object", "properties": {"city": {"type": "string"},
+                       "unit": {"enum": ["c", "f"]}}, "required": ["city"]}),
+            ),
+            Tool::new("now", None, json!({"type": "object", "properties": {}})),
+        ],
+        choice,
+        parallel,
+    }
+}
+
+/// How far the grammar lets `tokens` go: `Ok(true)` all of them and may
+/// end there, `Ok(false)` all but may not end, `Err(i)` token i refused.
+fn walk(c: &Compiler, g: &str, tokens: &[u32]) -> Result<bool, usize> {
+    let compiled = c
+        .compile(
+            Scope::tenant(TenantId(1)),
+            &GrammarSpec::Lark(g.to_string()),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{g}"));
+    let mut m = compiled.matcher();
+    for (i, &t) in tokens.iter().enumerate() {
+        if m.is_stopped() || !m.mask().unwrap().allows(t) {
+            return Err(i);
+        }
+        m.consume(t).unwrap();
+    }
+    Ok(m.is_stopped() || m.mask().unwrap().allows(EOS))
+}
+
+fn bytes(s: &str) -> Vec<u32> {
+    s.bytes().map(u32::from).collect()
+}
+
+const CALL: &str = "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}";
+
+#[test]
+fn hermes_auto_leaves_prose_free_and_holds_a_started_call() {
+    let c = compiler();
+    let g = Format::Hermes
+        .grammar(&set(Choice::Auto, true), &Markers::default())
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        walk(&c, &g, &bytes("Just prose, {braces} and <tool_ too.")),
+        Ok(true)
+    );
+    assert_eq!(walk(&c, &g, &bytes("")), Ok(true));
+    let call = format!("Let me see.<tool_call>\n{CALL}\n</tool_call>");
+    assert_eq!(walk(&c, &g, &bytes(&call)), Ok(true));
+    let two =
+        format!("{call}\n<tool_call>\n{{\"name\": \"now\", \"arguments\": {{}}}}\n</tool_call>");
+    assert_eq!(walk(&c, &g, &bytes(&two)), Ok(true));
+    // After the trigger: only a declared tool, only its schema.
+    let bad_name = "x<tool_call>\n{\"name\": \"rm\"";
+    assert!(walk(&c, &g, &bytes(bad_name)).is_err());
+    let bad_args = "x<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"town\"";
+    assert!(walk(&c, &g, &bytes(bad_args)).is_err());
+    let missing = "x<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}";
+    assert!(walk(&c, &g, &bytes(missing)).is_err(), "city is required");
+    // A started call must be finished: the output cannot end inside it.
+    assert_eq!(
+        walk(&c, &g, &bytes("x<tool_call>\n{\"name\": \"now\"")),
+        Ok(false)
+    );
+    // Prose after the calls is not allowed.
+    assert!(walk(&c, &g, &bytes(&format!("{call} and more"))).is_err());
+}
+
+#[test]
+fn required_and_named_choices_admit_only_calls() {
+    let c = compiler();
+    let g = Format::Hermes
+        .grammar(&set(Choice::Required, false), &Markers::default())
+        .unwrap()
+        .unwrap();
+    assert!(walk(&c, &g, &bytes("Sure")).is_err());
+    let one = format!("<tool_call>\n{CALL}\n</tool_call>");
+    assert_eq!(walk(&c, &g, &bytes(&one)), Ok(true));
+    // parallel_tool_calls: false allows one call.
+    assert!(walk(&c, &g, &bytes(&format!("{one}\n<tool_call>"))).is_err());
+    let g = Format::Hermes
+        .grammar(&set(Choice::Named("now".into()), true), &Markers::default())
+        .unwrap()
+        .unwrap();
+    assert!(
+        walk(&c, &g, &bytes(&one)).is_err(),
+        "only `now` may be called"
+    );
+    assert_eq!(
+        walk(
+            &c,
+            &g,
+            &bytes("<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>")
+        ),
+        Ok(true)
+    );
+}
+
+#[test]
+fn a_special_token_trigger_is_the_token_not_its_text() {
+    let c = compiler();
+    let markers = Markers {
+        special: vec![("<tool_call>".into(), OPEN_TOKEN)],
+    };
+    let g = Format::Hermes
+        .grammar(&set(Choice::Auto, true), &markers)
+        .unwrap()
+        .unwrap();
+    // The text is prose; the token starts a call.
+    assert_eq!(walk(&c, &g, &bytes("a <tool_call> b")), Ok(true));
+    let mut t = bytes("ok");
+    t.push(OPEN_TOKEN);
+    t.extend(bytes(&format!("\n{CALL}\n</tool_call>")));
+    assert_eq!(walk(&c, &g, &t), Ok(true));
+    let mut t = vec![OPEN_TOKEN];
+    t.extend(bytes("hello"));
+    assert!(walk(&c, &g, &t).is_err());
+}
+
+#[test]
+fn generic_calls_are_one_json_object_and_prose_does_not_open_with_a_brace() {
+    let c = compiler();
+    let g = Format::Generic
+        .grammar(&set(Choice::Auto, true), &Markers::default())
+        .unwrap()
+        .unwrap();
+    assert_eq!(walk(&c, &g, &bytes("It is sunny {really}.")), Ok(true));
+    let env = format!("{{\"tool_calls\": [{CALL}, {{\"name\": \"now\", \"arguments\": {{}}}}]}}");
+    assert_eq!(walk(&c, &g, &bytes(&env)), Ok(true));
+    assert!(walk(&c, &g, &bytes("{\"answer\"")).is_err());
+    let g = Format::Generic
+        .grammar(&set(Choice::Required, false), &Markers::default())
+        .unwrap()
+        .unwrap();
+    assert!(walk(&c, &g, &bytes("It")).is_err());
+    assert!(walk(&c, &g, &bytes(&env)).is_err(), "one call only");
+    assert_eq!(
+        walk(&c, &g, &bytes(&format!("{{\"tool_calls\": [{CALL}]}}"))),
+        Ok(true)
+    );
+    // No tools active: no grammar.
+    assert_eq!(
+        Format::Generic
+            .grammar(&set(Choice::None, true), &Markers::default())
+            .unwrap(),
+        None
+    );
+}
