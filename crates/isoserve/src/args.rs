@@ -87,6 +87,19 @@ pub struct HttpArgs {
     /// llama.cpp's `--chat-template` take one.
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
+    /// How the model calls tools: `hermes` (`<tool_call>` JSON, Qwen's),
+    /// or `generic` (tools described in a system message, a call as one
+    /// JSON object). Default: the chat template's own format when it has
+    /// one (it writes `<tool_call>`), else `generic`.
+    #[arg(long, value_name = "FORMAT", value_parser = parse_tool_format)]
+    pub tool_format: Option<tools::Format>,
+}
+
+fn parse_tool_format(s: &str) -> Result<tools::Format, String> {
+    tools::Format::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = tools::FORMATS.iter().map(|(n, _)| *n).collect();
+        format!("`{s}` is not a tool format (one of: {})", names.join(", "))
+    })
 }
 
 impl HttpArgs {
@@ -478,6 +491,7 @@ pub(crate) fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerCon
     scfg.first_byte_timeout = Duration::from_secs(http.first_byte_timeout_s.max(1));
     scfg.shutdown_grace = Duration::from_secs(http.shutdown_grace_secs);
     scfg.log_prompts = http.log_prompts;
+    scfg.tool_format = http.tool_format;
     Ok(scfg)
 }
 

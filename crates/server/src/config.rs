@@ -37,6 +37,9 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Write prompt text to the request log.
     pub log_prompts: bool,
+    /// `--tool-format`: how the model calls tools, where the template's
+    /// own format should not be detected.
+    pub tool_format: Option<tools::Format>,
 }
 
 /// Default body limit: 4 MiB.
@@ -58,6 +61,7 @@ impl ServerConfig {
             default_max_tokens: 1024,
             shutdown_grace: Duration::from_secs(30),
             log_prompts: false,
+            tool_format: None,
         }
     }
 

@@ -21,7 +21,6 @@ use axum::Router;
 use futures_util::StreamExt;
 use request::SamplingParams;
 use request::{DoneEvent, Event, GenRequest, RequestHandle, TokenEvent};
-use tokenizer::ChatMessage;
 
 use crate::accounting::Tracker;
 use crate::error::ApiError;
@@ -110,7 +109,7 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// A fresh random 64-bit value (std's randomly keyed SipHash over a counter
 /// and the clock; good enough for ids and default seeds, not for secrets).
-fn random_u64() -> u64 {
+pub(crate) fn random_u64() -> u64 {
     let mut h = RandomState::new().build_hasher();
     h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
     let nanos = SystemTime::now()
@@ -200,6 +199,7 @@ pub(crate) fn tokenize(
     input: &Input,
     chat_param: &str,
     kwargs: &tokenizer::TemplateKwargs,
+    tools: Option<&openai::tools::ToolRequest>,
 ) -> Result<(Vec<u32>, String), ApiError> {
     match input {
         Input::Tokens(ids) => Ok((ids.clone(), format!("{ids:?}"))),
@@ -209,7 +209,7 @@ pub(crate) fn tokenize(
             Ok((ids, t.clone()))
         }
         Input::Chat(msgs) => {
-            let p = chat_prompt(st, msgs, chat_param, kwargs)?;
+            let p = chat_prompt(st, msgs, chat_param, kwargs, tools)?;
             Ok((p.ids, p.text))
         }
     }
@@ -217,21 +217,47 @@ pub(crate) fn tokenize(
 
 fn chat_prompt(
     st: &AppState,
-    msgs: &[(String, String)],
+    msgs: &[openai::Message],
     param: &str,
     kwargs: &tokenizer::TemplateKwargs,
+    tools: Option<&openai::tools::ToolRequest>,
 ) -> Result<tokenizer::Prompt, ApiError> {
     let template = st
         .template
         .as_ref()
         .ok_or_else(|| ApiError::bad_prompt(param, "the model has no chat template"))?;
-    let ms: Vec<ChatMessage> = msgs
-        .iter()
-        .map(|(r, c)| ChatMessage::new(r.as_str(), c.as_str()))
-        .collect();
+    let (ms, declared) = openai::tools::render(st.tool_format, msgs, tools);
+    let mut vars;
+    let kwargs = match declared {
+        Some(d) => {
+            vars = kwargs.clone();
+            vars.insert("tools".into(), d);
+            &vars
+        }
+        None => kwargs,
+    };
     tokenizer::encode_chat_with(&st.tokenizer, template, &ms, kwargs).map_err(|e| match e {
         tokenizer::TokenizerError::ReservedTemplateVariable(ref k) => {
             ApiError::invalid_value(format!("chat_template_kwargs.{k}"), e.to_string())
+        }
+        tokenizer::TokenizerError::ControlTokenInTemplateInput { ref at, .. } => {
+            // Name the request's field: a message's, a tool's or a
+            // template variable's.
+            let field = if let Some(rest) = at.strip_prefix("messages") {
+                format!("{param}{rest}")
+            } else if let Some(rest) = at.strip_prefix("tools") {
+                match tools {
+                    Some(t) if t.legacy => {
+                        // `tools[i].function.x` is `functions[i].x`.
+                        let rest = rest.replacen(".function", "", 1);
+                        format!("functions{rest}")
+                    }
+                    _ => format!("tools{rest}"),
+                }
+            } else {
+                format!("chat_template_kwargs.{at}")
+            };
+            ApiError::invalid_value(field, e.to_string())
         }
         e => ApiError::bad_prompt(param, e),
     })
@@ -290,13 +316,26 @@ async fn admit(
         tokio::task::spawn_blocking(move || {
             let prompts = std::iter::once(&params.input)
                 .chain(&params.more_inputs)
-                .map(|input| tokenize(&st2, input, ep.prompt_param(), &params.template_kwargs))
+                .map(|input| {
+                    tokenize(
+                        &st2,
+                        input,
+                        ep.prompt_param(),
+                        &params.template_kwargs,
+                        params.tools.as_ref(),
+                    )
+                })
                 .collect::<Result<Vec<_>, _>>()?;
-            let grammar = params
-                .structured
-                .as_ref()
-                .map(|s| compile_grammar(&st2, scope, s))
-                .transpose()?;
+            // One grammar a request: the tools' (when active; the parser
+            // refuses an output format beside them) or the output format's.
+            let grammar = match &params.tools {
+                Some(t) if t.set.active() => openai::tools::compile(&st2, scope, t)?,
+                _ => params
+                    .structured
+                    .as_ref()
+                    .map(|s| compile_grammar(&st2, scope, s))
+                    .transpose()?,
+            };
             Ok::<_, ApiError>((prompts, params, grammar))
         })
         .await

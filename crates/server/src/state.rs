@@ -20,6 +20,11 @@ pub(crate) struct AppState {
     pub engine: Arc<dyn Backend>,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
+    /// How the model calls tools: `--tool-format`, else what the template
+    /// speaks ([`tools::Format::detect`]).
+    pub tool_format: tools::Format,
+    /// The format's markers that are one special token in the vocabulary.
+    pub tool_markers: tools::Markers,
     pub tenants: Tenants,
     pub metrics: Metrics,
     pub reqlog: Option<RequestLog>,
@@ -46,10 +51,25 @@ impl AppState {
         cfg: ServerConfig,
     ) -> AppState {
         let vocab = tokenizer.vocab_size();
+        let tool_format = cfg
+            .tool_format
+            .unwrap_or_else(|| tools::Format::detect(template.as_ref().map_or("", |t| t.source())));
+        let tool_markers = tools::Markers {
+            special: tools::Markers::texts()
+                .iter()
+                .filter_map(|&text| {
+                    let id = tokenizer.special_id(text)?;
+                    (tokenizer.token_type(id) == Some(tokenizer::TokenType::Control))
+                        .then(|| (text.to_string(), id))
+                })
+                .collect(),
+        };
         AppState {
             engine,
             tokenizer,
             template,
+            tool_format,
+            tool_markers,
             tenants,
             metrics: Metrics::new(),
             reqlog,

@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 use crate::openai::fields::{parse_messages, parse_object, type_name, Fields};
+use crate::openai::tools::ToolRequest;
 use crate::openai::Input;
 use crate::state::AppState;
 
@@ -28,8 +29,8 @@ pub(crate) async fn handle(
         let bytes =
             crate::http::read_body(body, &headers, st.cfg.max_body_bytes, st.cfg.body_timeout)
                 .await?;
-        let (input, kwargs) = parse_tokenize(&bytes)?;
-        let (ids, _) = crate::http::tokenize(&st, &input, "messages", &kwargs)?;
+        let (input, kwargs, tools) = parse_tokenize(&bytes)?;
+        let (ids, _) = crate::http::tokenize(&st, &input, "messages", &kwargs, tools.as_ref())?;
         Ok::<_, ApiError>(serde_json::json!({
             "count": ids.len(),
             "max_model_len": st.max_request(),
@@ -49,8 +50,11 @@ pub(crate) async fn handle(
 /// Parses a `/tokenize` body (the endpoint vLLM's and llama.cpp's servers
 /// have): `messages`, rendered as `/v1/chat/completions` renders them, or
 /// a text `prompt`, tokenised as `/v1/completions` tokenises it; with
-/// messages, `chat_template_kwargs` as chat takes them.
-pub fn parse_tokenize(body: &[u8]) -> Result<(Input, tokenizer::TemplateKwargs), ApiError> {
+/// messages, `chat_template_kwargs` and `tools` as chat takes them.
+#[allow(clippy::type_complexity)]
+pub fn parse_tokenize(
+    body: &[u8],
+) -> Result<(Input, tokenizer::TemplateKwargs, Option<ToolRequest>), ApiError> {
     let obj = parse_object(body)?;
     let f = Fields(&obj);
     let kwargs = crate::openai::fields::parse_template_kwargs(&f)?;
@@ -58,6 +62,13 @@ pub fn parse_tokenize(body: &[u8]) -> Result<(Input, tokenizer::TemplateKwargs),
         return Err(ApiError::unsupported(
             "chat_template_kwargs",
             "the chat template renders messages only",
+        ));
+    }
+    let tools = crate::openai::tools::parse(&f)?;
+    if tools.is_some() && f.get("messages").is_none() {
+        return Err(ApiError::unsupported(
+            "tools",
+            "the chat template renders tools with messages only",
         ));
     }
     let input = match (f.get("messages"), f.get("prompt")) {
@@ -73,5 +84,5 @@ pub fn parse_tokenize(body: &[u8]) -> Result<(Input, tokenizer::TemplateKwargs),
         )),
         (None, None) => Err(ApiError::missing("prompt")),
     }?;
-    Ok((input, kwargs))
+    Ok((input, kwargs, tools))
 }

@@ -123,11 +123,14 @@ impl Format {
         let mut schemas = Vec::with_capacity(callable.len());
         for t in &callable {
             let i = set.tools.iter().position(|x| x.name == t.name);
-            let params =
-                grammar::narrowed_schema(&t.parameters, t.strict).map_err(|e| ToolError {
-                    tool: i,
-                    message: e.to_string(),
-                })?;
+            // Objects are closed where the schema does not say otherwise
+            // (as OpenAI's strict mode and llama.cpp's converter close
+            // them): a call with keys the tool never declared is no call.
+            // `strict` changes nothing more here.
+            let params = grammar::narrowed_schema(&t.parameters, true).map_err(|e| ToolError {
+                tool: i,
+                message: e.to_string(),
+            })?;
             schemas.push(call_schema(&t.name, params));
         }
         let max_calls = if set.parallel { CALLS_MAX } else { 1 };
@@ -218,7 +221,7 @@ pub fn generic_system_prompt(set: &ToolSet) -> String {
             d.insert("description".into(), Value::String(desc.clone()));
         }
         d.insert("parameters".into(), t.parameters.clone());
-        s.push_str(&Value::Object(d).to_string());
+        s.push_str(&py_json(&Value::Object(d)));
         s.push('\n');
     }
     s.push_str(
@@ -243,4 +246,41 @@ pub fn generic_calls_text(calls: &[(String, String)]) -> String {
         .map(|(n, a)| format!("{{\"name\": {}, \"arguments\": {a}}}", lark_string(n)))
         .collect();
     format!("{{\"tool_calls\": [{}]}}", items.join(", "))
+}
+
+/// JSON laid out as Python's `json.dumps` writes it (`", "`, `": "`, no
+/// escaping beyond JSON's): the layout the call grammars generate, so the
+/// history shows the model calls as it writes them.
+pub fn py_json(v: &Value) -> String {
+    let mut out = String::new();
+    write_py(&mut out, v);
+    out
+}
+
+fn write_py(out: &mut String, v: &Value) {
+    match v {
+        Value::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_py(out, x);
+            }
+            out.push(']');
+        }
+        Value::Object(m) => {
+            out.push('{');
+            for (i, (k, x)) in m.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                write_py(out, x);
+            }
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
 }

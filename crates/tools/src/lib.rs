@@ -40,7 +40,9 @@
 mod format;
 mod parse;
 
-pub use format::{generic_calls_text, generic_system_prompt, Format, Markers, CALLS_MAX, FORMATS};
+pub use format::{
+    generic_calls_text, generic_system_prompt, py_json, Format, Markers, CALLS_MAX, FORMATS,
+};
 pub use parse::{Call, CallParser, Event};
 
 use serde_json::Value;
@@ -57,7 +59,8 @@ pub struct Tool {
     pub description: Option<String>,
     /// The arguments' JSON schema (an object schema).
     pub parameters: Value,
-    /// OpenAI's `strict`: objects without `additionalProperties` are closed.
+    /// OpenAI's `strict`, as sent. Calls are generated as strict ones
+    /// either way: objects without `additionalProperties` are closed.
     pub strict: bool,
 }
 

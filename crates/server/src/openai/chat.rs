@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use request::{DoneEvent, TokenEvent};
 use serde::{Deserialize, Serialize};
+use tools::{CallParser, Event};
 
 use super::fields::{self, parse_common, parse_messages, parse_object, Fields, Variant};
 use super::{
@@ -47,11 +48,18 @@ impl Generate for Chat {
         parse_chat(body)
     }
     fn shaper(&self, base: Base, p: &GenParams, choices: usize) -> Box<dyn Shaper> {
+        let format = base.st.tool_format;
+        let calls = p.tools.as_ref().filter(|t| t.set.active()).map(|t| Calls {
+            legacy: t.legacy,
+            parsers: (0..choices).map(|_| CallParser::new(format)).collect(),
+            ids: vec![Vec::new(); choices],
+        });
         Box::new(ChatShaper {
             base,
             choices,
             include_usage: p.include_usage,
             logprobs: p.logprobs.is_some(),
+            calls,
         })
     }
 }
@@ -86,11 +94,53 @@ pub fn parse_chat(body: &[u8]) -> Result<GenParams, ApiError> {
 
 // ---- shapes -------------------------------------------------------------------
 
-/// A chat message in a response.
+/// A chat message in a response. `content` is `null` when the turn only
+/// calls tools.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessageOut {
     pub role: String,
-    pub content: String,
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
+    /// The legacy `functions`' answer: the (one) call.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub function_call: Option<FunctionOut>,
+}
+
+/// A call the model made.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionOut,
+}
+
+/// A called function: its name and its arguments' JSON text.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FunctionOut {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// A piece of a call in a stream: the first has its id, type and name
+/// (arguments `""`), the rest more of the arguments.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none", default)]
+    pub kind: Option<String>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub arguments: Option<String>,
 }
 
 /// `choices[].logprobs` of chat.
@@ -125,6 +175,10 @@ pub struct Delta {
     pub role: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub function_call: Option<FunctionDelta>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -156,6 +210,105 @@ struct ChatShaper {
     choices: usize,
     include_usage: bool,
     logprobs: bool,
+    /// With active tools: each choice's output parsed for calls.
+    calls: Option<Calls>,
+}
+
+/// The calls of each choice.
+struct Calls {
+    /// Answer in the legacy `function_call` shape.
+    legacy: bool,
+    parsers: Vec<CallParser>,
+    /// Each choice's call ids, in order.
+    ids: Vec<Vec<String>>,
+}
+
+/// A call id as OpenAI's look: `call_` and 24 random characters.
+fn call_id() -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut s = String::from("call_");
+    let mut r = crate::http::random_u64();
+    for i in 0..24 {
+        if i == 12 {
+            r = crate::http::random_u64();
+        }
+        s.push(ALPHABET[(r % ALPHABET.len() as u64) as usize] as char);
+        r /= ALPHABET.len() as u64;
+    }
+    s
+}
+
+impl Calls {
+    /// Stream deltas of `events` (choice `index`).
+    fn deltas(&mut self, index: usize, events: Vec<Event>) -> Vec<Delta> {
+        let legacy = self.legacy;
+        events
+            .into_iter()
+            .map(|e| match e {
+                Event::Content(text) => Delta {
+                    content: Some(text),
+                    ..Delta::default()
+                },
+                Event::Begin { index: k, name } => {
+                    let id = call_id();
+                    self.ids[index].push(id.clone());
+                    let function = FunctionDelta {
+                        name: Some(name),
+                        arguments: Some(String::new()),
+                    };
+                    match legacy {
+                        true => Delta {
+                            function_call: Some(function),
+                            ..Delta::default()
+                        },
+                        false => Delta {
+                            tool_calls: Some(vec![ToolCallDelta {
+                                index: k,
+                                id: Some(id),
+                                kind: Some("function".into()),
+                                function,
+                            }]),
+                            ..Delta::default()
+                        },
+                    }
+                }
+                Event::Args { index: k, text } => {
+                    let function = FunctionDelta {
+                        name: None,
+                        arguments: Some(text),
+                    };
+                    match legacy {
+                        true => Delta {
+                            function_call: Some(function),
+                            ..Delta::default()
+                        },
+                        false => Delta {
+                            tool_calls: Some(vec![ToolCallDelta {
+                                index: k,
+                                id: None,
+                                kind: None,
+                                function,
+                            }]),
+                            ..Delta::default()
+                        },
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// The finish reason: a choice that called and stopped says so.
+    fn finish<'a>(&self, index: usize, reason: &'a str) -> &'a str {
+        if reason == "stop" && !self.parsers[index].calls().is_empty() {
+            if self.legacy {
+                "function_call"
+            } else {
+                "tool_calls"
+            }
+        } else {
+            reason
+        }
+    }
 }
 
 impl ChatShaper {
@@ -193,6 +346,7 @@ impl Shaper for ChatShaper {
                         Delta {
                             role: Some("assistant".into()),
                             content: Some(String::new()),
+                            ..Delta::default()
                         },
                         None,
                         None,
@@ -203,34 +357,60 @@ impl Shaper for ChatShaper {
     }
 
     fn token(&mut self, index: usize, t: TokenEvent) -> Vec<u8> {
-        let lp = self.logprobs.then(|| ChatLogprobs {
+        let mut lp = self.logprobs.then(|| ChatLogprobs {
             content: vec![self.base.chat_logprob(&t)],
         });
-        self.chunk(
-            index,
-            Delta {
-                role: None,
-                content: Some(t.text),
-            },
-            lp,
-            None,
-        )
+        let Some(calls) = &mut self.calls else {
+            return self.chunk(
+                index,
+                Delta {
+                    content: Some(t.text),
+                    ..Delta::default()
+                },
+                lp,
+                None,
+            );
+        };
+        let events = calls.parsers[index].push(&t.text);
+        let deltas = calls.deltas(index, events);
+        let mut out = Vec::new();
+        for d in deltas {
+            out.extend(self.chunk(index, d, lp.take(), None));
+        }
+        if lp.is_some() {
+            // The token's text is held back (a possible trigger): its
+            // log-probability still goes out, with an empty delta.
+            out.extend(self.chunk(index, Delta::default(), lp, None));
+        }
+        out
     }
 
     fn finish_choice(&mut self, index: usize, d: &DoneEvent) -> Vec<u8> {
         let mut out = Vec::new();
-        if !d.tail_text.is_empty() {
-            out.extend(self.chunk(
-                index,
-                Delta {
-                    role: None,
-                    content: Some(d.tail_text.clone()),
-                },
-                None,
-                None,
-            ));
+        let reason = d.finish.as_openai();
+        let Some(calls) = &mut self.calls else {
+            if !d.tail_text.is_empty() {
+                out.extend(self.chunk(
+                    index,
+                    Delta {
+                        content: Some(d.tail_text.clone()),
+                        ..Delta::default()
+                    },
+                    None,
+                    None,
+                ));
+            }
+            out.extend(self.chunk(index, Delta::default(), None, Some(reason)));
+            return out;
+        };
+        let mut events = calls.parsers[index].push(&d.tail_text);
+        events.extend(calls.parsers[index].finish());
+        let deltas = calls.deltas(index, events);
+        let reason = calls.finish(index, reason);
+        for delta in deltas {
+            out.extend(self.chunk(index, delta, None, None));
         }
-        out.extend(self.chunk(index, Delta::default(), None, Some(d.finish.as_openai())));
+        out.extend(self.chunk(index, Delta::default(), None, Some(reason)));
         out
     }
 
@@ -252,26 +432,92 @@ impl Shaper for ChatShaper {
     }
 
     fn full(&mut self, choices: Vec<Choice>, all: &DoneEvent) -> Response {
+        let format = self.base.st.tool_format;
+        let legacy = self.calls.as_ref().map(|c| c.legacy);
+        let choices = choices
+            .into_iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let reason = c.done.finish.as_openai();
+                let message = match legacy {
+                    None => ChatMessageOut {
+                        role: "assistant".into(),
+                        content: Some(c.text.clone()),
+                        tool_calls: None,
+                        function_call: None,
+                    },
+                    Some(legacy) => {
+                        // The same parser a stream uses, over the whole text.
+                        let mut p = CallParser::new(format);
+                        let mut events = p.push(&c.text);
+                        events.extend(p.finish());
+                        let content: String = events
+                            .iter()
+                            .filter_map(|e| match e {
+                                Event::Content(t) => Some(t.as_str()),
+                                _ => None,
+                            })
+                            .collect();
+                        let calls: Vec<ToolCallOut> = p
+                            .calls()
+                            .iter()
+                            .map(|k| ToolCallOut {
+                                id: call_id(),
+                                kind: "function".into(),
+                                function: FunctionOut {
+                                    name: k.name.clone(),
+                                    arguments: k.arguments.clone(),
+                                },
+                            })
+                            .collect();
+                        let content = match (content.is_empty(), calls.is_empty()) {
+                            (true, false) => None,
+                            _ => Some(content),
+                        };
+                        match (legacy, calls.is_empty()) {
+                            (_, true) => ChatMessageOut {
+                                role: "assistant".into(),
+                                content,
+                                tool_calls: None,
+                                function_call: None,
+                            },
+                            (true, false) => ChatMessageOut {
+                                role: "assistant".into(),
+                                content,
+                                tool_calls: None,
+                                function_call: calls.into_iter().next().map(|c| c.function),
+                            },
+                            (false, false) => ChatMessageOut {
+                                role: "assistant".into(),
+                                content,
+                                tool_calls: Some(calls),
+                                function_call: None,
+                            },
+                        }
+                    }
+                };
+                let called = message.tool_calls.is_some() || message.function_call.is_some();
+                let finish = match (called, reason, legacy) {
+                    (true, "stop", Some(true)) => "function_call",
+                    (true, "stop", _) => "tool_calls",
+                    _ => reason,
+                };
+                ChatChoice {
+                    index,
+                    message,
+                    logprobs: self.logprobs.then(|| ChatLogprobs {
+                        content: c.tokens.iter().map(|t| self.base.chat_logprob(t)).collect(),
+                    }),
+                    finish_reason: Some(finish.to_string()),
+                }
+            })
+            .collect();
         Json(ChatCompletion {
             id: self.base.id.clone(),
             object: "chat.completion".into(),
             created: self.base.created,
             model: self.base.model(),
-            choices: choices
-                .into_iter()
-                .enumerate()
-                .map(|(index, c)| ChatChoice {
-                    index,
-                    message: ChatMessageOut {
-                        role: "assistant".into(),
-                        content: c.text,
-                    },
-                    logprobs: self.logprobs.then(|| ChatLogprobs {
-                        content: c.tokens.iter().map(|t| self.base.chat_logprob(t)).collect(),
-                    }),
-                    finish_reason: Some(c.done.finish.as_openai().to_string()),
-                })
-                .collect(),
+            choices,
             usage: Usage::of(&all.usage),
         })
         .into_response()

@@ -9,7 +9,7 @@
 use serde_json::{Map, Value};
 
 use super::structured::StructuredOutput;
-use super::{GenParams, Input, CHOICES_MAX, CONTENT_PARTS_MAX, MESSAGES_MAX, ROLES};
+use super::{GenParams, Input, Message, CHOICES_MAX, CONTENT_PARTS_MAX, MESSAGES_MAX, ROLES};
 use crate::error::ApiError;
 
 /// What differs between the endpoints inside the common fields.
@@ -211,49 +211,6 @@ fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
     Ok(stops)
 }
 
-/// `tools`, `tool_choice` and `functions` ask for output the server would
-/// have to parse (tool calls). It does not, so a request that relies on
-/// them is refused rather than answered with free text under a 200 (as
-/// llama.cpp's server without `--jinja` and vLLM without a tool parser
-/// refuse tools). Their "off" values pass: an empty tool list,
-/// `tool_choice: "none"` (or `"auto"` with no tools).
-fn refuse_tools(f: &Fields<'_>) -> Result<(), ApiError> {
-    let mut tools = false;
-    for field in ["tools", "functions"] {
-        match f.get(field) {
-            None => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(Value::Array(_)) => tools = true,
-            Some(v) => {
-                return Err(ApiError::invalid_type(
-                    field,
-                    &format!("an array, got {}", type_name(v)),
-                ))
-            }
-        }
-        if tools {
-            return Err(ApiError::unsupported(
-                field,
-                "tool calling is not supported: this server does not parse tool calls \
-                 from the model's output",
-            ));
-        }
-    }
-    for field in ["tool_choice", "function_call"] {
-        match f.get(field) {
-            None => {}
-            Some(Value::String(c)) if c == "none" || c == "auto" => {}
-            Some(_) => {
-                return Err(ApiError::unsupported(
-                    field,
-                    "tool calling is not supported (only `none`, or `auto` with no tools)",
-                ))
-            }
-        }
-    }
-    Ok(())
-}
-
 /// The fields common to every generation endpoint.
 pub(crate) fn parse_common(
     variant: &Variant,
@@ -272,7 +229,7 @@ pub(crate) fn parse_common(
         }
     }
     let logit_bias = parse_logit_bias(f)?;
-    refuse_tools(f)?;
+    let tools = super::tools::parse(f)?;
     let template_kwargs = parse_template_kwargs(f)?;
     if !template_kwargs.is_empty() && !variant.chat_template {
         return Err(ApiError::unsupported(
@@ -280,7 +237,22 @@ pub(crate) fn parse_common(
             "this endpoint does not render a chat template (use /v1/chat/completions)",
         ));
     }
+    if tools.is_some() && !variant.chat_template {
+        return Err(ApiError::unsupported(
+            "tools",
+            "tools are served on /v1/chat/completions and /v1/responses",
+        ));
+    }
     let structured = (variant.structured)(f)?;
+    if let (Some(t), Some(s)) = (&tools, &structured) {
+        if t.set.active() {
+            return Err(ApiError::unsupported(
+                s.param,
+                "an output format together with active tools is not supported: send one, or \
+                 `tool_choice: \"none\"`",
+            ));
+        }
+    }
     let max_tokens = (variant.max_tokens)(f)?;
     let temperature = f.number_in("temperature", 0.0, false, 2.0)?.unwrap_or(1.0);
     let top_p = f.number_in("top_p", 0.0, true, 1.0)?.unwrap_or(1.0);
@@ -361,6 +333,7 @@ pub(crate) fn parse_common(
         logit_bias,
         structured,
         template_kwargs,
+        tools,
     })
 }
 
@@ -391,7 +364,7 @@ pub(crate) fn parse_template_kwargs(f: &Fields<'_>) -> Result<tokenizer::Templat
     }
     if let Some(k) = m
         .keys()
-        .find(|k| tokenizer::TEMPLATE_RESERVED.contains(&k.as_str()))
+        .find(|k| tokenizer::TEMPLATE_RESERVED.contains(&k.as_str()) || k.as_str() == "tools")
     {
         return Err(ApiError::invalid_value(
             format!("{P}.{k}"),
@@ -405,7 +378,7 @@ pub(crate) fn parse_template_kwargs(f: &Fields<'_>) -> Result<tokenizer::Templat
 
 /// A JSON value as the template sees it (the body parser bounded its
 /// nesting).
-fn template_value(v: &Value) -> tokenizer::TemplateValue {
+pub(crate) fn template_value(v: &Value) -> tokenizer::TemplateValue {
     use tokenizer::TemplateValue as T;
     match v {
         Value::Null => T::Null,
@@ -555,7 +528,7 @@ pub(crate) fn parse_content(v: Option<&Value>, at: &str) -> Result<String, ApiEr
 
 /// A chat body's `messages`: (role, text) pairs, `developer` read as
 /// `system`.
-pub(crate) fn parse_messages(f: &Fields<'_>) -> Result<Vec<(String, String)>, ApiError> {
+pub(crate) fn parse_messages(f: &Fields<'_>) -> Result<Vec<Message>, ApiError> {
     let msgs = match f.get("messages") {
         None => return Err(ApiError::missing("messages")),
         Some(Value::Array(a)) => a,
@@ -600,8 +573,35 @@ pub(crate) fn parse_messages(f: &Fields<'_>) -> Result<Vec<(String, String)>, Ap
         }
         // `developer` is OpenAI's new name for `system`.
         let role = if role == "developer" { "system" } else { role };
-        let content = parse_content(mf.get("content"), &format!("{at}.content"))?;
-        out.push((role.to_string(), content));
+        // `null` content: an assistant turn that only calls tools.
+        let content = match mf.get("content") {
+            None | Some(Value::Null) => None,
+            v => Some(parse_content(v, &format!("{at}.content"))?),
+        };
+        let tool_calls = match role {
+            "assistant" => super::tools::parse_history_calls(&mf, &at)?,
+            _ => Vec::new(),
+        };
+        let string = |k: &str| {
+            mf.string(k)
+                .map_err(|_| ApiError::invalid_type(format!("{at}.{k}"), "a string"))
+                .map(|s| s.map(str::to_string))
+        };
+        let tool_call_id = match role {
+            "tool" => string("tool_call_id")?,
+            _ => None,
+        };
+        let name = string("name")?;
+        if role == "function" && name.is_none() {
+            return Err(ApiError::missing(&format!("{at}.name")));
+        }
+        out.push(Message {
+            role: role.to_string(),
+            content,
+            tool_calls,
+            tool_call_id,
+            name,
+        });
     }
     Ok(out)
 }

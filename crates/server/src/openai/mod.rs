@@ -22,6 +22,7 @@ pub mod responses;
 pub(crate) mod structured;
 #[cfg(test)]
 mod tests;
+pub mod tools;
 
 use std::sync::Arc;
 
@@ -42,14 +43,61 @@ pub const CONTENT_PARTS_MAX: usize = 256;
 pub const CHOICES_MAX: usize = 16;
 /// Largest `top_logprobs` (chat) / `logprobs` (completions).
 pub const TOP_LOGPROBS_MAX: usize = request::TOP_LOGPROBS_MAX;
-/// The roles a chat message may have.
-pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+/// The roles a chat message may have (`function`: the legacy form of
+/// `tool`).
+pub const ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+/// Most tool calls one assistant message of the history may carry.
+pub const HISTORY_CALLS_MAX: usize = 128;
+
+/// A call an assistant message of the history made.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HistoryCall {
+    pub id: String,
+    pub name: String,
+    /// The arguments, parsed (templates print them as an object).
+    pub arguments: serde_json::Value,
+}
+
+/// One chat message as the request sent it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Message {
+    pub role: String,
+    /// `None`: `null` or absent (an assistant turn that only calls tools).
+    pub content: Option<String>,
+    /// An assistant turn's calls (`tool_calls`, or the legacy
+    /// `function_call`).
+    pub tool_calls: Vec<HistoryCall>,
+    /// A tool turn's `tool_call_id`.
+    pub tool_call_id: Option<String>,
+    /// A tool turn's (or participant's) `name`.
+    pub name: Option<String>,
+}
+
+impl Message {
+    /// A message of text only.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Message {
+        Message {
+            role: role.into(),
+            content: Some(content.into()),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+        }
+    }
+}
 
 /// What to generate from.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Input {
-    /// Chat messages (role, text), to be rendered with the chat template.
-    Chat(Vec<(String, String)>),
+    /// Chat messages, to be rendered with the chat template.
+    Chat(Vec<Message>),
     /// Raw text (completions).
     Text(String),
     /// Token ids (completions).
@@ -97,6 +145,8 @@ pub struct GenParams {
     pub structured: Option<structured::StructuredOutput>,
     /// `chat_template_kwargs`: variables for the chat template.
     pub template_kwargs: tokenizer::TemplateKwargs,
+    /// `tools` (or the legacy `functions`) and how they may be called.
+    pub tools: Option<tools::ToolRequest>,
 }
 
 // ---- shapes every endpoint shares ------------------------------------------

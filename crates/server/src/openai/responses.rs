@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use super::fields::{parse_common, parse_content, parse_object, type_name, Fields, Variant};
 use super::structured::StructuredOutput;
 use super::{
-    sse, Base, Choice, GenParams, Generate, Input, Shaper, TokenLogprob, MESSAGES_MAX,
+    sse, Base, Choice, GenParams, Generate, Input, Message, Shaper, TokenLogprob, MESSAGES_MAX,
     TOP_LOGPROBS_MAX,
 };
 use crate::error::ApiError;
@@ -160,11 +160,11 @@ pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
     let mut msgs = Vec::new();
     let instructions = f.string("instructions")?.map(str::to_string);
     if let Some(s) = &instructions {
-        msgs.push(("system".to_string(), s.clone()));
+        msgs.push(Message::text("system", s.clone()));
     }
     match f.get("input") {
         None => return Err(ApiError::missing("input")),
-        Some(Value::String(s)) => msgs.push(("user".to_string(), s.clone())),
+        Some(Value::String(s)) => msgs.push(Message::text("user", s.clone())),
         Some(Value::Array(items)) => {
             if items.is_empty() {
                 return Err(ApiError::invalid_value("input", "the input is empty"));
@@ -213,13 +213,26 @@ pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
                     }
                 };
                 let content = parse_content(mf.get("content"), &format!("{at}.content"))?;
-                msgs.push((role.to_string(), content));
+                msgs.push(Message::text(role, content));
             }
         }
         Some(v) => {
             return Err(ApiError::invalid_type(
                 "input",
                 &format!("a string or an array of messages, got {}", type_name(v)),
+            ))
+        }
+    }
+    // The Responses API's function tools are flat (`{"type": "function",
+    // "name": …}`): not served here yet, so refused rather than misread
+    // as chat's.
+    match f.get("tools") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "tools",
+                "tools on /v1/responses are not served yet: use /v1/chat/completions",
             ))
         }
     }

@@ -36,7 +36,7 @@ fn chat_err(field: &str, value: Value, param: &str) {
 #[test]
 fn defaults_of_a_minimal_chat_request() {
     let p = chat(json!({"model": "m", "messages": msgs()})).expect("valid");
-    assert_eq!(p.input, Input::Chat(vec![("user".into(), "hi".into())]));
+    assert_eq!(p.input, Input::Chat(vec![Message::text("user", "hi")]));
     assert_eq!(p.model.as_deref(), Some("m"));
     assert_eq!(p.max_tokens, None);
     assert_eq!(p.temperature, 1.0);
@@ -66,9 +66,12 @@ fn every_field_is_read() {
     assert_eq!(
         p.input,
         Input::Chat(vec![
-            ("system".into(), "be brief".into()),
-            ("user".into(), "a\nb".into()),
-            ("assistant".into(), "".into())
+            Message::text("system", "be brief"),
+            Message::text("user", "a\nb"),
+            Message {
+                content: None,
+                ..Message::text("assistant", "")
+            }
         ])
     );
     assert_eq!(p.max_tokens, Some(7), "max_completion_tokens wins");
@@ -153,8 +156,8 @@ fn a_responses_body_becomes_a_conversation() {
     assert_eq!(
         p.input,
         Input::Chat(vec![
-            ("system".into(), "be brief".into()),
-            ("user".into(), "hi".into())
+            Message::text("system", "be brief"),
+            Message::text("user", "hi")
         ])
     );
     assert_eq!((p.max_tokens, p.temperature, p.n), (Some(9), 0.5, 1));
@@ -168,9 +171,9 @@ fn a_responses_body_becomes_a_conversation() {
     assert_eq!(
         p.input,
         Input::Chat(vec![
-            ("system".into(), "sys".into()),
-            ("user".into(), "a".into()),
-            ("assistant".into(), "b".into())
+            Message::text("system", "sys"),
+            Message::text("user", "a"),
+            Message::text("assistant", "b")
         ])
     );
     assert_eq!(p.max_tokens, None, "max_tokens is not a Responses field");
@@ -261,20 +264,78 @@ fn logit_bias_is_read_sorted_and_bounded() {
     chat_err("logit_bias", json!({"1": "5"}), "logit_bias");
 }
 
-/// Tool calls are refused, never answered with free text under a 200;
-/// their "off" values pass.
+/// Tools are read into one tool set (OpenAI's and the legacy shape); a
+/// malformed tool names the tool and the field; their "off" values pass
+/// with nothing active.
 #[test]
-fn tool_requests_are_refused_not_ignored() {
+fn tool_requests_are_read_and_malformed_tools_name_the_field() {
+    use ::tools::Choice;
+    let f = |name: &str| {
+        json!({"type": "function", "function": {"name": name,
+        "description": "d", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}})
+    };
+    let mut body = json!({"messages": msgs(), "tools": [f("a"), f("b")]});
+    let t = chat(body.clone()).expect("valid").tools.expect("tools");
+    assert_eq!(
+        (t.set.tools.len(), &t.set.choice, t.set.parallel, t.legacy),
+        (2, &Choice::Auto, true, false)
+    );
+    assert_eq!(t.set.tools[1].name, "b");
+    assert_eq!(t.declared[0], f("a"), "the template sees the tool as sent");
+    body["tool_choice"] = json!({"type": "function", "function": {"name": "b"}});
+    body["parallel_tool_calls"] = json!(false);
+    let t = chat(body.clone()).expect("valid").tools.expect("tools");
+    assert_eq!(
+        (t.set.choice, t.set.parallel),
+        (Choice::Named("b".into()), false)
+    );
+    body["tool_choice"] = json!("required");
+    assert_eq!(
+        chat(body).expect("valid").tools.expect("tools").set.choice,
+        Choice::Required
+    );
+    // The legacy shape.
+    let t = chat(
+        json!({"messages": msgs(), "functions": [{"name": "g"}], "function_call": {"name": "g"}}),
+    )
+    .expect("valid")
+    .tools
+    .expect("tools");
+    assert_eq!(
+        (t.legacy, t.set.choice, t.set.parallel),
+        (true, Choice::Named("g".into()), false)
+    );
+    assert_eq!(
+        t.set.tools[0].parameters,
+        json!({"type": "object", "properties": {}})
+    );
     for (field, value, param) in [
-        ("response_format", json!({}), "response_format.type"),
-        ("response_format", json!("json"), "response_format"),
+        ("tools", json!({}), "tools"),
+        ("tools", json!([1]), "tools[0]"),
+        ("tools", json!([{"type": "function"}]), "tools[0].function"),
+        ("tools", json!([{"type": "web_search"}]), "tools[0].type"),
         (
             "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
-            "tools",
+            json!([{"type": "function", "function": {}}]),
+            "tools[0].function.name",
         ),
-        ("tools", json!({}), "tools"),
-        ("functions", json!([{"name": "f"}]), "functions"),
+        ("tools", json!([f("a b")]), "tools[0].function.name"),
+        (
+            "tools",
+            json!([f(&"x".repeat(65))]),
+            "tools[0].function.name",
+        ),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "a", "parameters": "x"}}]),
+            "tools[0].function.parameters",
+        ),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "a", "description": 1}}]),
+            "tools[0].function.description",
+        ),
+        ("tools", json!([f("a"), f("a")]), "tools[1].function.name"),
         ("tool_choice", json!("required"), "tool_choice"),
         (
             "tool_choice",
@@ -282,11 +343,39 @@ fn tool_requests_are_refused_not_ignored() {
             "tool_choice",
         ),
         ("function_call", json!({"name": "f"}), "function_call"),
+        ("parallel_tool_calls", json!(1), "parallel_tool_calls"),
     ] {
         chat_err(field, value, param);
     }
+    let with = |extra: Value| {
+        let mut body = json!({"messages": msgs(), "tools": [f("a")]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        chat(body)
+    };
+    for (extra, param) in [
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "zz"}}}),
+            "tool_choice.function.name",
+        ),
+        (json!({"tool_choice": "always"}), "tool_choice"),
+        (json!({"functions": [{"name": "g"}]}), "functions"),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ] {
+        let e = with(extra.clone()).expect_err(&extra.to_string());
+        assert_eq!(e.param.as_deref(), Some(param), "{extra}: {e}");
+    }
+    // An output format beside tools that are off is served.
+    assert!(
+        with(json!({"tool_choice": "none", "response_format": {"type": "json_object"}})).is_ok()
+    );
+    let e = completion(json!({"prompt": "x", "tools": [f("a")]})).expect_err("completions");
+    assert_eq!(e.param.as_deref(), Some("tools"));
     for (field, value) in [
-        ("response_format", json!({"type": "text"})),
         ("tools", json!([])),
         ("tools", Value::Null),
         ("tool_choice", json!("none")),
@@ -296,7 +385,52 @@ fn tool_requests_are_refused_not_ignored() {
         let mut body = json!({"messages": msgs()});
         body[field] = value.clone();
         let p = chat(body).unwrap_or_else(|e| panic!("{field} = {value}: {e}"));
-        assert_eq!(p.structured, None);
+        assert_eq!((p.structured, p.tools), (None, None));
+    }
+}
+
+/// The history's calls and results: read with their ids, arguments
+/// parsed; a call whose arguments are not JSON names them.
+#[test]
+fn history_calls_and_tool_results_are_read() {
+    let p = chat(json!({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+          "function": {"name": "get", "arguments": "{\"q\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        {"role": "function", "name": "get", "content": "43"}
+    ]}))
+    .expect("valid");
+    let Input::Chat(m) = p.input else { panic!() };
+    assert_eq!(m[1].content, None);
+    assert_eq!(m[1].tool_calls[0].id, "call_1");
+    assert_eq!(m[1].tool_calls[0].arguments, json!({"q": 1}));
+    assert_eq!(
+        (m[2].tool_call_id.as_deref(), m[2].content.as_deref()),
+        (Some("call_1"), Some("42"))
+    );
+    assert_eq!(m[3].name.as_deref(), Some("get"));
+    for (msg, param) in [
+        (
+            json!({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "get", "arguments": "{x"}}]}),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            json!({"role": "assistant", "tool_calls": [{"function": {"name": "get", "arguments": "{}"}}]}),
+            "messages[1].tool_calls[0].id",
+        ),
+        (
+            json!({"role": "assistant", "tool_calls": {}}),
+            "messages[1].tool_calls",
+        ),
+        (
+            json!({"role": "function", "content": "x"}),
+            "messages[1].name",
+        ),
+    ] {
+        let e =
+            chat(json!({"messages": [{"role": "user", "content": "hi"}, msg]})).expect_err("bad");
+        assert_eq!(e.param.as_deref(), Some(param), "{e}");
     }
 }
 
@@ -569,6 +703,7 @@ fn chunk_usage_field_is_absent_null_or_set() {
             delta: Delta {
                 role: Some("assistant".into()),
                 content: Some(String::new()),
+                ..Delta::default()
             },
             logprobs: None,
             finish_reason: None,
@@ -607,7 +742,9 @@ fn response_shapes_round_trip() {
             index: 0,
             message: ChatMessageOut {
                 role: "assistant".into(),
-                content: "Paris".into(),
+                content: Some("Paris".into()),
+                tool_calls: None,
+                function_call: None,
             },
             logprobs: Some(ChatLogprobs {
                 content: vec![TokenLogprob {
