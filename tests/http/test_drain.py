@@ -70,7 +70,13 @@ def test_sigterm_drains_a_decode_node_without_losing_a_request(tmp_root, server)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == \
             want[PROMPTS[0]]
         gm = parse_metrics(requests.get(gw.url("/metrics"), timeout=10).text)
-        assert gm["isoserve_gateway_replaced_draining_total"] >= 1, gm
+        # Whether a request was placed on A in the moment between its drain
+        # and its exit (then refused as draining and placed again) depends
+        # on timing: on a loaded CI machine none was (a flake). The replace
+        # path itself is pinned by crates/transfer/tests/drain.rs; here no
+        # request may fail for it.
+        assert gm['isoserve_requests_total{outcome="error"}'] == 0, gm
+        assert gm["isoserve_gateway_replaced_draining_total"] <= len(results) + 1, gm
         mb = pool_free(d_b)
         assert mb["isoserve_node_draining"] == 0
         pool_free(p)
