@@ -217,8 +217,9 @@ fn cases() -> Vec<Case> {
             .body(chat(json!({"max_tokens": 100000}))),
         case("chat: response_format json_object", "POST", CHAT)
             .body(chat(json!({"response_format": {"type": "json_object"}}))),
-        case("chat: tools", "POST", CHAT).body(chat(json!({"tools": [
-            {"type": "function", "function": {"name": "f", "parameters": {}}}
+        case("chat: a malformed tool", "POST", CHAT).body(chat(json!({"tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {}}},
+            {"type": "function", "function": {"name": "two words"}}
         ]}))),
         case("chat: logit_bias past the vocabulary", "POST", CHAT)
             .body(chat(json!({"logit_bias": {"99999999": 1}}))),
