@@ -273,6 +273,47 @@ def test_structured_outputs_over_pd_equal_unified(pd_set, server):
     pool_free(pd_set["prefill"])
 
 
+def test_tool_calls_over_pd_equal_unified(pd_set, server):
+    """Tool calls cross as a grammar (the call grammar, compiled at the
+    gateway and on each node in its own scope): the calls, their arguments
+    and the finish reason equal the unified server's (K12), streamed and
+    not."""
+    gw = pd_set["gateway"]
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"]}}},
+        {"type": "function", "function": {"name": "now", "parameters": {}}}]
+    for extra in ({"tool_choice": "required", "parallel_tool_calls": False},
+                  {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                  {"tool_choice": "auto"}):
+        body = dict({"model": MODEL, "max_tokens": 120, "temperature": 0, "tools": tools,
+                     "messages": [{"role": "user", "content": "Weather in Oslo?"}]}, **extra)
+        a = requests.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+        b = requests.post(gw.url("/v1/chat/completions"), json=body, timeout=120)
+        assert a.status_code == b.status_code == 200, (a.text, b.text)
+        ca, cb = a.json()["choices"][0], b.json()["choices"][0]
+        assert ca["finish_reason"] == cb["finish_reason"], (ca, cb)
+        calls = lambda m: [(c["function"]["name"], c["function"]["arguments"])
+                           for c in m.get("tool_calls") or []]
+        assert calls(ca["message"]) == calls(cb["message"]), (ca, cb)
+        assert ca["message"]["content"] == cb["message"]["content"]
+        if extra["tool_choice"] != "auto":
+            assert ca["finish_reason"] == "tool_calls" and calls(ca["message"]), ca
+        body["stream"] = True
+        st = Stream(gw, "/v1/chat/completions", body, timeout=120)
+        args = {}
+        for c in st.json_events():
+            for d in (c.get("choices") or [{}])[0].get("delta", {}).get("tool_calls") or []:
+                args.setdefault(d["index"], ["", ""])
+                args[d["index"]][0] += d["function"].get("name") or ""
+                args[d["index"]][1] += d["function"].get("arguments") or ""
+        assert [tuple(args[i]) for i in sorted(args)] == calls(ca["message"])
+    pool_free(pd_set["decode"])
+    pool_free(pd_set["prefill"])
+
+
 def test_over_long_request_is_refused_at_the_gateway(pd_set):
     gw, d = pd_set["gateway"], pd_set["decode"]
     models = requests.get(gw.url("/v1/models"), timeout=10).json()
