@@ -93,6 +93,19 @@ pub struct HttpArgs {
     /// one (it writes `<tool_call>`), else `generic`.
     #[arg(long, value_name = "FORMAT", value_parser = parse_tool_format)]
     pub tool_format: Option<tools::Format>,
+    /// How the model marks its reasoning, split from the answer into
+    /// `reasoning_content`: `think` (`<think>…</think>`; vLLM's names
+    /// `deepseek_r1` and `qwen3` are aliases) or `none`. Default: `think`
+    /// when the chat template writes `<think>`, else `none`.
+    #[arg(long, value_name = "FORMAT", value_parser = parse_reasoning)]
+    pub reasoning_parser: Option<tools::ReasoningFormat>,
+}
+
+fn parse_reasoning(s: &str) -> Result<tools::ReasoningFormat, String> {
+    tools::ReasoningFormat::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = tools::REASONING_FORMATS.iter().map(|(n, _)| *n).collect();
+        format!("`{s}` is not a reasoning format (one of: {})", names.join(", "))
+    })
 }
 
 fn parse_tool_format(s: &str) -> Result<tools::Format, String> {
@@ -492,6 +505,7 @@ pub(crate) fn server_config(model_id: &str, http: &HttpArgs) -> Result<ServerCon
     scfg.shutdown_grace = Duration::from_secs(http.shutdown_grace_secs);
     scfg.log_prompts = http.log_prompts;
     scfg.tool_format = http.tool_format;
+    scfg.reasoning = http.reasoning_parser;
     Ok(scfg)
 }
 

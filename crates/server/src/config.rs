@@ -40,6 +40,9 @@ pub struct ServerConfig {
     /// `--tool-format`: how the model calls tools, where the template's
     /// own format should not be detected.
     pub tool_format: Option<tools::Format>,
+    /// `--reasoning-parser`: how the model marks its reasoning, where the
+    /// template's should not be detected.
+    pub reasoning: Option<tools::ReasoningFormat>,
 }
 
 /// Default body limit: 4 MiB.
@@ -62,6 +65,7 @@ impl ServerConfig {
             shutdown_grace: Duration::from_secs(30),
             log_prompts: false,
             tool_format: None,
+            reasoning: None,
         }
     }
 

@@ -336,6 +336,8 @@ async fn admit(
                     .map(|s| compile_grammar(&st2, scope, s))
                     .transpose()?,
             };
+            let mut params = params;
+            params.reasoning_open = st2.reasoning.opened_by(&prompts[0].1);
             Ok::<_, ApiError>((prompts, params, grammar))
         })
         .await

@@ -25,6 +25,9 @@ pub(crate) struct AppState {
     pub tool_format: tools::Format,
     /// The format's markers that are one special token in the vocabulary.
     pub tool_markers: tools::Markers,
+    /// How the model marks its reasoning: `--reasoning-parser`, else what
+    /// the template writes ([`tools::ReasoningFormat::detect`]).
+    pub reasoning: tools::ReasoningFormat,
     pub tenants: Tenants,
     pub metrics: Metrics,
     pub reqlog: Option<RequestLog>,
@@ -64,10 +67,14 @@ impl AppState {
                 })
                 .collect(),
         };
+        let reasoning = cfg.reasoning.unwrap_or_else(|| {
+            tools::ReasoningFormat::detect(template.as_ref().map_or("", |t| t.source()))
+        });
         AppState {
             engine,
             tokenizer,
             template,
+            reasoning,
             tool_format,
             tool_markers,
             tenants,

@@ -39,11 +39,13 @@
 
 mod format;
 mod parse;
+mod reasoning;
 
 pub use format::{
     generic_calls_text, generic_system_prompt, py_json, Format, Markers, CALLS_MAX, FORMATS,
 };
 pub use parse::{Call, CallParser, Event};
+pub use reasoning::{ReasoningFormat, ReasoningParser, Split, REASONING_FORMATS};
 
 use serde_json::Value;
 

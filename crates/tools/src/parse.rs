@@ -212,7 +212,7 @@ fn merge(events: Vec<Event>) -> Vec<Event> {
 }
 
 /// Length of the longest suffix of `s` that is a proper prefix of `marker`.
-fn partial_suffix(s: &str, marker: &str) -> usize {
+pub(crate) fn partial_suffix(s: &str, marker: &str) -> usize {
     (1..marker.len().min(s.len() + 1))
         .rev()
         .find(|&n| s.is_char_boundary(s.len() - n) && marker.starts_with(&s[s.len() - n..]))

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use request::{DoneEvent, TokenEvent};
 use serde::{Deserialize, Serialize};
-use tools::{CallParser, Event};
+use tools::{CallParser, Event, ReasoningFormat, ReasoningParser, Split};
 
 use super::fields::{self, parse_common, parse_messages, parse_object, Fields, Variant};
 use super::{
@@ -54,11 +54,18 @@ impl Generate for Chat {
             parsers: (0..choices).map(|_| CallParser::new(format)).collect(),
             ids: vec![Vec::new(); choices],
         });
+        let reasoning = (base.st.reasoning != ReasoningFormat::None).then(|| {
+            (0..choices)
+                .map(|_| ReasoningParser::new(p.reasoning_open))
+                .collect()
+        });
         Box::new(ChatShaper {
             base,
             choices,
             include_usage: p.include_usage,
             logprobs: p.logprobs.is_some(),
+            reasoning_open: p.reasoning_open,
+            reasoning,
             calls,
         })
     }
@@ -100,6 +107,12 @@ pub fn parse_chat(body: &[u8]) -> Result<GenParams, ApiError> {
 pub struct ChatMessageOut {
     pub role: String,
     pub content: Option<String>,
+    /// A thinking model's reasoning (`<think>…</think>`), split from the
+    /// content: vLLM's `reasoning_content`, and its newer name.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub reasoning: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub tool_calls: Option<Vec<ToolCallOut>>,
     /// The legacy `functions`' answer: the (one) call.
@@ -176,6 +189,10 @@ pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub reasoning: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub function_call: Option<FunctionDelta>,
@@ -210,8 +227,57 @@ struct ChatShaper {
     choices: usize,
     include_usage: bool,
     logprobs: bool,
+    /// The prompt left a thought open.
+    reasoning_open: bool,
+    /// With a reasoning format: each choice's thought split off first.
+    reasoning: Option<Vec<ReasoningParser>>,
     /// With active tools: each choice's output parsed for calls.
     calls: Option<Calls>,
+}
+
+impl ChatShaper {
+    /// The deltas `text` of choice `index` makes: reasoning split off, the
+    /// content through the call parser; `last`: the choice ended.
+    fn deltas(&mut self, index: usize, text: &str, last: bool) -> Vec<Delta> {
+        let splits = match &mut self.reasoning {
+            Some(r) => {
+                let mut s = r[index].push(text);
+                if last {
+                    s.extend(r[index].finish());
+                }
+                s
+            }
+            None if text.is_empty() => Vec::new(),
+            None => vec![Split::Content(text.to_string())],
+        };
+        let mut out = Vec::new();
+        for s in splits {
+            match s {
+                Split::Reasoning(t) => out.push(Delta {
+                    reasoning_content: Some(t.clone()),
+                    reasoning: Some(t),
+                    ..Delta::default()
+                }),
+                Split::Content(t) => match &mut self.calls {
+                    Some(c) => {
+                        let ev = c.parsers[index].push(&t);
+                        out.extend(c.deltas(index, ev));
+                    }
+                    None => out.push(Delta {
+                        content: Some(t),
+                        ..Delta::default()
+                    }),
+                },
+            }
+        }
+        if last {
+            if let Some(c) = &mut self.calls {
+                let ev = c.parsers[index].finish();
+                out.extend(c.deltas(index, ev));
+            }
+        }
+        out
+    }
 }
 
 /// The calls of each choice.
@@ -360,7 +426,7 @@ impl Shaper for ChatShaper {
         let mut lp = self.logprobs.then(|| ChatLogprobs {
             content: vec![self.base.chat_logprob(&t)],
         });
-        let Some(calls) = &mut self.calls else {
+        if self.calls.is_none() && self.reasoning.is_none() {
             return self.chunk(
                 index,
                 Delta {
@@ -370,15 +436,13 @@ impl Shaper for ChatShaper {
                 lp,
                 None,
             );
-        };
-        let events = calls.parsers[index].push(&t.text);
-        let deltas = calls.deltas(index, events);
+        }
         let mut out = Vec::new();
-        for d in deltas {
+        for d in self.deltas(index, &t.text, false) {
             out.extend(self.chunk(index, d, lp.take(), None));
         }
         if lp.is_some() {
-            // The token's text is held back (a possible trigger): its
+            // The token's text is held back (a possible marker): its
             // log-probability still goes out, with an empty delta.
             out.extend(self.chunk(index, Delta::default(), lp, None));
         }
@@ -387,28 +451,12 @@ impl Shaper for ChatShaper {
 
     fn finish_choice(&mut self, index: usize, d: &DoneEvent) -> Vec<u8> {
         let mut out = Vec::new();
-        let reason = d.finish.as_openai();
-        let Some(calls) = &mut self.calls else {
-            if !d.tail_text.is_empty() {
-                out.extend(self.chunk(
-                    index,
-                    Delta {
-                        content: Some(d.tail_text.clone()),
-                        ..Delta::default()
-                    },
-                    None,
-                    None,
-                ));
-            }
-            out.extend(self.chunk(index, Delta::default(), None, Some(reason)));
-            return out;
-        };
-        let mut events = calls.parsers[index].push(&d.tail_text);
-        events.extend(calls.parsers[index].finish());
-        let deltas = calls.deltas(index, events);
-        let reason = calls.finish(index, reason);
-        for delta in deltas {
+        let mut reason = d.finish.as_openai();
+        for delta in self.deltas(index, &d.tail_text, true) {
             out.extend(self.chunk(index, delta, None, None));
+        }
+        if let Some(calls) = &self.calls {
+            reason = calls.finish(index, reason);
         }
         out.extend(self.chunk(index, Delta::default(), None, Some(reason)));
         out
@@ -434,15 +482,35 @@ impl Shaper for ChatShaper {
     fn full(&mut self, choices: Vec<Choice>, all: &DoneEvent) -> Response {
         let format = self.base.st.tool_format;
         let legacy = self.calls.as_ref().map(|c| c.legacy);
+        let split_reasoning = self.reasoning.is_some();
+        let opened = self.reasoning_open;
         let choices = choices
             .into_iter()
             .enumerate()
-            .map(|(index, c)| {
+            .map(|(index, mut c)| {
                 let reason = c.done.finish.as_openai();
-                let message = match legacy {
+                // The same splitter a stream uses, over the whole text.
+                let mut thought = None;
+                if split_reasoning {
+                    let mut r = ReasoningParser::new(opened);
+                    let mut s = r.push(&c.text);
+                    s.extend(r.finish());
+                    let (mut rs, mut cs) = (String::new(), String::new());
+                    for x in s {
+                        match x {
+                            Split::Reasoning(t) => rs.push_str(&t),
+                            Split::Content(t) => cs.push_str(&t),
+                        }
+                    }
+                    thought = Some(rs);
+                    c.text = cs;
+                }
+                let mut message = match legacy {
                     None => ChatMessageOut {
                         role: "assistant".into(),
                         content: Some(c.text.clone()),
+                        reasoning_content: None,
+                        reasoning: None,
                         tool_calls: None,
                         function_call: None,
                     },
@@ -478,24 +546,34 @@ impl Shaper for ChatShaper {
                             (_, true) => ChatMessageOut {
                                 role: "assistant".into(),
                                 content,
+                                reasoning_content: None,
+                                reasoning: None,
                                 tool_calls: None,
                                 function_call: None,
                             },
                             (true, false) => ChatMessageOut {
                                 role: "assistant".into(),
                                 content,
+                                reasoning_content: None,
+                                reasoning: None,
                                 tool_calls: None,
                                 function_call: calls.into_iter().next().map(|c| c.function),
                             },
                             (false, false) => ChatMessageOut {
                                 role: "assistant".into(),
                                 content,
+                                reasoning_content: None,
+                                reasoning: None,
                                 tool_calls: Some(calls),
                                 function_call: None,
                             },
                         }
                     }
                 };
+                if let Some(r) = thought.filter(|r| !r.is_empty()) {
+                    message.reasoning_content = Some(r.clone());
+                    message.reasoning = Some(r);
+                }
                 let called = message.tool_calls.is_some() || message.function_call.is_some();
                 let finish = match (called, reason, legacy) {
                     (true, "stop", Some(true)) => "function_call",

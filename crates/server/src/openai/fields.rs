@@ -334,6 +334,7 @@ pub(crate) fn parse_common(
         structured,
         template_kwargs,
         tools,
+        reasoning_open: false,
     })
 }
 

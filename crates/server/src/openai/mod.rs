@@ -147,6 +147,10 @@ pub struct GenParams {
     pub template_kwargs: tokenizer::TemplateKwargs,
     /// `tools` (or the legacy `functions`) and how they may be called.
     pub tools: Option<tools::ToolRequest>,
+    /// The rendered prompt left a thought open (`<think>` in the
+    /// generation prompt): the output starts inside the reasoning. Set at
+    /// admission, from the prompt.
+    pub reasoning_open: bool,
 }
 
 // ---- shapes every endpoint shares ------------------------------------------

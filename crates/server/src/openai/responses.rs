@@ -49,6 +49,7 @@ impl Generate for Responses {
         parse_responses(body)
     }
     fn shaper(&self, base: Base, p: &GenParams, choices: usize) -> Box<dyn Shaper> {
+        let base_reasoning = base.st.reasoning;
         Box::new(ResponseShaper {
             base,
             logprobs: p.logprobs.is_some(),
@@ -64,6 +65,12 @@ impl Generate for Responses {
             seq: 0,
             texts: vec![String::new(); choices],
             tokens: vec![Vec::new(); choices],
+            reasoning: (base_reasoning != tools::ReasoningFormat::None)
+                .then(|| tools::ReasoningParser::new(p.reasoning_open)),
+            reasoning_open: p.reasoning_open,
+            thought: String::new(),
+            rs_open: false,
+            msg_index: None,
         })
     }
 }
@@ -259,6 +266,16 @@ struct ResponseShaper {
     /// when asked for): the end repeats them.
     texts: Vec<String>,
     tokens: Vec<Vec<TokenEvent>>,
+    /// With a reasoning format: the thought split from the answer (a
+    /// `reasoning` output item before the message).
+    reasoning: Option<tools::ReasoningParser>,
+    reasoning_open: bool,
+    /// The thought so far.
+    thought: String,
+    /// The stream opened the reasoning item and has not closed it.
+    rs_open: bool,
+    /// The message item's output index, once the stream opened it.
+    msg_index: Option<usize>,
 }
 
 /// An f32 as JSON shows the decimal the client sent (0.7, not
@@ -277,6 +294,144 @@ fn response_status(d: &DoneEvent) -> &'static str {
 }
 
 impl ResponseShaper {
+    /// The reasoning item's id.
+    fn reasoning_id(&self) -> String {
+        format!("rs_{}", self.base.id.trim_start_matches("resp_"))
+    }
+
+    /// A finished reasoning item.
+    fn reasoning_item(&self, thought: &str) -> Value {
+        json!({"type": "reasoning", "id": self.reasoning_id(), "status": "completed",
+               "summary": [], "content": [{"type": "reasoning_text", "text": thought}],
+               "encrypted_content": null})
+    }
+
+    /// Tokens of the thought (as the tokenizer encodes its text: the
+    /// tags and a token split across the boundary are not counted).
+    fn reasoning_tokens(&self, thought: &str, completion: usize) -> usize {
+        match thought.is_empty() {
+            true => 0,
+            false => self
+                .base
+                .st
+                .tokenizer
+                .encode(thought, false)
+                .map_or(0, |ids| ids.len())
+                .min(completion),
+        }
+    }
+
+    /// Opens the reasoning item in a stream (once).
+    fn open_reasoning(&mut self) -> Vec<u8> {
+        if self.rs_open || self.msg_index.is_some() {
+            return Vec::new();
+        }
+        self.rs_open = true;
+        let item = json!({"output_index": 0, "item": {
+            "type": "reasoning", "id": self.reasoning_id(), "status": "in_progress",
+            "summary": [], "content": []}});
+        let mut out = self.event("response.output_item.added", item);
+        let part = json!({"item_id": self.reasoning_id(), "output_index": 0, "content_index": 0,
+                          "part": {"type": "reasoning_text", "text": ""}});
+        out.extend(self.event("response.content_part.added", part));
+        out
+    }
+
+    /// Closes the reasoning item (if open) and opens the message item
+    /// (once): the message follows the thought.
+    fn open_message(&mut self) -> Vec<u8> {
+        let mut out = Vec::new();
+        if self.msg_index.is_some() {
+            return out;
+        }
+        let index = usize::from(self.rs_open);
+        if self.rs_open {
+            self.rs_open = false;
+            let id = self.reasoning_id();
+            let thought = self.thought.clone();
+            out.extend(self.event(
+                "response.reasoning_text.done",
+                json!({"item_id": id, "output_index": 0, "content_index": 0, "text": thought}),
+            ));
+            out.extend(self.event(
+                "response.content_part.done",
+                json!({"item_id": id, "output_index": 0, "content_index": 0,
+                       "part": {"type": "reasoning_text", "text": thought}}),
+            ));
+            let item = self.reasoning_item(&thought);
+            out.extend(self.event(
+                "response.output_item.done",
+                json!({"output_index": 0, "item": item}),
+            ));
+        }
+        self.msg_index = Some(index);
+        let item = json!({"output_index": index, "item": {
+            "type": "message", "id": self.message_id(), "status": "in_progress",
+            "role": "assistant", "content": []}});
+        out.extend(self.event("response.output_item.added", item));
+        let part = json!({"item_id": self.message_id(), "output_index": index, "content_index": 0,
+                          "part": {"type": "output_text", "text": "", "annotations": [],
+                                   "logprobs": []}});
+        out.extend(self.event("response.content_part.added", part));
+        out
+    }
+
+    /// The events of `text` (choice 0's), its log-probabilities with the
+    /// answer's first piece.
+    fn pieces(&mut self, text: &str, last: bool, mut lp: Vec<TokenLogprob>) -> Vec<u8> {
+        let splits = match &mut self.reasoning {
+            Some(r) => {
+                let mut s = r.push(text);
+                if last {
+                    s.extend(r.finish());
+                }
+                s
+            }
+            None if text.is_empty() => Vec::new(),
+            None => vec![tools::Split::Content(text.to_string())],
+        };
+        let mut out = Vec::new();
+        for s in splits {
+            match s {
+                tools::Split::Reasoning(t) => {
+                    out.extend(self.open_reasoning());
+                    self.thought.push_str(&t);
+                    let d = json!({"item_id": self.reasoning_id(), "output_index": 0,
+                                   "content_index": 0, "delta": t});
+                    out.extend(self.event("response.reasoning_text.delta", d));
+                }
+                tools::Split::Content(t) => {
+                    out.extend(self.open_message());
+                    self.texts[0].push_str(&t);
+                    let d = json!({"item_id": self.message_id(),
+                                   "output_index": self.msg_index.unwrap_or(0),
+                                   "content_index": 0, "delta": t,
+                                   "logprobs": std::mem::take(&mut lp)});
+                    out.extend(self.event("response.output_text.delta", d));
+                }
+            }
+        }
+        out
+    }
+
+    /// The thought and answer of a whole text (no stream).
+    fn split_whole(&self, text: &str) -> (String, String) {
+        let Some(_) = &self.reasoning else {
+            return (String::new(), text.to_string());
+        };
+        let mut r = tools::ReasoningParser::new(self.reasoning_open);
+        let mut s = r.push(text);
+        s.extend(r.finish());
+        let (mut th, mut c) = (String::new(), String::new());
+        for x in s {
+            match x {
+                tools::Split::Reasoning(t) => th.push_str(&t),
+                tools::Split::Content(t) => c.push_str(&t),
+            }
+        }
+        (th, c)
+    }
+
     /// The output message's id: the response's, renamed.
     fn message_id(&self) -> String {
         format!("msg_{}", self.base.id.trim_start_matches("resp_"))
@@ -309,12 +464,18 @@ impl ResponseShaper {
     /// The response object: `in_progress` with no output yet, or the end
     /// with its output and usage.
     fn response_obj(&self, status: &str, output: Vec<Value>, done: Option<&DoneEvent>) -> Value {
+        let thought = output
+            .iter()
+            .find(|i| i["type"] == "reasoning")
+            .and_then(|i| i["content"][0]["text"].as_str())
+            .unwrap_or("");
         let usage = done.map(|d| {
             let u = &d.usage;
             json!({"input_tokens": u.prompt_tokens,
                    "input_tokens_details": {"cached_tokens": u.cached_tokens},
                    "output_tokens": u.completion_tokens,
-                   "output_tokens_details": {"reasoning_tokens": 0},
+                   "output_tokens_details": {
+                       "reasoning_tokens": self.reasoning_tokens(thought, u.completion_tokens)},
                    "total_tokens": u.prompt_tokens + u.completion_tokens})
         });
         let incomplete = (status == "incomplete").then(|| json!({"reason": "max_output_tokens"}));
@@ -336,27 +497,21 @@ impl Shaper for ResponseShaper {
         let created = json!({"response": self.response_obj("in_progress", vec![], None)});
         let mut out = self.event("response.created", created.clone());
         out.extend(self.event("response.in_progress", created));
-        let item = json!({"output_index": 0, "item": {
-            "type": "message", "id": self.message_id(), "status": "in_progress",
-            "role": "assistant", "content": []}});
-        out.extend(self.event("response.output_item.added", item));
-        let part = json!({"item_id": self.message_id(), "output_index": 0, "content_index": 0,
-                          "part": {"type": "output_text", "text": "", "annotations": [],
-                                   "logprobs": []}});
-        out.extend(self.event("response.content_part.added", part));
+        if self.reasoning.is_none() {
+            // No thought can come first: the message opens now.
+            out.extend(self.open_message());
+        }
         Some(out)
     }
 
     fn token(&mut self, index: usize, t: TokenEvent) -> Vec<u8> {
+        debug_assert_eq!(index, 0, "one choice a response");
         let lp: Vec<TokenLogprob> = self
             .logprobs
             .then(|| self.base.chat_logprob(&t))
             .into_iter()
             .collect();
-        let delta = json!({"item_id": self.message_id(), "output_index": 0, "content_index": 0,
-                           "delta": t.text, "logprobs": lp});
-        let out = self.event("response.output_text.delta", delta);
-        self.texts[index].push_str(&t.text);
+        let out = self.pieces(&t.text, false, lp);
         if self.logprobs {
             self.tokens[index].push(t);
         }
@@ -365,26 +520,23 @@ impl Shaper for ResponseShaper {
 
     /// The held-back tail, then the text, part and item done.
     fn finish_choice(&mut self, index: usize, d: &DoneEvent) -> Vec<u8> {
-        self.texts[index].push_str(&d.tail_text);
-        let mut out = Vec::new();
-        if !d.tail_text.is_empty() {
-            let tail = json!({"item_id": self.message_id(), "output_index": 0,
-                              "content_index": 0, "delta": d.tail_text, "logprobs": []});
-            out.extend(self.event("response.output_text.delta", tail));
-        }
+        let mut out = self.pieces(&d.tail_text, true, Vec::new());
+        // An answer with no text still has its (empty) message.
+        out.extend(self.open_message());
+        let msg_index = self.msg_index.unwrap_or(0);
         let text = &self.texts[index];
         let item = self.message_item(d, text, &self.tokens[index]);
         let part = item["content"][0].clone();
-        let text_done = json!({"item_id": self.message_id(), "output_index": 0,
+        let text_done = json!({"item_id": self.message_id(), "output_index": msg_index,
                                "content_index": 0, "text": text,
                                "logprobs": part["logprobs"]});
-        let part_done = json!({"item_id": self.message_id(), "output_index": 0,
+        let part_done = json!({"item_id": self.message_id(), "output_index": msg_index,
                                "content_index": 0, "part": part});
         out.extend(self.event("response.output_text.done", text_done));
         out.extend(self.event("response.content_part.done", part_done));
         out.extend(self.event(
             "response.output_item.done",
-            json!({"output_index": 0, "item": item}),
+            json!({"output_index": msg_index, "item": item}),
         ));
         out
     }
@@ -392,8 +544,12 @@ impl Shaper for ResponseShaper {
     /// `response.completed` (or `.incomplete`) with the whole response.
     fn end(&mut self, all: &DoneEvent) -> Vec<u8> {
         let status = response_status(all);
-        let item = self.message_item(all, &self.texts[0], &self.tokens[0]);
-        let response = json!({"response": self.response_obj(status, vec![item], Some(all))});
+        let mut output = Vec::new();
+        if !self.thought.is_empty() {
+            output.push(self.reasoning_item(&self.thought));
+        }
+        output.push(self.message_item(all, &self.texts[0], &self.tokens[0]));
+        let response = json!({"response": self.response_obj(status, output, Some(all))});
         self.event(&format!("response.{status}"), response)
     }
 
@@ -406,7 +562,12 @@ impl Shaper for ResponseShaper {
 
     fn full(&mut self, choices: Vec<Choice>, all: &DoneEvent) -> Response {
         let first = &choices[0];
-        let item = self.message_item(&first.done, &first.text, &first.tokens);
-        Json(self.response_obj(response_status(all), vec![item], Some(all))).into_response()
+        let (thought, text) = self.split_whole(&first.text);
+        let mut output = Vec::new();
+        if !thought.is_empty() {
+            output.push(self.reasoning_item(&thought));
+        }
+        output.push(self.message_item(&first.done, &text, &first.tokens));
+        Json(self.response_obj(response_status(all), output, Some(all))).into_response()
     }
 }
