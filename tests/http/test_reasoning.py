@@ -113,3 +113,40 @@ def test_reasoning_parser_none_leaves_everything_in_content(tmp_root):
         assert m["content"] == "Add them.\n</think>\n\n8", m
     finally:
         assert s.terminate() == 0, s.stderr()
+
+
+def test_schemas_and_tools_apply_after_the_thought(thinking):
+    """The grammar holds the answer, not the thought (as vLLM applies
+    structured outputs to a thinking model): the model thinks freely, then
+    answers under the schema, or calls."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"]}
+    r = requests.post(thinking.url("/v1/chat/completions"), timeout=60, json={
+        "model": MODEL, "messages": FEW_SHOT, "temperature": 0, "max_tokens": 60,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "a", "schema": schema}}})
+    ch = r.json()["choices"][0]
+    assert ch["message"]["reasoning_content"] == "Add them.\n", ch
+    jsonschema.validate(json.loads(ch["message"]["content"]), schema)
+    assert ch["finish_reason"] == "stop"
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}}}]
+    r = requests.post(thinking.url("/v1/chat/completions"), timeout=60, json={
+        "model": MODEL, "messages": FEW_SHOT, "temperature": 0, "max_tokens": 80,
+        "tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls", ch
+    assert ch["message"]["reasoning_content"] == "Add them.\n", ch
+    call = ch["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "add"
+    jsonschema.validate(json.loads(call["arguments"]), tools[0]["function"]["parameters"])
+    # A bad schema is still named as always.
+    r = requests.post(thinking.url("/v1/chat/completions"), timeout=60, json={
+        "model": MODEL, "messages": FEW_SHOT, "max_tokens": 5,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": {"type": "object", "properties": {"x": {"pattern": "(?<=a)"}}}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text

@@ -516,6 +516,54 @@ pub fn inline_schema(schema: &Value) -> String {
     format!("%json {v}")
 }
 
+/// A spec as a Lark grammar whose root is `start`, the same language laid
+/// out the same way (so it can be wrapped: a thinking model's answer after
+/// its thought). `None` for a Lark grammar, which is one already.
+pub fn as_lark(spec: &GrammarSpec) -> Result<Option<String>, GrammarError> {
+    spec.check_bounds().map_err(GrammarError::Invalid)?;
+    Ok(Some(match spec {
+        GrammarSpec::JsonObject => {
+            format!("start: {}\n", inline_schema(&json!({"type": "object"})))
+        }
+        GrammarSpec::JsonSchema { schema, strict } => {
+            let v: Value = serde_json::from_str(schema)
+                .map_err(|e| GrammarError::Invalid(format!("the schema is not JSON: {e}")))?;
+            if v == Value::Bool(false) {
+                return Err(GrammarError::Invalid(
+                    "the schema `false` accepts nothing".into(),
+                ));
+            }
+            format!("start: {}\n", inline_schema(&narrowed_schema(&v, *strict)?))
+        }
+        GrammarSpec::Regex(rx) => {
+            regex_syntax::ParserBuilder::new()
+                .nest_limit(64)
+                .build()
+                .parse(rx)
+                .map_err(|e| GrammarError::Invalid(format!("the regex does not parse: {e}")))?;
+            // Inside `/…/` only the delimiter needs escaping.
+            let mut lit = String::with_capacity(rx.len());
+            let mut escaped = false;
+            for c in rx.chars() {
+                if c == '/' && !escaped {
+                    lit.push('\\');
+                }
+                escaped = c == '\\' && !escaped;
+                lit.push(c);
+            }
+            format!("start: /{lit}/\n")
+        }
+        GrammarSpec::Choice(choices) => {
+            let alts: Vec<String> = choices
+                .iter()
+                .map(|c| Value::String(c.clone()).to_string())
+                .collect();
+            format!("start: {}\n", alts.join(" | "))
+        }
+        GrammarSpec::Lark(_) => return Ok(None),
+    }))
+}
+
 /// A grammar compiled over the vocabulary: a parser in its start state,
 /// which every sequence clones. Clones share the lexer's lazily built
 /// states, so the cache that holds it is what decides who shares them:

@@ -104,7 +104,10 @@ pub struct HttpArgs {
 fn parse_reasoning(s: &str) -> Result<tools::ReasoningFormat, String> {
     tools::ReasoningFormat::from_name(s).ok_or_else(|| {
         let names: Vec<&str> = tools::REASONING_FORMATS.iter().map(|(n, _)| *n).collect();
-        format!("`{s}` is not a reasoning format (one of: {})", names.join(", "))
+        format!(
+            "`{s}` is not a reasoning format (one of: {})",
+            names.join(", ")
+        )
     })
 }
 

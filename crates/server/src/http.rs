@@ -263,6 +263,33 @@ fn chat_prompt(
     })
 }
 
+/// An output format's grammar: as sent, or for a thinking model
+/// (`--reasoning-parser`) after the thought, as vLLM applies it. The spec
+/// as sent is compiled first, so its errors name the field as they always
+/// do; a Lark grammar constrains the whole output, thought included.
+fn compile_structured(
+    st: &AppState,
+    scope: request::Scope,
+    s: &openai::structured::StructuredOutput,
+    opened: bool,
+) -> Result<request::Constraint, ApiError> {
+    let plain = compile_grammar(st, scope, s)?;
+    if st.reasoning == tools::ReasoningFormat::None {
+        return Ok(plain);
+    }
+    let lark = grammar::as_lark(&s.spec)
+        .map_err(|e| ApiError::invalid_value(s.param, format!("{}: {e}", s.spec.noun())))?;
+    let Some(wrapped) = lark.and_then(|l| st.reasoning.after_thought(&l, opened)) else {
+        return Ok(plain);
+    };
+    let after = openai::structured::StructuredOutput {
+        spec: request::GrammarSpec::Lark(wrapped),
+        param: s.param,
+        format: None,
+    };
+    compile_grammar(st, scope, &after)
+}
+
 /// Compiles a request's grammar (cached in its scope); a grammar that is
 /// invalid or past a bound is a 400 naming the field that sent it.
 fn compile_grammar(
@@ -326,18 +353,21 @@ async fn admit(
                     )
                 })
                 .collect::<Result<Vec<_>, _>>()?;
+            // A thinking model's grammar applies after its thought: the
+            // prompt says whether the thought is already open.
+            let opened = st2.reasoning.opened_by(&prompts[0].1);
             // One grammar a request: the tools' (when active; the parser
             // refuses an output format beside them) or the output format's.
             let grammar = match &params.tools {
-                Some(t) if t.set.active() => openai::tools::compile(&st2, scope, t)?,
+                Some(t) if t.set.active() => openai::tools::compile(&st2, scope, t, opened)?,
                 _ => params
                     .structured
                     .as_ref()
-                    .map(|s| compile_grammar(&st2, scope, s))
+                    .map(|s| compile_structured(&st2, scope, s, opened))
                     .transpose()?,
             };
             let mut params = params;
-            params.reasoning_open = st2.reasoning.opened_by(&prompts[0].1);
+            params.reasoning_open = opened;
             Ok::<_, ApiError>((prompts, params, grammar))
         })
         .await

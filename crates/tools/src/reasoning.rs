@@ -42,6 +42,40 @@ impl ReasoningFormat {
             .map(|(_, f)| *f)
     }
 
+    /// A Lark grammar (root `start`) made to apply after the thought, as
+    /// vLLM applies structured outputs to a thinking model's answer: the
+    /// thought is free text up to `</think>`, then up to 8 whitespace
+    /// characters, then the grammar. `opened`: the prompt opened the
+    /// thought; else the model may open one (`<think>`) or answer at once.
+    /// `None` without a reasoning format.
+    pub fn after_thought(self, grammar: &str, opened: bool) -> Option<String> {
+        if self == ReasoningFormat::None {
+            return None;
+        }
+        // The grammar's root becomes `answer`: `start` is the wrapper's.
+        let mut body = String::with_capacity(grammar.len() + 256);
+        for line in grammar.lines() {
+            match line.strip_prefix("start:") {
+                Some(rest) => {
+                    body.push_str("answer:");
+                    body.push_str(rest);
+                }
+                None => body.push_str(line),
+            }
+            body.push('\n');
+        }
+        let start = if opened {
+            "start: THOUGHT SEP answer\n".to_string()
+        } else {
+            format!("start: answer | {} THOUGHT SEP answer\n", "\"<think>\"")
+        };
+        Some(format!(
+            "{start}THOUGHT: THOUGHT_TEXT \"</think>\"\n\
+             THOUGHT_TEXT: /(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/\n\
+             SEP: /[ \\t\\r\\n]{{0,8}}/\n{body}"
+        ))
+    }
+
     /// Whether a rendered prompt leaves a thought open (the template wrote
     /// `<think>` into the generation prompt, as DeepSeek-R1's does): the
     /// output then starts inside the reasoning.
@@ -189,15 +223,30 @@ mod tests {
                 ("\nhmm, 2+2 </thin k>".into(), "It is 4.".into())
             );
             // Opened by the prompt.
-            assert_eq!(run(true, "so 4</think>Four", n), ("so 4".into(), "Four".into()));
+            assert_eq!(
+                run(true, "so 4</think>Four", n),
+                ("so 4".into(), "Four".into())
+            );
             // Never closed: all reasoning.
-            assert_eq!(run(true, "still going <", n), ("still going <".into(), "".into()));
+            assert_eq!(
+                run(true, "still going <", n),
+                ("still going <".into(), "".into())
+            );
             // No thought at all.
-            assert_eq!(run(false, "  <thin> plain", n), ("".into(), "  <thin> plain".into()));
-            assert_eq!(run(false, "Plain <think>x</think>", n), ("".into(), "Plain <think>x</think>".into()));
+            assert_eq!(
+                run(false, "  <thin> plain", n),
+                ("".into(), "  <thin> plain".into())
+            );
+            assert_eq!(
+                run(false, "Plain <think>x</think>", n),
+                ("".into(), "Plain <think>x</think>".into())
+            );
             // An empty thought (Qwen 3 with enable_thinking false writes
             // it into the prompt; a model may write it too).
-            assert_eq!(run(false, "<think>\n\n</think>\n\nHi", n), ("\n\n".into(), "Hi".into()));
+            assert_eq!(
+                run(false, "<think>\n\n</think>\n\nHi", n),
+                ("\n\n".into(), "Hi".into())
+            );
         }
         assert!(ReasoningFormat::Think.opened_by("<|im_start|>assistant\n<think>\n"));
         assert!(!ReasoningFormat::Think.opened_by("<think>\n\n</think>\n\n"));

@@ -172,3 +172,80 @@ fn generic_calls_are_one_json_object_and_prose_does_not_open_with_a_brace() {
         None
     );
 }
+
+#[test]
+fn grammars_apply_after_the_thought() {
+    use tools::ReasoningFormat;
+    let c = compiler();
+    let calls = Format::Hermes
+        .grammar(&set(Choice::Required, false), &Markers::default())
+        .unwrap()
+        .unwrap();
+    let call = format!("<tool_call>\n{CALL}\n</tool_call>");
+    // Opened by the prompt: free thought, `</think>`, then only the call.
+    let g = ReasoningFormat::Think.after_thought(&calls, true).unwrap();
+    assert_eq!(
+        walk(
+            &c,
+            &g,
+            &bytes(&format!(
+                "Paris, so {{weather}} <tool_call>.</think>\n\n{call}"
+            ))
+        ),
+        Ok(true)
+    );
+    assert!(
+        walk(&c, &g, &bytes("hmm</think>\n\nSure")).is_err(),
+        "the answer is held"
+    );
+    assert_eq!(
+        walk(&c, &g, &bytes("still thinking")),
+        Ok(false),
+        "the thought must end"
+    );
+    // Not opened: the model may think first, or answer at once.
+    let g = ReasoningFormat::Think.after_thought(&calls, false).unwrap();
+    assert_eq!(walk(&c, &g, &bytes(&call)), Ok(true));
+    assert_eq!(
+        walk(&c, &g, &bytes(&format!("<think>ok</think>{call}"))),
+        Ok(true)
+    );
+    assert!(walk(&c, &g, &bytes("Sure")).is_err());
+    assert_eq!(ReasoningFormat::None.after_thought(&calls, true), None);
+    // A structured output's spec as Lark, wrapped the same way.
+    for (spec, good, bad) in [
+        (
+            GrammarSpec::JsonSchema {
+                schema:
+                    r#"{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}"#
+                        .into(),
+                strict: true,
+            },
+            r#"{"a": 5}"#,
+            r#"{"b""#,
+        ),
+        (GrammarSpec::Regex("[a-c]+/x".into()), "abc/x", "d"),
+        (
+            GrammarSpec::Choice(vec!["yes".into(), "no \"way\"".into()]),
+            "no \"way\"",
+            "maybe",
+        ),
+        (GrammarSpec::JsonObject, r#"{"k": [1]}"#, "[1]"),
+    ] {
+        let lark = grammar::as_lark(&spec).unwrap().unwrap();
+        let g = ReasoningFormat::Think.after_thought(&lark, true).unwrap();
+        assert_eq!(
+            walk(&c, &g, &bytes(&format!("think</think> {good}"))),
+            Ok(true),
+            "{spec:?}"
+        );
+        assert!(
+            walk(&c, &g, &bytes(&format!("think</think>{bad}"))).is_err(),
+            "{spec:?}"
+        );
+    }
+    assert_eq!(
+        grammar::as_lark(&GrammarSpec::Lark("start: \"x\"".into())).unwrap(),
+        None
+    );
+}

@@ -743,6 +743,8 @@ fn response_shapes_round_trip() {
             message: ChatMessageOut {
                 role: "assistant".into(),
                 content: Some("Paris".into()),
+                reasoning_content: None,
+                reasoning: None,
                 tool_calls: None,
                 function_call: None,
             },

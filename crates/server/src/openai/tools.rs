@@ -500,13 +500,15 @@ pub(crate) fn render(
     (out, None)
 }
 
-/// The call grammar, compiled in the request's cache scope; `None` when
-/// nothing is constrained. A schema the grammar engine refuses is a 400
-/// naming its tool.
+/// The call grammar, compiled in the request's cache scope (after the
+/// thought, for a thinking model; `opened`: the prompt opened it); `None`
+/// when nothing is constrained. A schema the grammar engine refuses is a
+/// 400 naming its tool.
 pub(crate) fn compile(
     st: &AppState,
     scope: request::Scope,
     t: &ToolRequest,
+    opened: bool,
 ) -> Result<Option<request::Constraint>, ApiError> {
     let param = t.param();
     let field = |i: Option<usize>| match (i, t.legacy) {
@@ -519,6 +521,8 @@ pub(crate) fn compile(
         .grammar(&t.set, &st.tool_markers)
         .map_err(|e| ApiError::invalid_value(field(e.tool), e.message))?;
     let Some(g) = g else { return Ok(None) };
+    // A thinking model calls after its thought.
+    let g = st.reasoning.after_thought(&g, opened).unwrap_or(g);
     let compiler = st.grammar().map_err(ApiError::internal)?;
     let spec = request::GrammarSpec::Lark(g);
     match compiler.compile(scope, &spec) {
