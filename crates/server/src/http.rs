@@ -27,7 +27,7 @@ use crate::error::ApiError;
 use crate::openai::{self, Base, Choice, GenParams, Generate, Input, Shaper};
 use crate::state::{unix_now, AppState, InflightGuard};
 use crate::tenants::TenantPermit;
-use crate::{console, ops, tokenize as tokenize_route};
+use crate::{anthropic, console, ops, tokenize as tokenize_route};
 
 /// Bodies declared or found larger than the limit are still read (and
 /// discarded) up to this size, so the client finishes sending and sees the
@@ -40,6 +40,11 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(openai::chat::handle))
         .route("/v1/completions", post(openai::completions::handle))
         .route("/v1/responses", post(openai::responses::handle))
+        .route("/v1/messages", post(anthropic::messages::handle))
+        .route(
+            "/v1/messages/count_tokens",
+            post(anthropic::count_tokens::handle),
+        )
         .route("/v1/models", get(openai::models::list))
         .route("/v1/models/{*id}", get(openai::models::by_id))
         .route("/tokenize", post(tokenize_route::handle))
@@ -307,6 +312,19 @@ fn compile_grammar(
     })
 }
 
+/// The request's credentials as an `Authorization` value: the header, or
+/// Anthropic's `x-api-key` (its SDKs send that) as a bearer token.
+pub(crate) fn auth_header(headers: &HeaderMap) -> Option<Vec<u8>> {
+    if let Some(v) = headers.get(header::AUTHORIZATION) {
+        return Some(v.as_bytes().to_vec());
+    }
+    headers.get("x-api-key").map(|k| {
+        let mut v = b"Bearer ".to_vec();
+        v.extend_from_slice(k.as_bytes());
+        v
+    })
+}
+
 async fn admit(
     st: &Arc<AppState>,
     ep: &'static dyn Generate,
@@ -317,8 +335,7 @@ async fn admit(
     if st.is_shutting_down() {
         return Err(ApiError::shutting_down());
     }
-    let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
-    let tenant = st.tenants.authenticate(auth)?;
+    let tenant = st.tenants.authenticate(auth_header(headers).as_deref())?;
     tr.rec.tenant = Some(tenant.name.clone());
     tr.tenant = Some(tenant.clone());
     let bytes = read_body(body, headers, st.cfg.max_body_bytes, st.cfg.body_timeout).await?;
@@ -368,6 +385,7 @@ async fn admit(
             };
             let mut params = params;
             params.reasoning_open = opened;
+            params.prompt_tokens = prompts[0].0.len();
             Ok::<_, ApiError>((prompts, params, grammar))
         })
         .await
@@ -518,7 +536,7 @@ pub(crate) async fn generate(
         Err(e) => {
             tracing::debug!(id, reason = e.reason.as_str(), "refused: {e}");
             tr.reject(&e);
-            return e.into_response();
+            return ep.error_response(e);
         }
     };
     let base = Base {

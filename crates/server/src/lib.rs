@@ -65,6 +65,7 @@
 #![forbid(unsafe_code)]
 
 mod accounting;
+pub mod anthropic;
 pub mod config;
 mod console;
 pub mod door;

@@ -45,7 +45,9 @@ pub use format::{
     generic_calls_text, generic_system_prompt, py_json, Format, Markers, CALLS_MAX, FORMATS,
 };
 pub use parse::{Call, CallParser, Event};
-pub use reasoning::{ReasoningFormat, ReasoningParser, Split, REASONING_FORMATS};
+pub use reasoning::{
+    OutputParser, Piece, ReasoningFormat, ReasoningParser, Split, REASONING_FORMATS,
+};
 
 use serde_json::Value;
 

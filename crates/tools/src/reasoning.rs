@@ -253,3 +253,87 @@ mod tests {
         assert!(!ReasoningFormat::None.opened_by("<think>\n"));
     }
 }
+
+/// What one choice's output says, in order: thought, answer text, calls.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Piece {
+    Reasoning(String),
+    Content(String),
+    /// Call `index` begins, with its name.
+    CallBegin {
+        index: usize,
+        name: String,
+    },
+    /// More of call `index`'s arguments (JSON text).
+    CallArgs {
+        index: usize,
+        text: String,
+    },
+}
+
+/// One choice's whole output parser: the thought split off (with a
+/// reasoning format), the answer parsed for calls (with active tools).
+#[derive(Debug)]
+pub struct OutputParser {
+    reasoning: Option<ReasoningParser>,
+    calls: Option<crate::CallParser>,
+}
+
+impl OutputParser {
+    /// `reasoning`: `Some(opened)` to split a thought off; `calls`: the
+    /// tool format, when tools are active.
+    pub fn new(reasoning: Option<bool>, calls: Option<crate::Format>) -> OutputParser {
+        OutputParser {
+            reasoning: reasoning.map(ReasoningParser::new),
+            calls: calls.map(crate::CallParser::new),
+        }
+    }
+
+    /// The calls parsed so far.
+    pub fn calls(&self) -> &[crate::Call] {
+        self.calls.as_ref().map_or(&[], |c| c.calls())
+    }
+
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        let splits = match &mut self.reasoning {
+            Some(r) => r.push(text),
+            None if text.is_empty() => Vec::new(),
+            None => vec![Split::Content(text.to_string())],
+        };
+        self.route(splits)
+    }
+
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let splits = match &mut self.reasoning {
+            Some(r) => r.finish(),
+            None => Vec::new(),
+        };
+        let mut out = self.route(splits);
+        if let Some(c) = &mut self.calls {
+            out.extend(c.finish().into_iter().map(piece));
+        }
+        out
+    }
+
+    fn route(&mut self, splits: Vec<Split>) -> Vec<Piece> {
+        let mut out = Vec::new();
+        for s in splits {
+            match s {
+                Split::Reasoning(t) => out.push(Piece::Reasoning(t)),
+                Split::Content(t) => match &mut self.calls {
+                    Some(c) => out.extend(c.push(&t).into_iter().map(piece)),
+                    None => out.push(Piece::Content(t)),
+                },
+            }
+        }
+        out
+    }
+}
+
+fn piece(e: crate::Event) -> Piece {
+    match e {
+        crate::Event::Content(t) => Piece::Content(t),
+        crate::Event::Begin { index, name } => Piece::CallBegin { index, name },
+        crate::Event::Args { index, text } => Piece::CallArgs { index, text },
+    }
+}

@@ -291,8 +291,14 @@ struct Calls {
 
 /// A call id as OpenAI's look: `call_` and 24 random characters.
 fn call_id() -> String {
+    random_id("call_")
+}
+
+/// `prefix` and 24 random letters and digits (OpenAI's `call_…`,
+/// Anthropic's `toolu_…`).
+pub(crate) fn random_id(prefix: &str) -> String {
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-    let mut s = String::from("call_");
+    let mut s = String::from(prefix);
     let mut r = crate::http::random_u64();
     for i in 0..24 {
         if i == 12 {

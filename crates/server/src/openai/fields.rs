@@ -335,6 +335,7 @@ pub(crate) fn parse_common(
         template_kwargs,
         tools,
         reasoning_open: false,
+        prompt_tokens: 0,
     })
 }
 

@@ -147,6 +147,9 @@ pub struct GenParams {
     pub template_kwargs: tokenizer::TemplateKwargs,
     /// `tools` (or the legacy `functions`) and how they may be called.
     pub tools: Option<tools::ToolRequest>,
+    /// Tokens of the (first) prompt, set at admission (Anthropic's stream
+    /// opens with them).
+    pub prompt_tokens: usize,
     /// The rendered prompt left a thought open (`<think>` in the
     /// generation prompt): the output starts inside the reasoning. Set at
     /// admission, from the prompt.
@@ -229,6 +232,11 @@ pub(crate) trait Generate: Sync {
     /// The shaper of one admitted request's answer, of `choices` choices
     /// (the engine requests it runs: prompts × `n`).
     fn shaper(&self, base: Base, params: &GenParams, choices: usize) -> Box<dyn Shaper>;
+    /// An error before the answer started, in the API's own shape
+    /// (OpenAI's; Anthropic's endpoint answers in its own).
+    fn error_response(&self, e: ApiError) -> Response {
+        axum::response::IntoResponse::into_response(e)
+    }
 }
 
 /// One finished choice, for an answer sent whole.
