@@ -131,21 +131,31 @@ impl Format {
                 tool: i,
                 message: e.to_string(),
             })?;
-            schemas.push(call_schema(&t.name, params));
+            let (args, def) = embed(params, schemas.len());
+            schemas.push((call_schema(&t.name, args), def));
         }
+        // Every tool's own definitions, under the root that holds them.
+        let defs_of = |which: &[&(Value, Option<(String, Value)>)]| -> Option<Value> {
+            let m: Map<String, Value> = which.iter().filter_map(|(_, d)| d.clone()).collect();
+            (!m.is_empty()).then_some(Value::Object(m))
+        };
         let max_calls = if set.parallel { CALLS_MAX } else { 1 };
         let forced = matches!(set.choice, Choice::Required | Choice::Named(_));
         Ok(Some(match self {
             Format::Generic => {
+                let calls: Vec<Value> = schemas.iter().map(|(s, _)| s.clone()).collect();
                 let mut tool_calls =
-                    json!({"type": "array", "items": {"anyOf": schemas}, "minItems": 1});
+                    json!({"type": "array", "items": {"anyOf": calls}, "minItems": 1});
                 tool_calls["maxItems"] = json!(max_calls);
-                let envelope = json!({
+                let mut envelope = json!({
                     "type": "object",
                     "properties": {"tool_calls": tool_calls},
                     "required": ["tool_calls"],
                     "additionalProperties": false,
                 });
+                if let Some(d) = defs_of(&schemas.iter().collect::<Vec<_>>()) {
+                    envelope["$defs"] = d;
+                }
                 let body = grammar::inline_schema(&envelope);
                 if forced {
                     format!("start: calls\ncalls: {body}\n")
@@ -185,13 +195,58 @@ impl Format {
                 g.push_str("body: \"\\n\" args \"\\n\"\n");
                 let alts: Vec<String> = (0..schemas.len()).map(|i| format!("c{i}")).collect();
                 g.push_str(&format!("args: {}\n", alts.join(" | ")));
-                for (i, s) in schemas.iter().enumerate() {
-                    g.push_str(&format!("c{i}: {}\n", grammar::inline_schema(s)));
+                for (i, entry) in schemas.iter().enumerate() {
+                    let mut s = entry.0.clone();
+                    if let Some(d) = defs_of(&[entry]) {
+                        s["$defs"] = d;
+                    }
+                    g.push_str(&format!("c{i}: {}\n", grammar::inline_schema(&s)));
                 }
                 g
             }
         }))
     }
+}
+
+/// A tool's argument schema as a call schema holds it. A schema with
+/// references (`$ref: "#/$defs/item"`, `"#"`) points into its own root,
+/// which is no longer the root once it sits inside a call: it moves to the
+/// root's `$defs` as `t{i}`, its references rewritten to point there, and
+/// the arguments refer to it.
+fn embed(params: Value, i: usize) -> (Value, Option<(String, Value)>) {
+    fn has_ref(v: &Value) -> bool {
+        match v {
+            Value::Object(m) => m.contains_key("$ref") || m.values().any(has_ref),
+            Value::Array(a) => a.iter().any(has_ref),
+            _ => false,
+        }
+    }
+    fn rewrite(v: &mut Value, root: &str) {
+        match v {
+            Value::Object(m) => {
+                for (k, x) in m.iter_mut() {
+                    match (k.as_str(), &*x) {
+                        ("$ref", Value::String(r)) if r.starts_with('#') => {
+                            *x = Value::String(format!("{root}{}", &r[1..]));
+                        }
+                        // `enum`, `const`, `default` and `examples` hold
+                        // data, not schemas.
+                        ("enum" | "const" | "default" | "examples", _) => {}
+                        _ => rewrite(x, root),
+                    }
+                }
+            }
+            Value::Array(a) => a.iter_mut().for_each(|x| rewrite(x, root)),
+            _ => {}
+        }
+    }
+    if !has_ref(&params) {
+        return (params, None);
+    }
+    let name = format!("t{i}");
+    let mut p = params;
+    rewrite(&mut p, &format!("#/$defs/{name}"));
+    (json!({"$ref": format!("#/$defs/{name}")}), Some((name, p)))
 }
 
 /// A call of one tool: its name, then its arguments under its schema.

@@ -249,3 +249,39 @@ fn grammars_apply_after_the_thought() {
         None
     );
 }
+
+/// A tool schema's own references point into its own root, which is not
+/// the root once the schema sits in a call (the corpus found it).
+#[test]
+fn references_inside_a_tool_schema_still_resolve() {
+    let c = compiler();
+    let order = Tool::new(
+        "order",
+        None,
+        json!({"type": "object", "$defs": {"item": {"type": "object",
+            "properties": {"sku": {"type": "string", "maxLength": 6}}, "required": ["sku"]}},
+            "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/item"}},
+                           "again": {"$ref": "#/properties/items"}},
+            "required": ["items"]}),
+    );
+    for format in [Format::Generic, Format::Hermes] {
+        let s = ToolSet {
+            tools: vec![set(Choice::Auto, true).tools[0].clone(), order.clone()],
+            choice: Choice::Required,
+            parallel: false,
+        };
+        let g = format.grammar(&s, &Markers::default()).unwrap().unwrap();
+        let call = r#"{"name": "order", "arguments": {"items": [{"sku": "AB1"}], "again": []}}"#;
+        let text = match format {
+            Format::Generic => format!("{{\"tool_calls\": [{call}]}}"),
+            Format::Hermes => format!("<tool_call>\n{call}\n</tool_call>"),
+        };
+        assert_eq!(walk(&c, &g, &bytes(&text)), Ok(true), "{format:?}");
+        let bad = r#"{"name": "order", "arguments": {"items": [{"x""#;
+        let bad = match format {
+            Format::Generic => format!("{{\"tool_calls\": [{bad}"),
+            Format::Hermes => format!("<tool_call>\n{bad}"),
+        };
+        assert!(walk(&c, &g, &bytes(&bad)).is_err(), "{format:?}");
+    }
+}

@@ -92,12 +92,14 @@ fn blocks_text(v: &Value, at: &str) -> Result<String, ApiError> {
                         Some(Value::String(t)) => out.push(t.clone()),
                         _ => return Err(ApiError::invalid_type(format!("{bat}.text"), "a string")),
                     },
-                    Some(other) => return Err(ApiError::unsupported(
-                        &format!("{bat}.type"),
-                        &format!(
+                    Some(other) => {
+                        return Err(ApiError::unsupported(
+                            &format!("{bat}.type"),
+                            &format!(
                             "content blocks of type `{other}` are not supported here (only text)"
                         ),
-                    )),
+                        ))
+                    }
                     None => return Err(ApiError::missing(&format!("{bat}.type"))),
                 }
             }
