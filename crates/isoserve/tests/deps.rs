@@ -21,6 +21,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("tokenizer", &["gguf"]),
     // Structured outputs: llguidance over the tokenizer's vocabulary.
     ("grammar", &["request", "tokenizer"]),
+    // Tool calls and reasoning: formats, call grammars, output parsers.
+    ("tools", &["grammar"]),
     ("model", &["gguf", "kernels", "kv", "request"]),
     (
         "engine",
@@ -46,7 +48,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "transport",
         ],
     ),
-    ("server", &["grammar", "request", "telemetry", "tokenizer"]),
+    ("server", &["grammar", "request", "telemetry", "tokenizer", "tools"]),
     // testkit writes K-quant test models with the kernels' quantisers.
     ("testkit", &["gguf", "kernels", "kv", "transfer"]),
     ("verify", &["testkit", "transfer"]),
@@ -66,6 +68,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "server",
             "telemetry",
             "tokenizer",
+            "tools",
             "transfer",
             "transport",
         ],
@@ -85,6 +88,11 @@ const NEVER_LINKED: &[(&str, &[&str])] = &[
     // The grammar engine knows the vocabulary, nothing of models or pools.
     (
         "grammar",
+        &["model", "kernels", "engine", "kv", "transfer", "server"],
+    ),
+    // Tool formats and parsers are pure: no engine, no HTTP.
+    (
+        "tools",
         &["model", "kernels", "engine", "kv", "transfer", "server"],
     ),
     // Test support is never linked into the binary.
