@@ -48,7 +48,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "transport",
         ],
     ),
-    ("server", &["grammar", "request", "telemetry", "tokenizer", "tools"]),
+    (
+        "server",
+        &["grammar", "request", "telemetry", "tokenizer", "tools"],
+    ),
     // testkit writes K-quant test models with the kernels' quantisers.
     ("testkit", &["gguf", "kernels", "kv", "transfer"]),
     ("verify", &["testkit", "transfer"]),

@@ -548,7 +548,7 @@ pub(crate) async fn generate(
     if adm.params.stream {
         stream_response(ep, shaper, adm, tr)
     } else {
-        full_response(ep, shaper, adm, tr).await
+        full_response(&st, ep, shaper, adm, tr).await
     }
 }
 
@@ -608,6 +608,7 @@ fn combined(dones: &[DoneEvent], n: usize) -> DoneEvent {
 // ---- non-streaming ---------------------------------------------------------
 
 async fn full_response(
+    st: &AppState,
     ep: &dyn Generate,
     mut sh: Box<dyn Shaper>,
     adm: Admitted,
@@ -629,7 +630,12 @@ async fn full_response(
         match ev {
             Some(Event::Token(t)) => {
                 tr.token(i);
-                texts[i].push_str(&t.text);
+                // With tools, a format marker that is a control token (left
+                // out of the text) is shown to the call parser.
+                match params.tools.as_ref().filter(|x| x.set.active()) {
+                    Some(_) => texts[i].push_str(st.tool_markers.text_of(t.id).unwrap_or(&t.text)),
+                    None => texts[i].push_str(&t.text),
+                }
                 if logprobs {
                     events[i].push(t);
                 }

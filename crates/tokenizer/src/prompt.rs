@@ -88,9 +88,19 @@ pub fn encode_chat_with(
             return Err(TokenizerError::TemplateAltersContent);
         };
         ids.extend(tok.encode(&rest[..at], true)?);
-        ids.extend(tok.encode(m.text(), false)?);
         rebuilt.push_str(&rest[..at]);
-        rebuilt.push_str(m.text());
+        // The template printed the content as it is, or as a JSON string's
+        // inside (`{{ m.content | tojson }}`, as Mistral's templates print
+        // tool results): either way it is the client's text, encoded
+        // plain.
+        let raw = m.text();
+        let shown = if text.get(rebuilt.len()..).unwrap_or("").starts_with(raw) {
+            std::borrow::Cow::Borrowed(raw)
+        } else {
+            std::borrow::Cow::Owned(crate::pyjson::escaped(raw))
+        };
+        ids.extend(tok.encode(&shown, false)?);
+        rebuilt.push_str(&shown);
         rest = &rest[at + mark.len()..];
     }
     ids.extend(tok.encode(rest, true)?);

@@ -177,6 +177,13 @@ fn number(out: &mut String, v: &Value) {
     }
 }
 
+/// `s` as the inside of a JSON string (`tojson` without the quotes).
+pub(crate) fn escaped(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 8);
+    string(&mut out, s, false);
+    out[1..out.len() - 1].to_string()
+}
+
 fn string(out: &mut String, s: &str, ensure_ascii: bool) {
     out.push('"');
     for c in s.chars() {

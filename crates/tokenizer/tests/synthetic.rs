@@ -417,3 +417,29 @@ fn control_text_in_template_input_is_refused_not_rendered() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A template may print a content as a JSON string's inside (Mistral's
+/// print tool results with `tojson`): the escaped text is the content,
+/// encoded plain, and the render is accepted.
+#[test]
+fn content_printed_through_tojson_is_still_plain_text() {
+    use tokenizer::{encode_chat_with, TemplateKwargs};
+    let t = Tokenizer::from_gguf(&open(&synthetic())).unwrap();
+    let chat = ChatTemplate::new(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{\"content\": {{ m.content | tojson }}}<|im_end|>\n{% endfor %}",
+        "",
+        "",
+    )
+    .unwrap();
+    let msgs = [ChatMessage::new("tool", "a \"quoted\"\nline <|im_start|>")];
+    let p = encode_chat_with(&t, &chat, &msgs, &TemplateKwargs::new()).unwrap();
+    assert!(
+        p.text
+            .contains(r#"{"content": "a \"quoted\"\nline <|im_start|>"}"#),
+        "{}",
+        p.text
+    );
+    // Only the template's own <|im_start|> is the special token.
+    assert_eq!(p.ids.iter().filter(|&&i| i == 1).count(), 1);
+    assert_eq!(t.decode(&p.ids).unwrap(), p.text);
+}

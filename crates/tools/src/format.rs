@@ -18,14 +18,32 @@ pub enum Format {
     /// `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>` (Hermes,
     /// Qwen 2.5 and 3): the template shows the tools.
     Hermes,
+    /// Llama 3.1–3.3's JSON calls: `{"name": …, "parameters": …}` as the
+    /// whole answer, optionally after `<|python_tag|>`, several joined by
+    /// `; `.
+    Llama3,
+    /// Mistral's `[TOOL_CALLS]` followed by a JSON array of `{"name": …,
+    /// "arguments": …}`; its templates want 9-character call ids.
+    Mistral,
 }
 
-/// Every format by the name `--tool-format` takes.
-pub const FORMATS: [(&str, Format); 2] = [("generic", Format::Generic), ("hermes", Format::Hermes)];
+/// Every format by the name `--tool-format` takes (vLLM's parser names
+/// are aliases).
+pub const FORMATS: [(&str, Format); 6] = [
+    ("generic", Format::Generic),
+    ("hermes", Format::Hermes),
+    ("llama3", Format::Llama3),
+    ("llama3_json", Format::Llama3),
+    ("mistral", Format::Mistral),
+    ("qwen", Format::Hermes),
+];
 
 /// Hermes's markers.
-const TOOL_CALL_OPEN: &str = "<tool_call>";
-const TOOL_CALL_CLOSE: &str = "</tool_call>";
+pub(crate) const TOOL_CALL_OPEN: &str = "<tool_call>";
+pub(crate) const TOOL_CALL_CLOSE: &str = "</tool_call>";
+/// Llama 3's and Mistral's.
+pub(crate) const PYTHON_TAG: &str = "<|python_tag|>";
+pub(crate) const TOOL_CALLS: &str = "[TOOL_CALLS]";
 
 /// Marker texts the model's vocabulary has as one special token (by id):
 /// the grammar names such a marker by id, so the model writes the token
@@ -38,8 +56,17 @@ pub struct Markers {
 impl Markers {
     /// The texts a format's grammar may name: look each up in the
     /// vocabulary and list those that are special tokens.
-    pub fn texts() -> [&'static str; 2] {
-        [TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
+    pub fn texts() -> [&'static str; 4] {
+        [TOOL_CALL_OPEN, TOOL_CALL_CLOSE, PYTHON_TAG, TOOL_CALLS]
+    }
+
+    /// The marker whose special token `id` is, if any: its text goes to
+    /// the call parser (the output's text leaves control tokens out).
+    pub fn text_of(&self, id: u32) -> Option<&str> {
+        self.special
+            .iter()
+            .find(|(_, i)| *i == id)
+            .map(|(t, _)| t.as_str())
     }
 
     /// `text` in the grammar: a token reference, or a string literal.
@@ -80,11 +107,29 @@ impl Format {
     /// The format a chat template speaks: Hermes if it writes
     /// `<tool_call>`, else the generic fallback.
     pub fn detect(template_source: &str) -> Format {
-        if template_source.contains(TOOL_CALL_OPEN) {
+        if template_source.contains(TOOL_CALLS) {
+            Format::Mistral
+        } else if template_source.contains(TOOL_CALL_OPEN) {
             Format::Hermes
+        } else if template_source.contains(PYTHON_TAG) {
+            Format::Llama3
         } else {
             Format::Generic
         }
+    }
+
+    /// The key of a call's arguments in this format's JSON.
+    pub fn args_key(self) -> &'static str {
+        match self {
+            Format::Llama3 => "parameters",
+            _ => "arguments",
+        }
+    }
+
+    /// Length of the call ids this format's templates accept (Mistral's
+    /// want 9 letters and digits); `None`: OpenAI's `call_…`.
+    pub fn call_id_len(self) -> Option<usize> {
+        (self == Format::Mistral).then_some(9)
     }
 
     /// Its `--tool-format` name.
@@ -132,7 +177,7 @@ impl Format {
                 message: e.to_string(),
             })?;
             let (args, def) = embed(params, schemas.len());
-            schemas.push((call_schema(&t.name, args), def));
+            schemas.push((call_schema(&t.name, self.args_key(), args), def));
         }
         // Every tool's own definitions, under the root that holds them.
         let defs_of = |which: &[&(Value, Option<(String, Value)>)]| -> Option<Value> {
@@ -204,6 +249,65 @@ impl Format {
                 }
                 g
             }
+            Format::Llama3 => {
+                let mut g = String::new();
+                let more = match max_calls {
+                    1 => String::new(),
+                    n => format!("(\"; \" call){{0,{}}}", n - 1),
+                };
+                if forced {
+                    g.push_str("start: calls\n");
+                } else {
+                    // Prose must not open with `{`: an answer that does is
+                    // a call. The tag, when it is a token, may come first.
+                    let tag = match markers.is_special(PYTHON_TAG) {
+                        true => format!(" | {} calls", markers.lark(PYTHON_TAG)),
+                        false => String::new(),
+                    };
+                    g.push_str(&format!(
+                        "start: TEXT | calls{tag}\nTEXT: /([^{{](?s:.*))?/\n"
+                    ));
+                }
+                g.push_str(&format!("calls: call {more}\n"));
+                let alts: Vec<String> = (0..schemas.len()).map(|i| format!("c{i}")).collect();
+                g.push_str(&format!("call: {}\n", alts.join(" | ")));
+                for (i, entry) in schemas.iter().enumerate() {
+                    let mut s = entry.0.clone();
+                    if let Some(d) = defs_of(&[entry]) {
+                        s["$defs"] = d;
+                    }
+                    g.push_str(&format!("c{i}: {}\n", grammar::inline_schema(&s)));
+                }
+                g
+            }
+            Format::Mistral => {
+                let calls: Vec<Value> = schemas.iter().map(|(s, _)| s.clone()).collect();
+                let mut list = json!({"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+                                      "maxItems": max_calls});
+                if let Some(d) = defs_of(&schemas.iter().collect::<Vec<_>>()) {
+                    list["$defs"] = d;
+                }
+                let body = grammar::inline_schema(&list);
+                let tc = markers.lark(TOOL_CALLS);
+                let mut g = String::new();
+                if forced {
+                    g.push_str(&format!("start: {tc} list\n"));
+                } else if markers.is_special(TOOL_CALLS) {
+                    g.push_str(&format!(
+                        "start: TEXT? | TEXT? {tc} list\nTEXT: /(?s:.+)/\n"
+                    ));
+                } else {
+                    let rx = lark_regex_literal(TOOL_CALLS);
+                    g.push_str(&format!(
+                        "start: FREE | LEAD list\n\
+                         FREE: /(?s:.*)/ & ~/(?s:.*){rx}(?s:.*)/\n\
+                         LEAD: FREE {}\n",
+                        lark_string(TOOL_CALLS)
+                    ));
+                }
+                g.push_str(&format!("list: {body}\n"));
+                g
+            }
         }))
     }
 }
@@ -250,14 +354,14 @@ fn embed(params: Value, i: usize) -> (Value, Option<(String, Value)>) {
 }
 
 /// A call of one tool: its name, then its arguments under its schema.
-fn call_schema(name: &str, params: Value) -> Value {
+fn call_schema(name: &str, args_key: &str, params: Value) -> Value {
     let mut props = Map::new();
     props.insert("name".into(), json!({"const": name}));
-    props.insert("arguments".into(), params);
+    props.insert(args_key.into(), params);
     json!({
         "type": "object",
         "properties": props,
-        "required": ["name", "arguments"],
+        "required": ["name", args_key],
         "additionalProperties": false,
     })
 }

@@ -66,7 +66,8 @@ impl CallParser {
     /// value itself; the generic's sits in `{"tool_calls": [ … ]}`.
     fn call_depth(format: Format) -> usize {
         match format {
-            Format::Hermes => 1,
+            Format::Hermes | Format::Llama3 => 1,
+            Format::Mistral => 2,
             Format::Generic => 3,
         }
     }
@@ -123,27 +124,47 @@ impl CallParser {
                 };
                 true
             }
-            (Mode::Start, Format::Hermes) => {
+            (Mode::Start, Format::Llama3) => {
+                use crate::format::PYTHON_TAG;
+                if let Some(rest) = self.held.strip_prefix(PYTHON_TAG) {
+                    self.held = rest.trim_start().to_string();
+                    if self.held.is_empty() {
+                        return false;
+                    }
+                } else if PYTHON_TAG.starts_with(self.held.as_str()) {
+                    return false;
+                }
+                self.mode = if self.held.starts_with('{') {
+                    Mode::Json
+                } else {
+                    Mode::Text
+                };
+                true
+            }
+            (Mode::Start, Format::Hermes | Format::Mistral) => {
                 self.mode = Mode::Text;
                 true
             }
-            (Mode::Text, Format::Generic) => {
+            (Mode::Text, Format::Generic | Format::Llama3) => {
                 out.push(Event::Content(std::mem::take(&mut self.held)));
                 false
             }
-            (Mode::Text, Format::Hermes) => {
-                const OPEN: &str = "<tool_call>";
-                if let Some(at) = self.held.find(OPEN) {
+            (Mode::Text, Format::Hermes | Format::Mistral) => {
+                let open = match self.format {
+                    Format::Mistral => crate::format::TOOL_CALLS,
+                    _ => crate::format::TOOL_CALL_OPEN,
+                };
+                if let Some(at) = self.held.find(open) {
                     if at > 0 {
                         out.push(Event::Content(self.held[..at].to_string()));
                     }
-                    self.held.drain(..at + OPEN.len());
+                    self.held.drain(..at + open.len());
                     self.mode = Mode::Json;
                     self.scan = Scanner::new(Self::call_depth(self.format));
                     return true;
                 }
                 // Hold back what could be the trigger's start.
-                let keep = partial_suffix(&self.held, OPEN);
+                let keep = partial_suffix(&self.held, open);
                 let emit = self.held.len() - keep;
                 if emit > 0 {
                     out.push(Event::Content(self.held[..emit].to_string()));
@@ -166,6 +187,34 @@ impl CallParser {
                 // (nothing): whitespace is dropped.
                 self.held.clear();
                 false
+            }
+            (Mode::After, Format::Mistral) => {
+                let t = self.held.trim_start();
+                if t.is_empty() {
+                    self.held.clear();
+                    return false;
+                }
+                // Prose after the calls (no grammar held it): content.
+                self.held = t.to_string();
+                self.mode = Mode::Text;
+                true
+            }
+            (Mode::After, Format::Llama3) => {
+                let t = self.held.trim_start();
+                let t = t.strip_prefix(';').map_or(t, str::trim_start);
+                if t.is_empty() {
+                    // Keep a `;` seen, so a next call is recognised.
+                    return false;
+                }
+                if t.starts_with('{') {
+                    self.held = t.to_string();
+                    self.mode = Mode::Json;
+                    self.scan = Scanner::new(Self::call_depth(self.format));
+                    return true;
+                }
+                self.held = t.to_string();
+                self.mode = Mode::Text;
+                true
             }
             (Mode::After, Format::Hermes) => {
                 const CLOSE: &str = "</tool_call>";
@@ -587,6 +636,40 @@ mod tests {
                 ]
             );
             assert_eq!(calls.len(), 2);
+        }
+    }
+
+    #[test]
+    fn llama3_and_mistral_calls_parse_alike_in_any_pieces() {
+        let text = "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"q\": \"x;y\"}}; {\"name\": \"b\", \"parameters\": {}}";
+        for n in [1, 3, 1000] {
+            let (ev, calls) = run(Format::Llama3, text, n);
+            let (content, folded) = fold(&ev);
+            assert_eq!(content, "", "pieces of {n}");
+            assert_eq!(
+                folded,
+                vec![
+                    ("a".into(), "{\"q\": \"x;y\"}".into()),
+                    ("b".into(), "{}".into())
+                ]
+            );
+            assert_eq!(calls.len(), 2);
+            // Prose is content.
+            let (ev, calls) = run(Format::Llama3, "The answer is {not} a call", n);
+            assert_eq!(fold(&ev).0, "The answer is {not} a call");
+            assert!(calls.is_empty());
+            let text = "Sure. [TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"k\": [1]}}, {\"name\": \"b\", \"arguments\": {}}]";
+            let (ev, calls) = run(Format::Mistral, text, n);
+            let (content, folded) = fold(&ev);
+            assert_eq!(content, "Sure. ");
+            assert_eq!(
+                folded,
+                vec![
+                    ("a".into(), "{\"k\": [1]}".into()),
+                    ("b".into(), "{}".into())
+                ]
+            );
+            assert!(calls.iter().all(|c| c.complete));
         }
     }
 

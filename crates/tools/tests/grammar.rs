@@ -274,14 +274,74 @@ fn references_inside_a_tool_schema_still_resolve() {
         let call = r#"{"name": "order", "arguments": {"items": [{"sku": "AB1"}], "again": []}}"#;
         let text = match format {
             Format::Generic => format!("{{\"tool_calls\": [{call}]}}"),
-            Format::Hermes => format!("<tool_call>\n{call}\n</tool_call>"),
+            _ => format!("<tool_call>\n{call}\n</tool_call>"),
         };
         assert_eq!(walk(&c, &g, &bytes(&text)), Ok(true), "{format:?}");
         let bad = r#"{"name": "order", "arguments": {"items": [{"x""#;
         let bad = match format {
             Format::Generic => format!("{{\"tool_calls\": [{bad}"),
-            Format::Hermes => format!("<tool_call>\n{bad}"),
+            _ => format!("<tool_call>\n{bad}"),
         };
         assert!(walk(&c, &g, &bytes(&bad)).is_err(), "{format:?}");
     }
+}
+
+#[test]
+fn llama3_and_mistral_grammars_hold_their_calls() {
+    let c = compiler();
+    let llama = |choice, parallel| {
+        Format::Llama3
+            .grammar(&set(choice, parallel), &Markers::default())
+            .unwrap()
+            .unwrap()
+    };
+    let call = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}";
+    let g = llama(Choice::Auto, true);
+    assert_eq!(walk(&c, &g, &bytes("No call here.")), Ok(true));
+    assert_eq!(
+        walk(
+            &c,
+            &g,
+            &bytes(&format!(
+                "{call}; {{\"name\": \"now\", \"parameters\": {{}}}}"
+            ))
+        ),
+        Ok(true)
+    );
+    assert!(
+        walk(&c, &g, &bytes("{\"name\": \"get_weather\", \"arguments\"")).is_err(),
+        "Llama's key is parameters"
+    );
+    let g = llama(Choice::Required, false);
+    assert!(walk(&c, &g, &bytes("No")).is_err());
+    assert!(
+        walk(&c, &g, &bytes(&format!("{call}; "))).is_err(),
+        "one call only"
+    );
+    assert_eq!(walk(&c, &g, &bytes(call)), Ok(true));
+    let mistral = |choice| {
+        Format::Mistral
+            .grammar(&set(choice, true), &Markers::default())
+            .unwrap()
+            .unwrap()
+    };
+    let list = "[TOOL_CALLS][{\"name\": \"now\", \"arguments\": {}}]";
+    let g = mistral(Choice::Auto);
+    assert_eq!(walk(&c, &g, &bytes("Plain [TOOL prose")), Ok(true));
+    assert_eq!(
+        walk(&c, &g, &bytes(&format!("Let me check.{list}"))),
+        Ok(true)
+    );
+    assert!(
+        walk(&c, &g, &bytes("x[TOOL_CALLS]{")).is_err(),
+        "a list follows the marker"
+    );
+    let g = mistral(Choice::Named("now".into()));
+    assert_eq!(walk(&c, &g, &bytes(list)), Ok(true));
+    assert!(walk(&c, &g, &bytes("[TOOL_CALLS][{\"name\": \"get_weather\"")).is_err());
+    // Detection from a template's text.
+    assert_eq!(Format::detect("{{ '[TOOL_CALLS]' }}"), Format::Mistral);
+    assert_eq!(Format::detect("{{ '<|python_tag|>' }}"), Format::Llama3);
+    assert_eq!(Format::detect("<tool_call>"), Format::Hermes);
+    assert_eq!(Format::detect("{{ m.content }}"), Format::Generic);
 }

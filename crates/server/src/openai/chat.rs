@@ -51,6 +51,7 @@ impl Generate for Chat {
         let format = base.st.tool_format;
         let calls = p.tools.as_ref().filter(|t| t.set.active()).map(|t| Calls {
             legacy: t.legacy,
+            format,
             parsers: (0..choices).map(|_| CallParser::new(format)).collect(),
             ids: vec![Vec::new(); choices],
         });
@@ -284,24 +285,34 @@ impl ChatShaper {
 struct Calls {
     /// Answer in the legacy `function_call` shape.
     legacy: bool,
+    format: tools::Format,
     parsers: Vec<CallParser>,
     /// Each choice's call ids, in order.
     ids: Vec<Vec<String>>,
 }
 
-/// A call id as OpenAI's look: `call_` and 24 random characters.
-fn call_id() -> String {
-    random_id("call_")
+/// A call id as OpenAI's look (`call_` and 24 random characters), or as
+/// the format's templates want it (Mistral's: 9 letters and digits, which
+/// the client sends back in the history).
+fn call_id(format: tools::Format) -> String {
+    match format.call_id_len() {
+        Some(n) => random_chars("", n),
+        None => random_id("call_"),
+    }
 }
 
 /// `prefix` and 24 random letters and digits (OpenAI's `call_…`,
 /// Anthropic's `toolu_…`).
 pub(crate) fn random_id(prefix: &str) -> String {
+    random_chars(prefix, 24)
+}
+
+fn random_chars(prefix: &str, n: usize) -> String {
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
     let mut s = String::from(prefix);
     let mut r = crate::http::random_u64();
-    for i in 0..24 {
-        if i == 12 {
+    for i in 0..n {
+        if i % 10 == 9 {
             r = crate::http::random_u64();
         }
         s.push(ALPHABET[(r % ALPHABET.len() as u64) as usize] as char);
@@ -322,7 +333,7 @@ impl Calls {
                     ..Delta::default()
                 },
                 Event::Begin { index: k, name } => {
-                    let id = call_id();
+                    let id = call_id(self.format);
                     self.ids[index].push(id.clone());
                     let function = FunctionDelta {
                         name: Some(name),
@@ -443,8 +454,20 @@ impl Shaper for ChatShaper {
                 None,
             );
         }
+        // A format marker that is a control token is left out of the
+        // output's text: the call parser still needs to see it.
+        let text = match &self.calls {
+            Some(_) => self
+                .base
+                .st
+                .tool_markers
+                .text_of(t.id)
+                .unwrap_or(&t.text)
+                .to_string(),
+            None => t.text.clone(),
+        };
         let mut out = Vec::new();
-        for d in self.deltas(index, &t.text, false) {
+        for d in self.deltas(index, &text, false) {
             out.extend(self.chunk(index, d, lp.take(), None));
         }
         if lp.is_some() {
@@ -536,7 +559,7 @@ impl Shaper for ChatShaper {
                             .calls()
                             .iter()
                             .map(|k| ToolCallOut {
-                                id: call_id(),
+                                id: call_id(format),
                                 kind: "function".into(),
                                 function: FunctionOut {
                                     name: k.name.clone(),
