@@ -290,3 +290,46 @@ def test_a_forged_turn_in_a_tools_text_is_refused(srv):
         assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments.city"
     else:
         assert r.status_code == 200, r.text
+
+
+def test_responses_function_tools_and_function_call_items(generic):
+    """The Responses API's flat function tools: `function_call` output
+    items (streamed as function_call_arguments deltas), and the history's
+    `function_call` and `function_call_output` items into the prompt."""
+    c = client_of(generic)
+    flat = [{"type": "function", "name": t["function"]["name"],
+             "description": t["function"]["description"],
+             "parameters": t["function"]["parameters"]} for t in TOOLS]
+    body = dict(model=MODEL, input="What is the weather in Oslo?", tools=flat,
+                tool_choice="required", parallel_tool_calls=False, temperature=0,
+                max_output_tokens=200)
+    r = c.responses.create(**body)
+    assert r.status == "completed", r
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
+    args = json.loads(calls[0].arguments)
+    jsonschema.validate(args, SCHEMAS[calls[0].name])
+    assert r.tool_choice == "required" and [t.name for t in r.tools] == list(SCHEMAS)
+    # Streamed: the call's item, its argument deltas, the same call.
+    events = list(c.responses.create(**body, stream=True))
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in types, types
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert deltas == done.arguments == calls[0].arguments
+    final = events[-1].response
+    assert [(o.name, o.arguments) for o in final.output if o.type == "function_call"] == \
+        [(calls[0].name, calls[0].arguments)]
+    # A named tool, the Responses way.
+    named = c.responses.create(**dict(body, tool_choice={"type": "function", "name": "BookTable"}))
+    assert [o.name for o in named.output if o.type == "function_call"] == ["BookTable"]
+    # The round trip: the call and its output as input items.
+    r2 = c.responses.create(model=MODEL, tools=flat, temperature=0, max_output_tokens=20, input=[
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+         "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id,
+         "output": "Fog, 4 degrees"}])
+    assert r2.status in ("completed", "incomplete")
+    prompt = [rec["prompt"] for rec in generic.log_records() if rec.get("prompt")][-1]
+    assert "Fog, 4 degrees" in prompt and calls[0].name in prompt, prompt

@@ -48,8 +48,28 @@ impl Generate for Responses {
     fn parse(&self, body: &[u8]) -> Result<GenParams, ApiError> {
         parse_responses(body)
     }
-    fn shaper(&self, base: Base, p: &GenParams, choices: usize) -> Box<dyn Shaper> {
-        let base_reasoning = base.st.reasoning;
+    fn shaper(&self, base: Base, p: &GenParams, _choices: usize) -> Box<dyn Shaper> {
+        let reasoning =
+            (base.st.reasoning != tools::ReasoningFormat::None).then_some(p.reasoning_open);
+        let active = p.tools.as_ref().filter(|t| t.set.active());
+        let calls = active.map(|_| base.st.tool_format);
+        // The tools as the Responses API writes them (flat).
+        let echoed: Vec<Value> = p.tools.as_ref().map_or(Vec::new(), |t| {
+            t.declared
+                .iter()
+                .map(|d| {
+                    let mut f = d["function"].clone();
+                    f["type"] = json!("function");
+                    f
+                })
+                .collect()
+        });
+        let tool_choice = match p.tools.as_ref().map(|t| &t.set.choice) {
+            None | Some(tools::Choice::None) => json!("none"),
+            Some(tools::Choice::Auto) => json!("auto"),
+            Some(tools::Choice::Required) => json!("required"),
+            Some(tools::Choice::Named(n)) => json!({"type": "function", "name": n}),
+        };
         Box::new(ResponseShaper {
             base,
             logprobs: p.logprobs.is_some(),
@@ -62,15 +82,16 @@ impl Generate for Responses {
                 .as_ref()
                 .and_then(|s| s.format.clone())
                 .unwrap_or_else(|| json!({"type": "text"})),
+            tools: Value::Array(echoed),
+            tool_choice,
+            parallel: p.tools.as_ref().is_some_and(|t| t.set.parallel),
             seq: 0,
-            texts: vec![String::new(); choices],
-            tokens: vec![Vec::new(); choices],
-            reasoning: (base_reasoning != tools::ReasoningFormat::None)
-                .then(|| tools::ReasoningParser::new(p.reasoning_open)),
-            reasoning_open: p.reasoning_open,
-            thought: String::new(),
-            rs_open: false,
-            msg_index: None,
+            tokens: Vec::new(),
+            reasoning,
+            calls,
+            parser: tools::OutputParser::new(reasoning, calls),
+            items: Vec::new(),
+            open: false,
         })
     }
 }
@@ -131,6 +152,28 @@ fn logprobs(f: &Fields<'_>) -> Result<Option<usize>, ApiError> {
         }
     };
     Ok(on.then_some(top.unwrap_or(0) as usize))
+}
+
+/// A `function_call` input item (a call a past response made).
+fn function_call_item(mf: &Fields<'_>, at: &str) -> Result<super::HistoryCall, ApiError> {
+    let s = |k: &str| {
+        mf.string(k)
+            .map_err(|_| ApiError::invalid_type(format!("{at}.{k}"), "a string"))?
+            .map(str::to_string)
+            .ok_or_else(|| ApiError::missing(&format!("{at}.{k}")))
+    };
+    let arguments = s("arguments")?;
+    let arguments = serde_json::from_str(&arguments).map_err(|e| {
+        ApiError::invalid_value(
+            format!("{at}.arguments"),
+            format!("the arguments are not JSON: {e}"),
+        )
+    })?;
+    Ok(super::HistoryCall {
+        id: s("call_id")?,
+        name: s("name")?,
+        arguments,
+    })
 }
 
 /// Parses and validates a `/v1/responses` body: `input` (a string, or
@@ -196,11 +239,48 @@ pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
                     .map_err(|_| ApiError::invalid_type(format!("{at}.type"), "a string"))?
                 {
                     None | Some("message") => {}
+                    Some("function_call") => {
+                        let call = function_call_item(&mf, &at)?;
+                        // Calls of one turn: one assistant message.
+                        match msgs.last_mut() {
+                            Some(last) if last.role == "assistant" => last.tool_calls.push(call),
+                            _ => msgs.push(Message {
+                                role: "assistant".into(),
+                                content: None,
+                                tool_calls: vec![call],
+                                tool_call_id: None,
+                                name: None,
+                            }),
+                        }
+                        continue;
+                    }
+                    Some("function_call_output") => {
+                        let s = |k: &str| {
+                            mf.string(k)
+                                .map_err(|_| {
+                                    ApiError::invalid_type(format!("{at}.{k}"), "a string")
+                                })?
+                                .map(str::to_string)
+                                .ok_or_else(|| ApiError::missing(&format!("{at}.{k}")))
+                        };
+                        msgs.push(Message {
+                            role: "tool".into(),
+                            content: Some(s("output")?),
+                            tool_calls: Vec::new(),
+                            tool_call_id: Some(s("call_id")?),
+                            name: None,
+                        });
+                        continue;
+                    }
+                    // A past turn's thought: dropped, as chat templates drop
+                    // past thoughts.
+                    Some("reasoning") => continue,
                     Some(ty) => {
                         return Err(ApiError::unsupported(
                             &format!("{at}.type"),
                             &format!(
-                                "input items of type `{ty}` are not supported (only messages)"
+                                "input items of type `{ty}` are not supported (messages, \
+                                 function_call, function_call_output, reasoning)"
                             ),
                         ))
                     }
@@ -231,24 +311,60 @@ pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
         }
     }
     // The Responses API's function tools are flat (`{"type": "function",
-    // "name": …}`): not served here yet, so refused rather than misread
-    // as chat's.
-    match f.get("tools") {
-        None | Some(Value::Null) => {}
-        Some(Value::Array(a)) if a.is_empty() => {}
-        Some(_) => {
-            return Err(ApiError::unsupported(
-                "tools",
-                "tools on /v1/responses are not served yet: use /v1/chat/completions",
-            ))
+    // "name", "parameters", …}`, `tool_choice: {"type": "function",
+    // "name"}`): read as chat's, through the same parser.
+    let mut obj = obj.clone();
+    if let Some(Value::Array(tools)) = obj.get("tools").cloned() {
+        let chat_tools: Vec<Value> = tools
+            .iter()
+            .map(|t| match t {
+                Value::Object(m) if m.get("type").and_then(Value::as_str) == Some("function") => {
+                    let mut func = m.clone();
+                    func.remove("type");
+                    json!({"type": "function", "function": func})
+                }
+                other => other.clone(),
+            })
+            .collect();
+        obj.insert("tools".into(), Value::Array(chat_tools));
+    }
+    if let Some(Value::Object(c)) = obj.get("tool_choice").cloned() {
+        if let (Some("function"), Some(n)) = (c.get("type").and_then(Value::as_str), c.get("name"))
+        {
+            obj.insert(
+                "tool_choice".into(),
+                json!({"type": "function", "function": {"name": n}}),
+            );
         }
     }
+    let f = Fields(&obj);
     let mut p = parse_common(&VARIANT, Input::Chat(msgs), &f)?;
     p.instructions = instructions;
     Ok(p)
 }
 
 // ---- shaping -----------------------------------------------------------------
+
+/// What an output item is, in a stream.
+#[derive(Clone, Debug, PartialEq)]
+enum Kind {
+    Reasoning,
+    Message,
+    /// A function call: its `call_id` and name.
+    Call {
+        call_id: String,
+        name: String,
+    },
+}
+
+/// One output item as the stream builds it.
+#[derive(Clone, Debug)]
+struct Item {
+    kind: Kind,
+    id: String,
+    /// The thought, the message's text, or the call's arguments.
+    text: String,
+}
 
 struct ResponseShaper {
     base: Base,
@@ -260,22 +376,23 @@ struct ResponseShaper {
     instructions: Option<String>,
     /// `text.format` as the request gave it.
     format: Value,
+    /// `tools`, `tool_choice` and `parallel_tool_calls` as the response
+    /// echoes them.
+    tools: Value,
+    tool_choice: Value,
+    parallel: bool,
     /// The `sequence_number` of the next stream event.
     seq: u64,
-    /// Text so far per choice, and its tokens (with log-probabilities,
-    /// when asked for): the end repeats them.
-    texts: Vec<String>,
-    tokens: Vec<Vec<TokenEvent>>,
-    /// With a reasoning format: the thought split from the answer (a
-    /// `reasoning` output item before the message).
-    reasoning: Option<tools::ReasoningParser>,
-    reasoning_open: bool,
-    /// The thought so far.
-    thought: String,
-    /// The stream opened the reasoning item and has not closed it.
-    rs_open: bool,
-    /// The message item's output index, once the stream opened it.
-    msg_index: Option<usize>,
+    /// The message's tokens (with log-probabilities, when asked for).
+    tokens: Vec<TokenEvent>,
+    /// The thought split off (a reasoning format) and the calls parsed
+    /// (active tools).
+    reasoning: Option<bool>,
+    calls: Option<tools::Format>,
+    parser: tools::OutputParser,
+    /// The output items so far; the last may be open.
+    items: Vec<Item>,
+    open: bool,
 }
 
 /// An f32 as JSON shows the decimal the client sent (0.7, not
@@ -294,147 +411,8 @@ fn response_status(d: &DoneEvent) -> &'static str {
 }
 
 impl ResponseShaper {
-    /// The reasoning item's id.
-    fn reasoning_id(&self) -> String {
-        format!("rs_{}", self.base.id.trim_start_matches("resp_"))
-    }
-
-    /// A finished reasoning item.
-    fn reasoning_item(&self, thought: &str) -> Value {
-        json!({"type": "reasoning", "id": self.reasoning_id(), "status": "completed",
-               "summary": [], "content": [{"type": "reasoning_text", "text": thought}],
-               "encrypted_content": null})
-    }
-
-    /// Tokens of the thought (as the tokenizer encodes its text: the
-    /// tags and a token split across the boundary are not counted).
-    fn reasoning_tokens(&self, thought: &str, completion: usize) -> usize {
-        match thought.is_empty() {
-            true => 0,
-            false => self
-                .base
-                .st
-                .tokenizer
-                .encode(thought, false)
-                .map_or(0, |ids| ids.len())
-                .min(completion),
-        }
-    }
-
-    /// Opens the reasoning item in a stream (once).
-    fn open_reasoning(&mut self) -> Vec<u8> {
-        if self.rs_open || self.msg_index.is_some() {
-            return Vec::new();
-        }
-        self.rs_open = true;
-        let item = json!({"output_index": 0, "item": {
-            "type": "reasoning", "id": self.reasoning_id(), "status": "in_progress",
-            "summary": [], "content": []}});
-        let mut out = self.event("response.output_item.added", item);
-        let part = json!({"item_id": self.reasoning_id(), "output_index": 0, "content_index": 0,
-                          "part": {"type": "reasoning_text", "text": ""}});
-        out.extend(self.event("response.content_part.added", part));
-        out
-    }
-
-    /// Closes the reasoning item (if open) and opens the message item
-    /// (once): the message follows the thought.
-    fn open_message(&mut self) -> Vec<u8> {
-        let mut out = Vec::new();
-        if self.msg_index.is_some() {
-            return out;
-        }
-        let index = usize::from(self.rs_open);
-        if self.rs_open {
-            self.rs_open = false;
-            let id = self.reasoning_id();
-            let thought = self.thought.clone();
-            out.extend(self.event(
-                "response.reasoning_text.done",
-                json!({"item_id": id, "output_index": 0, "content_index": 0, "text": thought}),
-            ));
-            out.extend(self.event(
-                "response.content_part.done",
-                json!({"item_id": id, "output_index": 0, "content_index": 0,
-                       "part": {"type": "reasoning_text", "text": thought}}),
-            ));
-            let item = self.reasoning_item(&thought);
-            out.extend(self.event(
-                "response.output_item.done",
-                json!({"output_index": 0, "item": item}),
-            ));
-        }
-        self.msg_index = Some(index);
-        let item = json!({"output_index": index, "item": {
-            "type": "message", "id": self.message_id(), "status": "in_progress",
-            "role": "assistant", "content": []}});
-        out.extend(self.event("response.output_item.added", item));
-        let part = json!({"item_id": self.message_id(), "output_index": index, "content_index": 0,
-                          "part": {"type": "output_text", "text": "", "annotations": [],
-                                   "logprobs": []}});
-        out.extend(self.event("response.content_part.added", part));
-        out
-    }
-
-    /// The events of `text` (choice 0's), its log-probabilities with the
-    /// answer's first piece.
-    fn pieces(&mut self, text: &str, last: bool, mut lp: Vec<TokenLogprob>) -> Vec<u8> {
-        let splits = match &mut self.reasoning {
-            Some(r) => {
-                let mut s = r.push(text);
-                if last {
-                    s.extend(r.finish());
-                }
-                s
-            }
-            None if text.is_empty() => Vec::new(),
-            None => vec![tools::Split::Content(text.to_string())],
-        };
-        let mut out = Vec::new();
-        for s in splits {
-            match s {
-                tools::Split::Reasoning(t) => {
-                    out.extend(self.open_reasoning());
-                    self.thought.push_str(&t);
-                    let d = json!({"item_id": self.reasoning_id(), "output_index": 0,
-                                   "content_index": 0, "delta": t});
-                    out.extend(self.event("response.reasoning_text.delta", d));
-                }
-                tools::Split::Content(t) => {
-                    out.extend(self.open_message());
-                    self.texts[0].push_str(&t);
-                    let d = json!({"item_id": self.message_id(),
-                                   "output_index": self.msg_index.unwrap_or(0),
-                                   "content_index": 0, "delta": t,
-                                   "logprobs": std::mem::take(&mut lp)});
-                    out.extend(self.event("response.output_text.delta", d));
-                }
-            }
-        }
-        out
-    }
-
-    /// The thought and answer of a whole text (no stream).
-    fn split_whole(&self, text: &str) -> (String, String) {
-        let Some(_) = &self.reasoning else {
-            return (String::new(), text.to_string());
-        };
-        let mut r = tools::ReasoningParser::new(self.reasoning_open);
-        let mut s = r.push(text);
-        s.extend(r.finish());
-        let (mut th, mut c) = (String::new(), String::new());
-        for x in s {
-            match x {
-                tools::Split::Reasoning(t) => th.push_str(&t),
-                tools::Split::Content(t) => c.push_str(&t),
-            }
-        }
-        (th, c)
-    }
-
-    /// The output message's id: the response's, renamed.
-    fn message_id(&self) -> String {
-        format!("msg_{}", self.base.id.trim_start_matches("resp_"))
+    fn suffix(&self) -> &str {
+        self.base.id.trim_start_matches("resp_")
     }
 
     /// One stream event: `event:` names it, `data:` carries it with its
@@ -448,17 +426,192 @@ impl ResponseShaper {
         out
     }
 
-    /// The output message of a finished choice.
-    fn message_item(&self, d: &DoneEvent, text: &str, logprobs: &[TokenEvent]) -> Value {
-        let lp: Vec<TokenLogprob> = if self.logprobs {
-            logprobs.iter().map(|t| self.base.chat_logprob(t)).collect()
-        } else {
-            Vec::new()
+    /// An item as `response.output_item.added` shows it (nothing yet).
+    fn item_added(&self, item: &Item) -> Value {
+        match &item.kind {
+            Kind::Reasoning => json!({"type": "reasoning", "id": item.id, "status": "in_progress",
+                                      "summary": [], "content": []}),
+            Kind::Message => json!({"type": "message", "id": item.id, "status": "in_progress",
+                                    "role": "assistant", "content": []}),
+            Kind::Call { call_id, name } => json!({"type": "function_call", "id": item.id,
+                "call_id": call_id, "name": name, "arguments": "", "status": "in_progress"}),
+        }
+    }
+
+    /// An item finished.
+    fn item_done(&self, item: &Item, status: &str) -> Value {
+        match &item.kind {
+            Kind::Reasoning => json!({"type": "reasoning", "id": item.id, "status": "completed",
+                "summary": [], "content": [{"type": "reasoning_text", "text": item.text}],
+                "encrypted_content": null}),
+            Kind::Message => {
+                let lp: Vec<TokenLogprob> = if self.logprobs {
+                    self.tokens
+                        .iter()
+                        .map(|t| self.base.chat_logprob(t))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                json!({"type": "message", "id": item.id, "status": status, "role": "assistant",
+                       "content": [{"type": "output_text", "text": item.text, "annotations": [],
+                                    "logprobs": lp}]})
+            }
+            Kind::Call { call_id, name } => json!({"type": "function_call", "id": item.id,
+                "call_id": call_id, "name": name, "arguments": item.text,
+                "status": status}),
+        }
+    }
+
+    /// Opens an item of `kind` (closing the open one) unless it is open.
+    fn open(&mut self, kind: Kind, status: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        if self.open {
+            let same = match (&self.items.last().expect("open").kind, &kind) {
+                (Kind::Call { .. }, Kind::Call { .. }) => false,
+                (a, b) => a == b,
+            };
+            if same {
+                return out;
+            }
+            out.extend(self.close(status));
+        }
+        let id = match &kind {
+            Kind::Reasoning => format!("rs_{}", self.suffix()),
+            Kind::Message => format!("msg_{}", self.suffix()),
+            Kind::Call { .. } => format!("fc_{}_{}", self.suffix(), self.items.len()),
         };
-        json!({"type": "message", "id": self.message_id(), "status": response_status(d),
-               "role": "assistant",
-               "content": [{"type": "output_text", "text": text, "annotations": [],
-                            "logprobs": lp}]})
+        let item = Item {
+            kind,
+            id,
+            text: String::new(),
+        };
+        let index = self.items.len();
+        let added = json!({"output_index": index, "item": self.item_added(&item)});
+        out.extend(self.event("response.output_item.added", added));
+        match &item.kind {
+            Kind::Reasoning => {
+                let part = json!({"item_id": item.id, "output_index": index, "content_index": 0,
+                                  "part": {"type": "reasoning_text", "text": ""}});
+                out.extend(self.event("response.content_part.added", part));
+            }
+            Kind::Message => {
+                let part = json!({"item_id": item.id, "output_index": index, "content_index": 0,
+                                  "part": {"type": "output_text", "text": "", "annotations": [],
+                                           "logprobs": []}});
+                out.extend(self.event("response.content_part.added", part));
+            }
+            Kind::Call { .. } => {}
+        }
+        self.items.push(item);
+        self.open = true;
+        out
+    }
+
+    /// Closes the open item: its done events.
+    fn close(&mut self, status: &str) -> Vec<u8> {
+        if !self.open {
+            return Vec::new();
+        }
+        self.open = false;
+        let index = self.items.len() - 1;
+        let item = self.items[index].clone();
+        let done = self.item_done(&item, status);
+        let mut out = Vec::new();
+        match &item.kind {
+            Kind::Reasoning => {
+                out.extend(self.event(
+                    "response.reasoning_text.done",
+                    json!({"item_id": item.id,
+                    "output_index": index, "content_index": 0, "text": item.text}),
+                ));
+                out.extend(self.event(
+                    "response.content_part.done",
+                    json!({"item_id": item.id,
+                    "output_index": index, "content_index": 0, "part": done["content"][0]}),
+                ));
+            }
+            Kind::Message => {
+                let part = done["content"][0].clone();
+                out.extend(self.event(
+                    "response.output_text.done",
+                    json!({"item_id": item.id,
+                    "output_index": index, "content_index": 0, "text": item.text,
+                    "logprobs": part["logprobs"]}),
+                ));
+                out.extend(self.event(
+                    "response.content_part.done",
+                    json!({"item_id": item.id,
+                    "output_index": index, "content_index": 0, "part": part}),
+                ));
+            }
+            Kind::Call { name, .. } => {
+                out.extend(self.event(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": item.id, "output_index": index, "name": name,
+                           "arguments": item.text}),
+                ));
+            }
+        }
+        out.extend(self.event(
+            "response.output_item.done",
+            json!({"output_index": index, "item": done}),
+        ));
+        out
+    }
+
+    /// The events of one piece of the output.
+    fn piece(&mut self, p: tools::Piece, lp: &mut Vec<TokenLogprob>) -> Vec<u8> {
+        let mut out = Vec::new();
+        match p {
+            tools::Piece::Reasoning(t) => {
+                out.extend(self.open(Kind::Reasoning, "completed"));
+                let (index, id) = (
+                    self.items.len() - 1,
+                    self.items.last().expect("open").id.clone(),
+                );
+                self.items[index].text.push_str(&t);
+                out.extend(self.event(
+                    "response.reasoning_text.delta",
+                    json!({"item_id": id,
+                    "output_index": index, "content_index": 0, "delta": t}),
+                ));
+            }
+            tools::Piece::Content(t) => {
+                out.extend(self.open(Kind::Message, "completed"));
+                let (index, id) = (
+                    self.items.len() - 1,
+                    self.items.last().expect("open").id.clone(),
+                );
+                self.items[index].text.push_str(&t);
+                out.extend(self.event(
+                    "response.output_text.delta",
+                    json!({"item_id": id,
+                    "output_index": index, "content_index": 0, "delta": t,
+                    "logprobs": std::mem::take(lp)}),
+                ));
+            }
+            tools::Piece::CallBegin { name, .. } => {
+                let call_id = super::chat::random_id("call_");
+                out.extend(self.open(Kind::Call { call_id, name }, "completed"));
+            }
+            tools::Piece::CallArgs { text, .. } => {
+                if self.open
+                    && matches!(self.items.last().map(|i| &i.kind), Some(Kind::Call { .. }))
+                {
+                    let (index, id) = (
+                        self.items.len() - 1,
+                        self.items.last().expect("open").id.clone(),
+                    );
+                    self.items[index].text.push_str(&text);
+                    out.extend(self.event(
+                        "response.function_call_arguments.delta",
+                        json!({"item_id": id, "output_index": index, "delta": text}),
+                    ));
+                }
+            }
+        }
+        out
     }
 
     /// The response object: `in_progress` with no output yet, or the end
@@ -483,12 +636,55 @@ impl ResponseShaper {
                "status": status, "model": self.base.model(), "output": output, "usage": usage,
                "error": null, "incomplete_details": incomplete,
                "instructions": self.instructions, "max_output_tokens": self.max_tokens,
-               "metadata": {}, "parallel_tool_calls": false,
+               "metadata": {}, "parallel_tool_calls": self.parallel,
                "temperature": shown_f32(self.temperature), "top_p": shown_f32(self.top_p),
-               "tool_choice": "none", "tools": [],
+               "tool_choice": self.tool_choice, "tools": self.tools,
                "text": {"format": self.format}, "truncation": "disabled",
                "store": false, "background": false, "previous_response_id": null,
                "reasoning": {"effort": null, "summary": null}})
+    }
+
+    /// Tokens of the thought (as the tokenizer encodes its text: the
+    /// tags and a token split across the boundary are not counted).
+    fn reasoning_tokens(&self, thought: &str, completion: usize) -> usize {
+        match thought.is_empty() {
+            true => 0,
+            false => self
+                .base
+                .st
+                .tokenizer
+                .encode(thought, false)
+                .map_or(0, |ids| ids.len())
+                .min(completion),
+        }
+    }
+
+    /// The items finished, a message always among them (empty when the
+    /// answer had no text and made no call).
+    fn finished_items(&self, status: &str) -> Vec<Value> {
+        let mut out: Vec<Value> = self
+            .items
+            .iter()
+            .map(|i| self.item_done(i, status))
+            .collect();
+        if !self.items.iter().any(|i| i.kind != Kind::Reasoning) {
+            let empty = Item {
+                kind: Kind::Message,
+                id: format!("msg_{}", self.suffix()),
+                text: String::new(),
+            };
+            out.push(self.item_done(&empty, status));
+        }
+        out
+    }
+
+    /// A text as the endpoint shows it: a format marker that is a control
+    /// token (left out of the output's text) is shown to the call parser.
+    fn visible<'a>(&'a self, t: &'a TokenEvent) -> &'a str {
+        match self.calls {
+            Some(_) => self.base.st.tool_markers.text_of(t.id).unwrap_or(&t.text),
+            None => &t.text,
+        }
     }
 }
 
@@ -497,58 +693,54 @@ impl Shaper for ResponseShaper {
         let created = json!({"response": self.response_obj("in_progress", vec![], None)});
         let mut out = self.event("response.created", created.clone());
         out.extend(self.event("response.in_progress", created));
-        if self.reasoning.is_none() {
-            // No thought can come first: the message opens now.
-            out.extend(self.open_message());
+        if self.reasoning.is_none() && self.calls.is_none() {
+            // Nothing but the message can come: it opens now.
+            out.extend(self.open(Kind::Message, "completed"));
         }
         Some(out)
     }
 
     fn token(&mut self, index: usize, t: TokenEvent) -> Vec<u8> {
         debug_assert_eq!(index, 0, "one choice a response");
-        let lp: Vec<TokenLogprob> = self
+        let mut lp: Vec<TokenLogprob> = self
             .logprobs
             .then(|| self.base.chat_logprob(&t))
             .into_iter()
             .collect();
-        let out = self.pieces(&t.text, false, lp);
+        let text = self.visible(&t).to_string();
+        let pieces = self.parser.push(&text);
+        let mut out = Vec::new();
+        for p in pieces {
+            out.extend(self.piece(p, &mut lp));
+        }
         if self.logprobs {
-            self.tokens[index].push(t);
+            self.tokens.push(t);
         }
         out
     }
 
-    /// The held-back tail, then the text, part and item done.
-    fn finish_choice(&mut self, index: usize, d: &DoneEvent) -> Vec<u8> {
-        let mut out = self.pieces(&d.tail_text, true, Vec::new());
-        // An answer with no text still has its (empty) message.
-        out.extend(self.open_message());
-        let msg_index = self.msg_index.unwrap_or(0);
-        let text = &self.texts[index];
-        let item = self.message_item(d, text, &self.tokens[index]);
-        let part = item["content"][0].clone();
-        let text_done = json!({"item_id": self.message_id(), "output_index": msg_index,
-                               "content_index": 0, "text": text,
-                               "logprobs": part["logprobs"]});
-        let part_done = json!({"item_id": self.message_id(), "output_index": msg_index,
-                               "content_index": 0, "part": part});
-        out.extend(self.event("response.output_text.done", text_done));
-        out.extend(self.event("response.content_part.done", part_done));
-        out.extend(self.event(
-            "response.output_item.done",
-            json!({"output_index": msg_index, "item": item}),
-        ));
+    /// The held-back tail, then every item closed.
+    fn finish_choice(&mut self, _index: usize, d: &DoneEvent) -> Vec<u8> {
+        let status = response_status(d);
+        let mut pieces = self.parser.push(&d.tail_text);
+        pieces.extend(self.parser.finish());
+        let mut out = Vec::new();
+        let mut lp = Vec::new();
+        for p in pieces {
+            out.extend(self.piece(p, &mut lp));
+        }
+        // An answer with no text and no call still has its (empty) message.
+        if !self.items.iter().any(|i| i.kind != Kind::Reasoning) {
+            out.extend(self.open(Kind::Message, status));
+        }
+        out.extend(self.close(status));
         out
     }
 
     /// `response.completed` (or `.incomplete`) with the whole response.
     fn end(&mut self, all: &DoneEvent) -> Vec<u8> {
         let status = response_status(all);
-        let mut output = Vec::new();
-        if !self.thought.is_empty() {
-            output.push(self.reasoning_item(&self.thought));
-        }
-        output.push(self.message_item(all, &self.texts[0], &self.tokens[0]));
+        let output = self.finished_items(status);
         let response = json!({"response": self.response_obj(status, output, Some(all))});
         self.event(&format!("response.{status}"), response)
     }
@@ -562,12 +754,18 @@ impl Shaper for ResponseShaper {
 
     fn full(&mut self, choices: Vec<Choice>, all: &DoneEvent) -> Response {
         let first = &choices[0];
-        let (thought, text) = self.split_whole(&first.text);
-        let mut output = Vec::new();
-        if !thought.is_empty() {
-            output.push(self.reasoning_item(&thought));
+        self.tokens = first.tokens.clone();
+        let mut p = tools::OutputParser::new(self.reasoning, self.calls);
+        let mut pieces = p.push(&first.text);
+        pieces.extend(p.finish());
+        // The same items a stream builds, without its events.
+        let mut lp = Vec::new();
+        for piece in pieces {
+            let _ = self.piece(piece, &mut lp);
         }
-        output.push(self.message_item(&first.done, &text, &first.tokens));
-        Json(self.response_obj(response_status(all), output, Some(all))).into_response()
+        self.open = false;
+        let status = response_status(all);
+        let output = self.finished_items(status);
+        Json(self.response_obj(status, output, Some(all))).into_response()
     }
 }

@@ -222,7 +222,7 @@ fn a_responses_body_becomes_a_conversation() {
         ),
         (
             json!({"input": "x", "tools": [{"type": "web_search"}]}),
-            "tools",
+            "tools[0].type",
         ),
     ] {
         let e = responses(body.clone()).expect_err(&body.to_string());
