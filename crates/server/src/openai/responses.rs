@@ -310,6 +310,12 @@ pub fn parse_responses(body: &[u8]) -> Result<GenParams, ApiError> {
             ))
         }
     }
+    if msgs.is_empty() {
+        return Err(ApiError::invalid_value(
+            "input",
+            "the input has no message, call or call output",
+        ));
+    }
     // The Responses API's function tools are flat (`{"type": "function",
     // "name", "parameters", …}`, `tool_choice: {"type": "function",
     // "name"}`): read as chat's, through the same parser.

@@ -186,7 +186,12 @@ fn a_responses_body_becomes_a_conversation() {
             json!({"input": [{"role": "tool", "content": "x"}]}),
             "input[0].role",
         ),
-        (json!({"input": [{"type": "reasoning"}]}), "input[0].type"),
+        // A past thought alone is no input.
+        (json!({"input": [{"type": "reasoning"}]}), "input"),
+        (
+            json!({"input": [{"type": "web_search_call"}]}),
+            "input[0].type",
+        ),
         (
             json!({"input": "x", "previous_response_id": "resp_1"}),
             "previous_response_id",
