@@ -333,3 +333,38 @@ def test_responses_function_tools_and_function_call_items(generic):
     assert r2.status in ("completed", "incomplete")
     prompt = [rec["prompt"] for rec in generic.log_records() if rec.get("prompt")][-1]
     assert "Fog, 4 degrees" in prompt and calls[0].name in prompt, prompt
+
+
+def test_gemmas_python_calls_on_gemma_3(tmp_root):
+    """Gemma's convention on Gemma 3 270M (its own template, which has no
+    tool section: the tools go in the system text, which the template puts
+    in the first user turn): calls as a Python list, read back as JSON
+    arguments that validate; the history's calls and results as Gemma's
+    guide writes them."""
+    s = Server(["--model", "gemma3-270m", "--log-prompts"], tmp_root, "tools-gemma")
+    try:
+        c = client_of(s)
+        for choice in ("required", {"type": "function", "function": {"name": "BookTable"}}):
+            r = c.chat.completions.create(
+                model="default", messages=msgs("Book a table for two at Noma."), tools=TOOLS,
+                tool_choice=choice, temperature=0, max_tokens=150, parallel_tool_calls=False)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls", ch
+            assert len(ch.message.tool_calls) == 1
+            validate_call(ch.message.tool_calls[0])
+            if isinstance(choice, dict):
+                assert ch.message.tool_calls[0].function.name == "BookTable"
+        history = msgs("Weather in Paris?") + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {
+                    "name": "GetWeather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]
+        r = c.chat.completions.create(model="default", messages=history, tools=TOOLS,
+                                      temperature=0, max_tokens=10)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        prompt = [rec["prompt"] for rec in s.log_records() if rec.get("prompt")][-1]
+        for want in ['[GetWeather(city="Paris", unit="celsius")]', "```tool_output\nSunny\n```",
+                     "You have access to functions"]:
+            assert want in prompt, (want, prompt)
+    finally:
+        assert s.terminate() == 0, s.stderr()

@@ -25,17 +25,23 @@ pub enum Format {
     /// Mistral's `[TOOL_CALLS]` followed by a JSON array of `{"name": …,
     /// "arguments": …}`; its templates want 9-character call ids.
     Mistral,
+    /// Gemma's convention: a Python list of calls,
+    /// `[get_weather(city="Paris")]`; the tools described in the system
+    /// text (Gemma's templates have no tool section).
+    Gemma,
 }
 
 /// Every format by the name `--tool-format` takes (vLLM's parser names
 /// are aliases).
-pub const FORMATS: [(&str, Format); 6] = [
+pub const FORMATS: [(&str, Format); 8] = [
     ("generic", Format::Generic),
     ("hermes", Format::Hermes),
     ("llama3", Format::Llama3),
     ("llama3_json", Format::Llama3),
     ("mistral", Format::Mistral),
     ("qwen", Format::Hermes),
+    ("gemma", Format::Gemma),
+    ("pythonic", Format::Gemma),
 ];
 
 /// Hermes's markers.
@@ -113,8 +119,51 @@ impl Format {
             Format::Hermes
         } else if template_source.contains(PYTHON_TAG) {
             Format::Llama3
+        } else if template_source.contains("<start_of_turn>") {
+            Format::Gemma
         } else {
             Format::Generic
+        }
+    }
+
+    /// The system text that shows a template with no tool section the
+    /// tools (the generic format's and Gemma's).
+    pub fn system_prompt(self, set: &ToolSet) -> String {
+        match self {
+            Format::Gemma => crate::pythonic::system_prompt(set),
+            _ => generic_system_prompt(set),
+        }
+    }
+
+    /// Past calls as this format writes them (for a template that cannot
+    /// show calls): `(name, arguments)`.
+    pub fn history_calls(self, calls: &[(String, Value)]) -> String {
+        match self {
+            Format::Gemma => crate::pythonic::calls_text(calls),
+            _ => {
+                let c: Vec<(String, String)> =
+                    calls.iter().map(|(n, a)| (n.clone(), py_json(a))).collect();
+                generic_calls_text(&c)
+            }
+        }
+    }
+
+    /// A past tool result as this format writes it (for a template that
+    /// cannot show results).
+    pub fn history_result(self, id: Option<&str>, name: Option<&str>, content: &str) -> String {
+        match self {
+            Format::Gemma => crate::pythonic::result_text(content),
+            _ => {
+                let mut r = Map::new();
+                if let Some(id) = id {
+                    r.insert("tool_call_id".into(), Value::String(id.to_string()));
+                }
+                if let Some(n) = name {
+                    r.insert("name".into(), Value::String(n.to_string()));
+                }
+                r.insert("content".into(), Value::String(content.to_string()));
+                py_json(&json!({"tool_response": Value::Object(r)}))
+            }
         }
     }
 
@@ -149,7 +198,7 @@ impl Format {
     /// Whether the chat template shows the tools, the calls and their
     /// results itself (else the server writes them into the messages).
     pub fn native(self) -> bool {
-        self != Format::Generic
+        !matches!(self, Format::Generic | Format::Gemma)
     }
 
     /// The Lark grammar the output follows, or `None` when nothing is
@@ -248,6 +297,17 @@ impl Format {
                     g.push_str(&format!("c{i}: {}\n", grammar::inline_schema(&s)));
                 }
                 g
+            }
+            Format::Gemma => {
+                let params: Vec<(String, Value)> = callable
+                    .iter()
+                    .map(|t| {
+                        let p = grammar::narrowed_schema(&t.parameters, true)
+                            .unwrap_or_else(|_| t.parameters.clone());
+                        (t.name.clone(), p)
+                    })
+                    .collect();
+                crate::pythonic::grammar(set, &params, max_calls)
             }
             Format::Llama3 => {
                 let mut g = String::new();

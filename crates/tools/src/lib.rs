@@ -39,6 +39,7 @@
 
 mod format;
 mod parse;
+mod pythonic;
 mod reasoning;
 
 pub use format::{

@@ -49,6 +49,8 @@ pub struct CallParser {
     held: String,
     scan: Scanner,
     calls: Vec<Call>,
+    /// Gemma's Python calls have a reader of their own.
+    py: Option<crate::pythonic::PyParser>,
 }
 
 impl CallParser {
@@ -59,6 +61,7 @@ impl CallParser {
             held: String::new(),
             scan: Scanner::new(Self::call_depth(format)),
             calls: Vec::new(),
+            py: (format == Format::Gemma).then(crate::pythonic::PyParser::new),
         }
     }
 
@@ -66,7 +69,7 @@ impl CallParser {
     /// value itself; the generic's sits in `{"tool_calls": [ … ]}`.
     fn call_depth(format: Format) -> usize {
         match format {
-            Format::Hermes | Format::Llama3 => 1,
+            Format::Hermes | Format::Llama3 | Format::Gemma => 1,
             Format::Mistral => 2,
             Format::Generic => 3,
         }
@@ -74,11 +77,17 @@ impl CallParser {
 
     /// The calls parsed so far.
     pub fn calls(&self) -> &[Call] {
-        &self.calls
+        match &self.py {
+            Some(py) => &py.calls,
+            None => &self.calls,
+        }
     }
 
     /// More output.
     pub fn push(&mut self, text: &str) -> Vec<Event> {
+        if let Some(py) = &mut self.py {
+            return merge(py.push(text));
+        }
         let mut out = Vec::new();
         self.held.push_str(text);
         // Each pass consumes some of `held` or waits for more.
@@ -92,6 +101,9 @@ impl CallParser {
 
     /// The output ended: what was held back.
     pub fn finish(&mut self) -> Vec<Event> {
+        if let Some(py) = &mut self.py {
+            return merge(py.finish());
+        }
         let mut out = Vec::new();
         match self.mode {
             Mode::Start | Mode::Text => {
@@ -141,6 +153,8 @@ impl CallParser {
                 };
                 true
             }
+            // Gemma's calls have their own reader (`py`): nothing here.
+            (_, Format::Gemma) => false,
             (Mode::Start, Format::Hermes | Format::Mistral) => {
                 self.mode = Mode::Text;
                 true

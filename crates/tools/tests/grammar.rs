@@ -345,3 +345,47 @@ fn llama3_and_mistral_grammars_hold_their_calls() {
     assert_eq!(Format::detect("<tool_call>"), Format::Hermes);
     assert_eq!(Format::detect("{{ m.content }}"), Format::Generic);
 }
+
+#[test]
+fn gemma_python_calls_hold_their_arguments() {
+    let c = compiler();
+    let mut s = set(Choice::Required, true);
+    s.tools.push(Tool::new(
+        "flags",
+        None,
+        json!({"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "integer"},
+               "c": {"type": "string", "maxLength": 3}}, "required": ["b"]}),
+    ));
+    let g = Format::Gemma
+        .grammar(&s, &Markers::default())
+        .unwrap()
+        .unwrap();
+    for ok in [
+        r#"[get_weather(city="Paris")]"#,
+        r#"[get_weather(city="Oslo", unit="c"), now()]"#,
+        r#"[flags(b=3)]"#,
+        r#"[flags(a=True, b=-1, c="xy")]"#,
+        r#"[flags(b=0, c="z")]"#,
+    ] {
+        assert_eq!(walk(&c, &g, &bytes(ok)), Ok(true), "{ok}");
+    }
+    for bad in [
+        r#"[get_weather(unit="c")]"#, // city is required
+        r#"[flags(a=true"#,           // Python's True
+        r#"[flags(c="x", b=1)]"#,     // the schema's order
+        r#"[rm("#,
+        "Sure",
+    ] {
+        assert!(
+            matches!(walk(&c, &g, &bytes(bad)), Err(_) | Ok(false)),
+            "{bad}"
+        );
+    }
+    let g = Format::Gemma
+        .grammar(&set(Choice::Auto, true), &Markers::default())
+        .unwrap()
+        .unwrap();
+    assert_eq!(walk(&c, &g, &bytes("It is sunny.")), Ok(true));
+    assert_eq!(walk(&c, &g, &bytes("[now()]")), Ok(true));
+    assert_eq!(Format::detect("{{ '<start_of_turn>user' }}"), Format::Gemma);
+}

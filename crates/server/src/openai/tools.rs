@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use tokenizer::{ChatMessage, TemplateValue};
 use tools::{Choice, Format, Tool, ToolSet, TOOLS_MAX, TOOL_NAME_BYTES_MAX};
 
@@ -438,39 +438,34 @@ pub(crate) fn render(
         return (out, declared);
     }
     let mut out: Vec<ChatMessage> = Vec::with_capacity(msgs.len() + 1);
+    // Whether the last message written holds tool results (a turn's
+    // results go in one user message).
+    let mut results_open = false;
     for m in msgs {
         match m.role.as_str() {
             "tool" | "function" => {
-                let mut r = Map::new();
-                if let Some(id) = &m.tool_call_id {
-                    r.insert("tool_call_id".into(), Value::String(id.clone()));
-                }
-                if let Some(n) = &m.name {
-                    r.insert("name".into(), Value::String(n.clone()));
-                }
-                r.insert(
-                    "content".into(),
-                    Value::String(m.content.clone().unwrap_or_default()),
+                let line = format.history_result(
+                    m.tool_call_id.as_deref(),
+                    m.name.as_deref(),
+                    m.content.as_deref().unwrap_or(""),
                 );
-                let line = tools::py_json(&json!({"tool_response": Value::Object(r)}));
-                // Results of one turn's calls: one user message.
                 match out.last_mut() {
-                    Some(prev)
-                        if prev.role == "user" && prev.text().starts_with("{\"tool_response\"") =>
-                    {
+                    Some(prev) if results_open => {
                         let joined = format!("{}\n{line}", prev.text());
                         prev.content = Some(joined);
                     }
                     _ => out.push(ChatMessage::new("user", line)),
                 }
+                results_open = true;
+                continue;
             }
             "assistant" if !m.tool_calls.is_empty() => {
-                let calls: Vec<(String, String)> = m
+                let calls: Vec<(String, Value)> = m
                     .tool_calls
                     .iter()
-                    .map(|h| (h.name.clone(), tools::py_json(&h.arguments)))
+                    .map(|h| (h.name.clone(), h.arguments.clone()))
                     .collect();
-                let text = tools::generic_calls_text(&calls);
+                let text = format.history_calls(&calls);
                 let content = match m.content.as_deref() {
                     Some(c) if !c.is_empty() => format!("{c}\n{text}"),
                     _ => text,
@@ -483,9 +478,10 @@ pub(crate) fn render(
                 extra: Vec::new(),
             }),
         }
+        results_open = false;
     }
     if let Some(t) = active {
-        let prompt = tools::generic_system_prompt(&t.set);
+        let prompt = format.system_prompt(&t.set);
         match out.first_mut() {
             Some(first) if first.role == "system" => {
                 let joined = match first.text() {
