@@ -361,10 +361,8 @@ impl PyParser {
     pub(crate) fn finish(&mut self) -> Vec<Event> {
         let mut out = Vec::new();
         match self.at {
-            At::Start | At::Prose => {
-                if !self.buf.is_empty() {
-                    out.push(Event::Content(std::mem::take(&mut self.buf)));
-                }
+            At::Start | At::Prose if !self.buf.is_empty() => {
+                out.push(Event::Content(std::mem::take(&mut self.buf)));
             }
             At::Key | At::Value if self.open_name.is_some() => {
                 // Cut off inside a call: it keeps what it had.
