@@ -78,6 +78,15 @@ def test_stop_sequences_and_max_tokens(logged):
     cut = c.messages.create(model=MODEL, max_tokens=40, messages=msgs, extra_body=GREEDY,
                             stop_sequences=[word])
     assert cut.content[0].text == text[: text.index(word)]
+    # The engine says which stop sequence ended it.
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", word), cut
+    two = c.messages.create(model=MODEL, max_tokens=40, messages=msgs, extra_body=GREEDY,
+                            stop_sequences=["zzz-never", word])
+    assert (two.stop_reason, two.stop_sequence) == ("stop_sequence", word)
+    events = list(c.messages.create(model=MODEL, max_tokens=40, messages=msgs, stream=True,
+                                    extra_body=GREEDY, stop_sequences=[word]))
+    delta = next(e for e in events if e.type == "message_delta")
+    assert (delta.delta.stop_reason, delta.delta.stop_sequence) == ("stop_sequence", word)
     short = c.messages.create(model=MODEL, max_tokens=3, messages=msgs, extra_body=GREEDY)
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
 

@@ -310,6 +310,20 @@ def test_tool_calls_over_pd_equal_unified(pd_set, server):
                 args[d["index"]][0] += d["function"].get("name") or ""
                 args[d["index"]][1] += d["function"].get("arguments") or ""
         assert [tuple(args[i]) for i in sorted(args)] == calls(ca["message"])
+    # Which stop sequence ended an answer crosses the wire too (Anthropic's
+    # stop_sequence).
+    full = requests.post(server.url("/v1/messages"), timeout=120, json={
+        "model": MODEL, "max_tokens": 30, "temperature": 0,
+        "messages": [{"role": "user", "content": "Count from one to ten in words."}]}).json()
+    word = full["content"][0]["text"].split()[3]
+    body = {"model": MODEL, "max_tokens": 30, "temperature": 0,
+            "stop_sequences": ["zzz-never", word],
+            "messages": [{"role": "user", "content": "Count from one to ten in words."}]}
+    a = requests.post(server.url("/v1/messages"), json=body, timeout=120).json()
+    b = requests.post(gw.url("/v1/messages"), json=body, timeout=120).json()
+    assert (a["stop_reason"], a["stop_sequence"]) == ("stop_sequence", word), a
+    assert (b["stop_reason"], b["stop_sequence"], b["content"]) == \
+        (a["stop_reason"], a["stop_sequence"], a["content"])
     pool_free(pd_set["decode"])
     pool_free(pd_set["prefill"])
 

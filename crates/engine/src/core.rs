@@ -1381,6 +1381,7 @@ impl<F: Forward> Core<F> {
                 cached_tokens: a.cached_tokens,
             },
             tail_text,
+            stop_index: a.stops.matched().and_then(|k| u16::try_from(k).ok()),
             queue_ms: ms(a.admitted_at - a.submitted_at),
             ttft_ms: ms(a.first_token_at.unwrap_or(now) - a.submitted_at),
             total_ms: ms(now - a.submitted_at),

@@ -36,8 +36,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use request::{
-    Backend, DoneEvent, EngineStats, Event, FinishReason, GenRequest, MetricSample, RequestError,
-    RequestHandle, RequestId, TokenEvent, Usage,
+    Backend, DoneEvent, EngineStats, Event, GenRequest, MetricSample, RequestError, RequestHandle,
+    RequestId, TokenEvent, Usage,
 };
 use tokio::sync::{mpsc, Notify};
 use transfer::convert::gen_spec;
@@ -267,12 +267,10 @@ impl Inner {
                             c.span.finished = true;
                             let now = Instant::now();
                             let ms = |d: Duration| d.as_secs_f64() * 1e3;
+                            let (finish, stop_index) = request::finish_of(finish);
                             let _ = c.events.try_send(Event::Done(DoneEvent {
-                                finish: if finish == 0 {
-                                    FinishReason::Stop
-                                } else {
-                                    FinishReason::Length
-                                },
+                                finish,
+                                stop_index,
                                 usage: Usage {
                                     prompt_tokens: prompt_tokens as usize,
                                     completion_tokens: completion_tokens as usize,

@@ -195,6 +195,8 @@ impl Sampler {
 pub struct StopStrings {
     stops: Vec<String>,
     pending: String,
+    /// The stop string that matched (its index).
+    matched: Option<usize>,
 }
 
 impl StopStrings {
@@ -203,6 +205,7 @@ impl StopStrings {
         Ok(StopStrings {
             stops,
             pending: String::new(),
+            matched: None,
         })
     }
 
@@ -212,14 +215,17 @@ impl StopStrings {
             return (text.to_string(), false);
         }
         self.pending.push_str(text);
+        // The earliest match; of two at one place, the first listed.
         let hit = self
             .stops
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
+            .enumerate()
+            .filter_map(|(k, s)| self.pending.find(s.as_str()).map(|at| (at, k)))
             .min();
-        if let Some(at) = hit {
+        if let Some((at, k)) = hit {
             let out = self.pending[..at].to_string();
             self.pending.clear();
+            self.matched = Some(k);
             return (out, true);
         }
         // Keep the longest suffix that is a prefix of some stop string.
@@ -239,6 +245,11 @@ impl StopStrings {
         let out = self.pending[..cut].to_string();
         self.pending.drain(..cut);
         (out, false)
+    }
+
+    /// The stop string that ended the text, if one did (its index).
+    pub fn matched(&self) -> Option<usize> {
+        self.matched
     }
 
     /// Text held back at the end of generation (no stop string matched).
@@ -435,6 +446,11 @@ mod tests {
         }
         assert!(stopped);
         assert_eq!(out, "Hello ");
+        assert_eq!(st.matched(), Some(0));
+        // Which one matched: the earliest in the text, whatever the order.
+        let mut st = StopStrings::new(vec!["later".into(), "soon".into()]).unwrap();
+        assert!(st.push("a soon and later").1);
+        assert_eq!(st.matched(), Some(1));
         let mut st = StopStrings::new(vec!["xyz".into()]).unwrap();
         let (t, s) = st.push("ab x");
         assert_eq!((t.as_str(), s), ("ab ", false));

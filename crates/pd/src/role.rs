@@ -32,7 +32,7 @@ use engine::{
 };
 use kv::{DType, Pool, RequestId, TenantId};
 use model::Model;
-use request::{FinishReason, RequestError};
+use request::RequestError;
 use tokenizer::Tokenizer;
 use transfer::convert::{engine_logprobs, gen_request, params_of, refusal_of, wire_logprobs};
 use transfer::decode::{DecodeConfig, DecodeNode, DecodeStart, DecodeStats};
@@ -645,10 +645,7 @@ impl DecodeEngine for CoreEngine {
                 },
                 Event::Done(d) => DecodeReport::Finished {
                     req,
-                    finish: match d.finish {
-                        FinishReason::Stop => 0,
-                        FinishReason::Length => 1,
-                    },
+                    finish: request::finish_code(d.finish, d.stop_index),
                     completion_tokens: d.usage.completion_tokens as u32,
                     tail_text: d.tail_text,
                 },

@@ -234,6 +234,25 @@ pub enum FinishReason {
     Length,
 }
 
+/// A finish as one byte on the PD wire: 0 `Stop` (an end-of-sequence token
+/// or the grammar's end), 1 `Length`, 2 + k stop string k.
+pub fn finish_code(finish: FinishReason, stop_index: Option<u16>) -> u8 {
+    match (finish, stop_index) {
+        (FinishReason::Length, _) => 1,
+        (FinishReason::Stop, Some(k)) if k < 253 => 2 + k as u8,
+        (FinishReason::Stop, _) => 0,
+    }
+}
+
+/// [`finish_code`] read back.
+pub fn finish_of(code: u8) -> (FinishReason, Option<u16>) {
+    match code {
+        0 => (FinishReason::Stop, None),
+        1 => (FinishReason::Length, None),
+        k => (FinishReason::Stop, Some(u16::from(k - 2))),
+    }
+}
+
 impl FinishReason {
     pub fn as_openai(self) -> &'static str {
         match self {
@@ -397,6 +416,9 @@ pub struct DoneEvent {
     /// Text held back at the end (a partial stop-string prefix that never
     /// completed); already included in no earlier token event.
     pub tail_text: String,
+    /// Which of the request's stop strings ended it (its index), when one
+    /// did (`finish` is then `Stop`): Anthropic's API names it.
+    pub stop_index: Option<u16>,
     pub queue_ms: f64,
     pub ttft_ms: f64,
     pub total_ms: f64,
@@ -982,5 +1004,27 @@ impl EngineStats {
             pool,
             ..EngineStats::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod finish_tests {
+    use super::*;
+
+    #[test]
+    fn a_finish_and_its_stop_string_cross_the_wire_in_one_byte() {
+        for (f, k) in [
+            (FinishReason::Stop, None),
+            (FinishReason::Length, None),
+            (FinishReason::Stop, Some(0)),
+            (FinishReason::Stop, Some(3)),
+        ] {
+            assert_eq!(finish_of(finish_code(f, k)), (f, k));
+        }
+        // A length finish names no stop string.
+        assert_eq!(
+            finish_of(finish_code(FinishReason::Length, Some(2))),
+            (FinishReason::Length, None)
+        );
     }
 }

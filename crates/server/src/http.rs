@@ -598,6 +598,7 @@ fn combined(dones: &[DoneEvent], n: usize) -> DoneEvent {
             cached_tokens: firsts().map(|d| d.usage.cached_tokens).sum(),
         },
         tail_text: String::new(),
+        stop_index: first.stop_index,
         queue_ms: dones.iter().map(|d| d.queue_ms).fold(0.0, f64::max),
         ttft_ms: first.ttft_ms,
         total_ms: dones.iter().map(|d| d.total_ms).fold(0.0, f64::max),

@@ -59,6 +59,7 @@ impl Generate for Messages {
         Box::new(MessagesShaper {
             base,
             prompt_tokens: p.prompt_tokens,
+            stops: p.stop.clone(),
             parser: OutputParser::new(reasoning, calls),
             reasoning,
             calls,
@@ -83,6 +84,8 @@ enum Block {
 struct MessagesShaper {
     base: Base,
     prompt_tokens: usize,
+    /// `stop_sequences`, to name the one that matched.
+    stops: Vec<String>,
     parser: OutputParser,
     reasoning: Option<bool>,
     calls: Option<tools::Format>,
@@ -108,11 +111,17 @@ fn usage(u: &request::Usage) -> Value {
            "output_tokens": u.completion_tokens})
 }
 
-fn stop_reason(d: &DoneEvent, called: bool) -> &'static str {
-    match (d.finish, called) {
-        (FinishReason::Length, _) => "max_tokens",
-        (FinishReason::Stop, true) => "tool_use",
-        (FinishReason::Stop, false) => "end_turn",
+/// The stop reason, and the stop sequence that ended the answer (the
+/// engine says which of the request's stop strings matched).
+fn stop_reason(d: &DoneEvent, called: bool, stops: &[String]) -> (&'static str, Value) {
+    match (d.finish, called, d.stop_index) {
+        (FinishReason::Length, _, _) => ("max_tokens", Value::Null),
+        (FinishReason::Stop, true, _) => ("tool_use", Value::Null),
+        (FinishReason::Stop, false, Some(k)) => match stops.get(usize::from(k)) {
+            Some(s) => ("stop_sequence", Value::String(s.clone())),
+            None => ("end_turn", Value::Null),
+        },
+        (FinishReason::Stop, false, None) => ("end_turn", Value::Null),
     }
 }
 
@@ -227,11 +236,11 @@ impl Shaper for MessagesShaper {
         let mut out = self.pieces(pieces);
         out.extend(self.close());
         let called = !self.parser.calls().is_empty();
+        let (reason, sequence) = stop_reason(d, called, &self.stops);
         out.extend(event(
             "message_delta",
-            json!({
-            "delta": {"stop_reason": stop_reason(d, called), "stop_sequence": null},
-            "usage": usage(&d.usage)}),
+            json!({"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                   "usage": usage(&d.usage)}),
         ));
         out
     }
@@ -281,10 +290,11 @@ impl Shaper for MessagesShaper {
                                 "name": c.name, "input": input}));
         }
         let called = !p.calls().is_empty();
+        let (reason, sequence) = stop_reason(&first.done, called, &self.stops);
         Json(
             json!({"id": self.base.id, "type": "message", "role": "assistant",
                     "model": self.base.model(), "content": content,
-                    "stop_reason": stop_reason(&first.done, called), "stop_sequence": null,
+                    "stop_reason": reason, "stop_sequence": sequence,
                     "usage": usage(&all.usage)}),
         )
         .into_response()
