@@ -20,8 +20,10 @@ use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Version of this format. A peer speaking another version is refused at
-/// the handshake.
-pub const WIRE_VERSION: u8 = 6;
+/// the handshake. 7: `Finished`'s finish byte names the stop string that
+/// matched (`request::finish_code`), which a v6 peer would read as
+/// `length`.
+pub const WIRE_VERSION: u8 = 7;
 /// Largest frame (a page of a large model plus headers). Bigger frames are
 /// refused before their body is read.
 pub const FRAME_BYTES_MAX: usize = 64 << 20;
@@ -274,7 +276,7 @@ pub enum Message {
     /// Decode → gateway: the end of generation.
     Finished {
         req: RequestId,
-        /// 0 = stop, 1 = length.
+        /// 0 = stop, 1 = length, 2 + k = stop string k (`request::finish_code`).
         finish: u8,
         prompt_tokens: u32,
         /// Of the prompt, tokens prefill took from its prefix cache.
