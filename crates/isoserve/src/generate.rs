@@ -7,6 +7,7 @@ use std::io::Write;
 use std::path::Path;
 use std::time::Duration;
 
+use crate::roofline;
 use anyhow::{bail, Context, Result};
 use engine::{Engine, EngineConfig, Event, GenRequest};
 use kv::TenantId;
@@ -205,6 +206,7 @@ pub fn run_bench(
     gen_tokens: usize,
     reps: usize,
     kv_dtype: kv::DType,
+    depths: &[usize],
 ) -> Result<()> {
     if prompt_tokens == 0 || gen_tokens < 2 {
         bail!("--prompt-tokens must be ≥ 1 and --gen-tokens ≥ 2");
@@ -213,13 +215,23 @@ pub fn run_bench(
         model, tokenizer, ..
     } = load(model_path)?;
     let threads = model.threads().n_threads();
+    let window = model.config.context_length;
+    if let Some(&d) = depths.iter().find(|&&d| d + gen_tokens + 1 > window) {
+        bail!(
+            "--depths {d} with --gen-tokens {gen_tokens} is past the model's window of {window} \
+             tokens"
+        );
+    }
+    let config = model.config.clone();
+    let weights = roofline::weight_bytes(&gguf::GgufFile::open(model_path)?);
     // A deterministic pseudo-prompt of ordinary tokens (ids 100.. avoid the
     // special tokens at the start of the vocabulary).
     let vocab = model.config.vocab as u32;
-    let ids: Vec<u32> = (0..prompt_tokens as u32)
+    let longest = depths.iter().copied().max().unwrap_or(0).max(prompt_tokens);
+    let ids: Vec<u32> = (0..longest as u32)
         .map(|i| 100 + (i * 7919) % (vocab - 100))
         .collect();
-    let engine = one_request_engine(model, tokenizer, prompt_tokens + gen_tokens + 1, kv_dtype)?;
+    let engine = one_request_engine(model, tokenizer, longest + gen_tokens + 1, kv_dtype)?;
     let args = |max_tokens| GenerateArgs {
         prompt: String::new(),
         chat: false,
@@ -231,15 +243,20 @@ pub fn run_bench(
     };
     let (mut pp, mut tg, mut tg_ctx) = (Vec::new(), Vec::new(), Vec::new());
     // One warm-up run (page faults of the mmapped weights).
-    generate(&engine, &ids, &args(2), |_| Ok(()))?;
+    generate(&engine, &ids[..prompt_tokens], &args(2), |_| Ok(()))?;
     for _ in 0..reps.max(1) {
-        let t = generate(&engine, &ids, &args(1), |_| Ok(()))?;
+        let t = generate(&engine, &ids[..prompt_tokens], &args(1), |_| Ok(()))?;
         pp.push(prompt_tokens as f64 / t.prefill.as_secs_f64());
         // The first token comes from the prompt's logits; the decode time
         // covers the remaining gen_tokens forward steps.
         let t = generate(&engine, &ids[..1], &args(gen_tokens + 1), |_| Ok(()))?;
         tg.push(gen_tokens as f64 / t.decode.as_secs_f64());
-        let t = generate(&engine, &ids, &args(gen_tokens + 1), |_| Ok(()))?;
+        let t = generate(
+            &engine,
+            &ids[..prompt_tokens],
+            &args(gen_tokens + 1),
+            |_| Ok(()),
+        )?;
         tg_ctx.push(gen_tokens as f64 / t.decode.as_secs_f64());
     }
     let summary = |v: &mut Vec<f64>| {
@@ -256,6 +273,36 @@ pub fn run_bench(
         kernels::KernelLevel::active(),
         kv_dtype.name(),
     );
+    // The roofline: what memory allows each decode (the mean depth of a
+    // decode of gen_tokens after d tokens is d + gen_tokens / 2).
+    let bandwidth = roofline::read_bandwidth(threads);
+    let at = |depth: usize| roofline::kv_bytes(&config, kv_dtype, depth + gen_tokens / 2);
+    println!(
+        "roofline: read bandwidth {:.1} GB/s ({threads} threads, a buffer past the last-level cache)",
+        bandwidth / 1e9
+    );
+    println!(
+        "  tg{gen_tokens}: {}",
+        roofline::line(d, weights, at(1), bandwidth)
+    );
+    println!(
+        "  tg{gen_tokens} after pp{prompt_tokens}: {}",
+        roofline::line(c, weights, at(prompt_tokens), bandwidth)
+    );
+    for &depth in depths {
+        let mut v = Vec::new();
+        for _ in 0..reps.max(1) {
+            let t = generate(&engine, &ids[..depth.max(1)], &args(gen_tokens + 1), |_| {
+                Ok(())
+            })?;
+            v.push(gen_tokens as f64 / t.decode.as_secs_f64());
+        }
+        let (m, lo, hi) = summary(&mut v);
+        println!(
+            "depth {depth}: tg{gen_tokens} (min {lo:.1}, max {hi:.1}): {}",
+            roofline::line(m, weights, at(depth.max(1)), bandwidth)
+        );
+    }
     Ok(())
 }
 

@@ -7,6 +7,7 @@ mod disagg;
 mod fetch;
 mod generate;
 mod probe_cmd;
+mod roofline;
 mod serve;
 
 use std::path::PathBuf;
@@ -118,6 +119,10 @@ enum Cmd {
         /// How the KV pool stores keys and values.
         #[arg(long, value_enum, default_value_t = args::KvDtypeArg::F16)]
         kv_dtype: args::KvDtypeArg,
+        /// Decode speed at each of these context depths (tokens already in
+        /// the context: `0,512,2048,4096,8128`), each with its roofline.
+        #[arg(long, value_delimiter = ',')]
+        depths: Vec<usize>,
     },
     /// Print the token ids of a text as JSON (special tokens recognised).
     Tokenize {
@@ -302,9 +307,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             reps,
             model,
             kv_dtype,
+            depths,
         } => {
             let path = fetch::resolve_model(model.as_deref(), false)?;
-            generate::run_bench(&path, prompt_tokens, gen_tokens, reps, kv_dtype.dtype())?;
+            generate::run_bench(
+                &path,
+                prompt_tokens,
+                gen_tokens,
+                reps,
+                kv_dtype.dtype(),
+                &depths,
+            )?;
         }
         Cmd::Tokenize { text, chat, model } => {
             let path = fetch::resolve_model(model.as_deref(), false)?;
