@@ -466,12 +466,7 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
             TopLevelGrammar::from_json_schema(v)
         }
         GrammarSpec::Regex(rx) => {
-            // Parse it ourselves first: a clear message for a bad regex.
-            regex_syntax::ParserBuilder::new()
-                .nest_limit(64)
-                .build()
-                .parse(rx)
-                .map_err(|e| GrammarError::Invalid(format!("the regex does not parse: {e}")))?;
+            check_regex(rx)?;
             TopLevelGrammar::from_regex(rx)
         }
         GrammarSpec::Choice(choices) => {
@@ -480,6 +475,16 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar, GrammarError> {
         }
         GrammarSpec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
     })
+}
+
+/// A regex parsed by us first, for a clear message when it is bad.
+fn check_regex(rx: &str) -> Result<(), GrammarError> {
+    regex_syntax::ParserBuilder::new()
+        .nest_limit(64)
+        .build()
+        .parse(rx)
+        .map(|_| ())
+        .map_err(|e| GrammarError::Invalid(format!("the regex does not parse: {e}")))
 }
 
 /// A JSON schema narrowed as a `json_schema` request's is
@@ -536,11 +541,7 @@ pub fn as_lark(spec: &GrammarSpec) -> Result<Option<String>, GrammarError> {
             format!("start: {}\n", inline_schema(&narrowed_schema(&v, *strict)?))
         }
         GrammarSpec::Regex(rx) => {
-            regex_syntax::ParserBuilder::new()
-                .nest_limit(64)
-                .build()
-                .parse(rx)
-                .map_err(|e| GrammarError::Invalid(format!("the regex does not parse: {e}")))?;
+            check_regex(rx)?;
             // Inside `/…/` only the delimiter needs escaping.
             let mut lit = String::with_capacity(rx.len());
             let mut escaped = false;

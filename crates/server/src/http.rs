@@ -634,7 +634,7 @@ async fn full_response(
                 // With tools, a format marker that is a control token (left
                 // out of the text) is shown to the call parser.
                 match params.tools.as_ref().filter(|x| x.set.active()) {
-                    Some(_) => texts[i].push_str(st.tool_markers.text_of(t.id).unwrap_or(&t.text)),
+                    Some(_) => texts[i].push_str(st.tool_markers.visible(t.id, &t.text)),
                     None => texts[i].push_str(&t.text),
                 }
                 if logprobs {

@@ -75,6 +75,12 @@ impl Markers {
             .map(|(t, _)| t.as_str())
     }
 
+    /// A token's text as the call parser must see it: a marker's text for
+    /// a marker token, else `text` (what the output shows).
+    pub fn visible<'a>(&'a self, id: u32, text: &'a str) -> &'a str {
+        self.text_of(id).unwrap_or(text)
+    }
+
     /// `text` in the grammar: a token reference, or a string literal.
     fn lark(&self, text: &str) -> String {
         match self.special.iter().find(|(t, _)| t == text) {

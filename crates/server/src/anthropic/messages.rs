@@ -217,13 +217,7 @@ impl Shaper for MessagesShaper {
     fn token(&mut self, _index: usize, t: TokenEvent) -> Vec<u8> {
         // A format marker that is a control token is shown to the parser.
         let text = match self.calls {
-            Some(_) => self
-                .base
-                .st
-                .tool_markers
-                .text_of(t.id)
-                .unwrap_or(&t.text)
-                .to_string(),
+            Some(_) => self.base.st.tool_markers.visible(t.id, &t.text).to_string(),
             None => t.text.clone(),
         };
         let pieces = self.parser.push(&text);

@@ -53,7 +53,6 @@ impl Generate for Chat {
             legacy: t.legacy,
             format,
             parsers: (0..choices).map(|_| CallParser::new(format)).collect(),
-            ids: vec![Vec::new(); choices],
         });
         let reasoning = (base.st.reasoning != ReasoningFormat::None).then(|| {
             (0..choices)
@@ -262,7 +261,7 @@ impl ChatShaper {
                 Split::Content(t) => match &mut self.calls {
                     Some(c) => {
                         let ev = c.parsers[index].push(&t);
-                        out.extend(c.deltas(index, ev));
+                        out.extend(c.deltas(ev));
                     }
                     None => out.push(Delta {
                         content: Some(t),
@@ -274,7 +273,7 @@ impl ChatShaper {
         if last {
             if let Some(c) = &mut self.calls {
                 let ev = c.parsers[index].finish();
-                out.extend(c.deltas(index, ev));
+                out.extend(c.deltas(ev));
             }
         }
         out
@@ -287,8 +286,6 @@ struct Calls {
     legacy: bool,
     format: tools::Format,
     parsers: Vec<CallParser>,
-    /// Each choice's call ids, in order.
-    ids: Vec<Vec<String>>,
 }
 
 /// A call id as OpenAI's look (`call_` and 24 random characters), or as
@@ -322,8 +319,8 @@ fn random_chars(prefix: &str, n: usize) -> String {
 }
 
 impl Calls {
-    /// Stream deltas of `events` (choice `index`).
-    fn deltas(&mut self, index: usize, events: Vec<Event>) -> Vec<Delta> {
+    /// Stream deltas of one choice's `events`.
+    fn deltas(&mut self, events: Vec<Event>) -> Vec<Delta> {
         let legacy = self.legacy;
         events
             .into_iter()
@@ -334,7 +331,6 @@ impl Calls {
                 },
                 Event::Begin { index: k, name } => {
                     let id = call_id(self.format);
-                    self.ids[index].push(id.clone());
                     let function = FunctionDelta {
                         name: Some(name),
                         arguments: Some(String::new()),
@@ -457,13 +453,7 @@ impl Shaper for ChatShaper {
         // A format marker that is a control token is left out of the
         // output's text: the call parser still needs to see it.
         let text = match &self.calls {
-            Some(_) => self
-                .base
-                .st
-                .tool_markers
-                .text_of(t.id)
-                .unwrap_or(&t.text)
-                .to_string(),
+            Some(_) => self.base.st.tool_markers.visible(t.id, &t.text).to_string(),
             None => t.text.clone(),
         };
         let mut out = Vec::new();

@@ -688,7 +688,7 @@ impl ResponseShaper {
     /// token (left out of the output's text) is shown to the call parser.
     fn visible<'a>(&'a self, t: &'a TokenEvent) -> &'a str {
         match self.calls {
-            Some(_) => self.base.st.tool_markers.text_of(t.id).unwrap_or(&t.text),
+            Some(_) => self.base.st.tool_markers.visible(t.id, &t.text),
             None => &t.text,
         }
     }
