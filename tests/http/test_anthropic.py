@@ -132,7 +132,7 @@ def test_thinking_blocks_from_a_thinking_template(tmp_root):
                  {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n6"},
                  {"role": "user", "content": "5+5?"}]
         m = c.messages.create(model=MODEL, max_tokens=40, messages=shots, extra_body=GREEDY,
-                              thinking={"type": "enabled", "budget_tokens": 1024})
+                              thinking={"type": "enabled", "budget_tokens": 40})
         assert [b.type for b in m.content] == ["thinking", "text"], m.content
         assert m.content[0].thinking == "Add them.\n" and m.content[1].text == "8"
         with c.messages.stream(model=MODEL, max_tokens=40, messages=shots,
@@ -142,6 +142,16 @@ def test_thinking_blocks_from_a_thinking_template(tmp_root):
         assert "thinking" in kinds and "text" in kinds, kinds
         assert [b.type for b in final.content] == ["thinking", "text"]
         assert final.content[0].thinking == "Add them.\n"
+        # A budget the server would not enforce (below max_tokens) is
+        # refused, as is an effort level.
+        for extra, field in [
+            ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens"),
+            ({"output_config": {"effort": "high"}}, "output_config.effort"),
+        ]:
+            r = requests.post(s.url("/v1/messages"), timeout=30, json=dict(
+                {"model": MODEL, "max_tokens": 2000, "messages": shots}, **extra))
+            assert r.status_code == 400, r.text
+            assert field in r.json()["error"]["message"], r.text
     finally:
         assert s.terminate() == 0, s.stderr()
 

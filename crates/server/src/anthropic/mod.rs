@@ -294,9 +294,24 @@ pub(crate) fn to_chat(body: &[u8], counting: bool) -> Result<Value, ApiError> {
     match f.get("thinking") {
         None | Some(Value::Null) => {}
         Some(Value::Object(t)) => match t.get("type").and_then(Value::as_str) {
-            // The budget is not a cut-off here: the thought ends when the
-            // model ends it, within max_tokens (docs/anthropic.md).
+            // The thought is not cut at `budget_tokens` here: a budget is
+            // honoured only when `max_tokens` already bounds it (a smaller
+            // one is refused, not ignored).
             Some("enabled" | "between_tools") => {
+                if let Some(b) = t.get("budget_tokens") {
+                    let b = b.as_u64().ok_or_else(|| {
+                        ApiError::invalid_type("thinking.budget_tokens", "an integer")
+                    })?;
+                    let max = f.get("max_tokens").and_then(Value::as_u64).unwrap_or(0);
+                    if !counting && b < max {
+                        return Err(ApiError::unsupported(
+                            "thinking.budget_tokens",
+                            "a thinking budget below max_tokens is not supported: this server \
+                             does not cut a thought short (send budget_tokens ≥ max_tokens, or \
+                             thinking type adaptive)",
+                        ));
+                    }
+                }
                 chat.insert(
                     "chat_template_kwargs".into(),
                     json!({"enable_thinking": true}),
@@ -324,10 +339,16 @@ pub(crate) fn to_chat(body: &[u8], counting: bool) -> Result<Value, ApiError> {
             ))
         }
     }
-    // Structured outputs: `output_config.format` (`effort` is a hint for
-    // Anthropic's models with no counterpart here, like `service_tier`).
+    // Structured outputs: `output_config.format`. `effort` has no
+    // counterpart here: refused, not ignored.
     match f.get("output_config") {
         None | Some(Value::Null) => {}
+        Some(Value::Object(oc)) if oc.get("effort").is_some_and(|e| !e.is_null()) => {
+            return Err(ApiError::unsupported(
+                "output_config.effort",
+                "an effort level is not supported by this server",
+            ))
+        }
         Some(Value::Object(oc)) => match oc.get("format") {
             None | Some(Value::Null) => {}
             Some(Value::Object(fm)) => {
