@@ -244,10 +244,14 @@ impl Config {
                 self.q_dim()
             ));
         }
-        if !self.head_dim.is_multiple_of(8) {
+        if !self
+            .head_dim
+            .is_multiple_of(kernels::attention::HEAD_DIM_MULTIPLE)
+        {
             return bad(format!(
-                "head dimension {} is not a multiple of 8",
-                self.head_dim
+                "head dimension {} is not a multiple of {}",
+                self.head_dim,
+                kernels::attention::HEAD_DIM_MULTIPLE
             ));
         }
         if self.head_dim > kernels::attention::HEAD_DIM_MAX {

@@ -258,8 +258,8 @@ fn matches_a_float64_softmax_in_every_shape_and_storage() {
     for (sh, lens) in [
         (shape(9, 3, 64, 16), vec![1, 40, 1100]),
         (shape(9, 3, 64, 16), vec![5]),
-        (shape(4, 4, 8, 4), vec![3, 77]),
-        (shape(2, 1, 12, 100), vec![250]),
+        (shape(4, 4, 16, 4), vec![3, 77]),
+        (shape(2, 1, 48, 100), vec![250]),
         (shape(2, 2, 16, 512), vec![700]),
     ] {
         let rows: Vec<(usize, usize)> = lens
@@ -383,69 +383,67 @@ fn a_rows_output_does_not_depend_on_the_rows_beside_it_k12() {
 }
 
 /// `cargo test --release -p kernels tile_update_speed -- --ignored --nocapture`:
-/// one head over one 64-key tile in L1, many times (the kernel's compute
-/// rate without memory).
+/// one KV group of three heads over one 64-key tile in L1, many times (the
+/// kernel's compute rate without memory), per level and storage type.
 #[test]
 #[ignore]
 fn tile_update_speed() {
     let hd = 64;
     let mut rng = StdRng::seed_from_u64(1);
-    let k: Vec<f32> = (0..TILE * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let v: Vec<f32> = (0..TILE * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let q: Vec<f32> = (0..hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let kr: [*const f32; TILE] = std::array::from_fn(|i| k[i * hd..].as_ptr());
-    let vr: [*const f32; TILE] = std::array::from_fn(|i| v[i * hd..].as_ptr());
-    let t = Tile {
-        k: &kr,
-        v: &vr,
-        n: TILE,
-    };
-    let mut st = vec![0.0f32; hd + 2];
-    st[0] = f32::NEG_INFINITY;
-    let reps = 200_000;
-    for level in levels() {
-        let start = std::time::Instant::now();
-        for _ in 0..reps {
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `levels()` holds only levels this CPU runs; hd 64.
-                KernelLevel::Avx2 | KernelLevel::Avx512 => unsafe {
-                    avx2::tile_update(&q, t, 0.125, &mut st)
-                },
-                _ => tile_update_ref(&q, t, 0.125, &mut st),
+    let kf: Vec<f32> = (0..TILE * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let vf: Vec<f32> = (0..TILE * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let kh: Vec<f16> = kf.iter().map(|&x| f16::from_f32(x)).collect();
+    let vh: Vec<f16> = vf.iter().map(|&x| f16::from_f32(x)).collect();
+    let (k8, v8) = (q8(&kf), q8(&vf));
+    let q: Vec<f32> = (0..3 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let mut st = vec![0.0f32; 3 * (hd + 2)];
+    let reps = 100_000;
+    for (dt, kb, vb, row) in [
+        (tile::F32, bytemuck_f32(&kf), bytemuck_f32(&vf), hd * 4),
+        (
+            tile::F16,
+            rows_bytes(&KvRows::F16(&kh)),
+            rows_bytes(&KvRows::F16(&vh)),
+            hd * 2,
+        ),
+        (tile::Q8, &k8[..], &v8[..], hd / 32 * 34),
+    ] {
+        let kr: Vec<*const u8> = (0..TILE).map(|i| kb[i * row..].as_ptr()).collect();
+        let vr: Vec<*const u8> = (0..TILE).map(|i| vb[i * row..].as_ptr()).collect();
+        for level in levels() {
+            for h in 0..3 {
+                st[h * (hd + 2)] = f32::NEG_INFINITY;
             }
+            let sp = st.as_mut_ptr();
+            let qp = q.as_ptr();
+            // SAFETY: levels() holds only levels this CPU runs; every
+            // pointer covers hd values (states hd + 2).
+            let pass = unsafe {
+                tile::Pass::<3> {
+                    q: [qp, qp.add(hd), qp.add(2 * hd)],
+                    st: [sp, sp.add(hd + 2), sp.add(2 * (hd + 2))],
+                    k: &kr,
+                    v: &vr,
+                    ahead: tile::Ahead {
+                        k: &[],
+                        v: &[],
+                        bytes: 0,
+                    },
+                    hd,
+                    scale: 0.125,
+                }
+            };
+            let start = std::time::Instant::now();
+            for _ in 0..reps {
+                // SAFETY: as above.
+                unsafe { tile::run::<3>(level, dt, &pass) };
+            }
+            let ns = start.elapsed().as_secs_f64() * 1e9 / reps as f64;
+            println!(
+                "{level:?} type {dt}: {ns:.0} ns per 3-head 64-key tile, {:.1} ns per key",
+                ns / TILE as f64
+            );
         }
-        let ns = start.elapsed().as_secs_f64() * 1e9 / reps as f64;
-        let fmas = (TILE * hd * 2 / 8) as f64;
-        println!(
-            "{level:?}: {ns:.0} ns per 64-key tile, {:.2} FMA-instructions/ns",
-            fmas / ns
-        );
-    }
-    #[cfg(target_arch = "x86_64")]
-    if KernelLevel::Avx2.is_supported() {
-        let (mut s1, mut s2) = (st.clone(), st.clone());
-        let fmas = (TILE * hd * 2 / 8) as f64;
-        let start = std::time::Instant::now();
-        for _ in 0..reps {
-            // SAFETY: AVX2 checked; hd 64.
-            unsafe { avx2::tile_update2(&q, &q, t, 0.125, &mut st, &mut s1) }
-        }
-        let ns = start.elapsed().as_secs_f64() * 1e9 / reps as f64 / 2.0;
-        println!(
-            "two heads a pass: {ns:.0} ns per head-tile, {:.2} FMA-instructions/ns",
-            fmas / ns
-        );
-        let start = std::time::Instant::now();
-        for _ in 0..reps {
-            // SAFETY: as above.
-            unsafe { avx2::tile_update3([&q, &q, &q], t, 0.125, [&mut st, &mut s1, &mut s2]) }
-        }
-        let ns = start.elapsed().as_secs_f64() * 1e9 / reps as f64 / 3.0;
-        println!(
-            "three heads a pass: {ns:.0} ns per head-tile, {:.2} FMA-instructions/ns",
-            fmas / ns
-        );
     }
 }
 
