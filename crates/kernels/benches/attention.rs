@@ -5,7 +5,11 @@
 //! `cargo bench -p kernels --bench attention` prints, per depth and KV
 //! type, the time of one decode row over all 30 layers and of a 256-row
 //! prefill chunk at that depth, with the bytes of K/V read and the rate.
-//! Kernel level: `ISOSERVE_KERNEL`; threads: `ISOSERVE_THREADS`.
+//! Kernel level: `ISOSERVE_KERNEL`; threads: `ISOSERVE_THREADS`; depths:
+//! `ATTN_BENCH_DEPTHS=512,2048`; KV types: `ATTN_BENCH_KINDS=f16,q8_0`;
+//! `ATTN_BENCH_DECODE_ONLY=1` skips the prefill chunk; `ATTN_BENCH_HOT=1`
+//! reads one layer's K/V for all 30 (cache-resident); `ATTN_BENCH_READ=1`
+//! also times reading the same bytes doing nothing else.
 
 use std::time::Instant;
 
@@ -92,7 +96,8 @@ fn main() {
         None => vec![1, 256],
     };
     for depth in depths {
-        for kind in ["f32", "f16", "q8_0"] {
+        let kinds = std::env::var("ATTN_BENCH_KINDS").unwrap_or_else(|_| "f32,f16,q8_0".into());
+        for kind in kinds.split(',') {
             let per_layer = depth.div_ceil(PAGE);
             let n = LAYERS * per_layer * 2;
             let val = |i: usize| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;

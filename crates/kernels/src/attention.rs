@@ -44,6 +44,9 @@
 //! k, v  = the stored values as f32: f16 exactly; q8_0 as d·q (one rounding)
 //! s_t   = dot(q, k_t) · scale     dot: 16 lanes, lane l = fma over dims ≡ l (mod 16) in order,
 //!                                 then fold halves: l+(l+8), then +4, +2, +1
+//!   q8_0 keys: dot on integers. The query is quantised per block of 32
+//!       (d = max|x|/127, c = round_even(x·(1/d))); per block b, i_b = Σ c·k
+//!       exactly (i32); dot = fma(i_B, d_B·dk_B, … fma(i_0, d_0·dk_0, 0))
 //! tile: m' = max(m, max_t s_t); α = exp(m − m') (0 on the first tile)
 //!       p_t = exp(s_t − m');   lanes_l = Σ_{t ≡ l mod 16} p_t in order;  l = fma(l, α, fold(lanes))
 //!       acc = acc·α;  acc = fma(p_t, v_t, acc) for t in order;  m = m'
@@ -231,6 +234,9 @@ struct TileBuf {
     v_next: [*const u8; TILE],
     k_ahead: [*const u8; TILE],
     v_ahead: [*const u8; TILE],
+    /// Against `q8_0` keys, the block's queries quantised: (row, head) at
+    /// `row·n_head + head`.
+    q8: Vec<tile::Q8Query>,
     /// The current KV head's `hd` values of position `i` (in the pages,
     /// or in `k`/`v` when converted).
     k_head: [*const u8; TILE],
@@ -405,6 +411,7 @@ pub fn attention_with_level(
             v: Vec::new(),
             k_row: [std::ptr::null(); TILE],
             v_row: [std::ptr::null(); TILE],
+            q8: Vec::new(),
             k_next: [std::ptr::null(); TILE],
             v_next: [std::ptr::null(); TILE],
             k_ahead: [std::ptr::null(); TILE],
@@ -534,6 +541,21 @@ fn run_item(
             hd / Q8_BLOCK * Q8_BLOCK_BYTES,
         ),
     };
+    if dt == tile::Q8 {
+        // Each query quantised once for the item (the same codes whichever
+        // item or pass uses them).
+        tile.q8.clear();
+        tile.q8
+            .resize_with(block.len() * shape.n_head, tile::Q8Query::zero);
+        for r in block.clone() {
+            for h in heads.clone() {
+                // SAFETY: a query of hd values (hd % 32 == 0 for q8_0,
+                // checked on entry).
+                tile.q8[(r - block.start) * shape.n_head + h] =
+                    unsafe { tile::quantize_query(q[r * dim + h * hd..][..hd].as_ptr(), hd) };
+            }
+        }
+    }
     // Several rows share each tile: convert it to f32 once (the same values
     // the pass converts in registers, so the same bits).
     let convert = block.len() > 1 && dt != tile::F32;
@@ -565,27 +587,22 @@ fn run_item(
     while let Some((c, t0, t1)) = at {
         let n = t1 - t0;
         let following = tile_at(c, t1);
-        let row_at = |p: usize| {
-            let page = &seq[p / ps];
-            let at = (p % ps) * row_bytes;
-            (
-                rows_bytes(&page.k)[at..at + row_bytes].as_ptr(),
-                rows_bytes(&page.v)[at..at + row_bytes].as_ptr(),
-            )
-        };
-        for (i, p) in (t0..t1).enumerate() {
-            (tile.k_row[i], tile.v_row[i]) = row_at(p);
-        }
+        let next = following.map_or(0..0, |(_, a, b)| a..b);
+        rows_of(seq, ps, row_bytes, t0..t1, &mut tile.k_row, &mut tile.v_row);
         // The next tile's rows: the block's first row's passes prefetch
         // them as they go, a line or two per key (a decode step's K/V comes
         // from memory, in pages too short for the hardware prefetchers to
         // follow; measured at depth 8192: 17 ms for 30 layers without, 7.7
         // with, 14.7 fetching the whole tile at once, 8.9 two tiles ahead).
         // A converting block fetches them now. No effect on any value.
-        let next = following.map_or(0..0, |(_, a, b)| a..b);
-        for (i, p) in next.clone().enumerate() {
-            (tile.k_next[i], tile.v_next[i]) = row_at(p);
-        }
+        rows_of(
+            seq,
+            ps,
+            row_bytes,
+            next.clone(),
+            &mut tile.k_next,
+            &mut tile.v_next,
+        );
         if convert {
             prefetch_rows(&tile.k_next[..next.len()], row_bytes);
             prefetch_rows(&tile.v_next[..next.len()], row_bytes);
@@ -607,20 +624,25 @@ fn run_item(
                     tile.v_ahead[i] = tile.v_next[i].add(g * head_bytes);
                 }
             }
-            let tdt = if convert {
+            // q8_0 keys stay codes (their dot products are integer).
+            let (kdt, vdt) = if convert {
                 // SAFETY: the level runs here; n rows of hd values in `dt`,
                 // into buffers of TILE·hd.
                 unsafe {
-                    tile::convert(level, dt, &tile.k_head[..n], hd, tile.k.as_mut_ptr());
+                    if dt != tile::Q8 {
+                        tile::convert(level, dt, &tile.k_head[..n], hd, tile.k.as_mut_ptr());
+                    }
                     tile::convert(level, dt, &tile.v_head[..n], hd, tile.v.as_mut_ptr());
                 }
                 for i in 0..n {
-                    tile.k_head[i] = tile.k[i * hd..].as_ptr().cast();
+                    if dt != tile::Q8 {
+                        tile.k_head[i] = tile.k[i * hd..].as_ptr().cast();
+                    }
                     tile.v_head[i] = tile.v[i * hd..].as_ptr().cast();
                 }
-                tile::F32
+                (if dt == tile::Q8 { dt } else { tile::F32 }, tile::F32)
             } else {
-                dt
+                (dt, dt)
             };
             for r in block.clone() {
                 let pos = rows[r].pos;
@@ -643,53 +665,66 @@ fn run_item(
                 while h < (g + 1) * group {
                     let take = ((g + 1) * group - h).min(tile::HEADS_MAX);
                     let qh = |i: usize| q[r * dim + (h + i) * hd..][..hd].as_ptr();
+                    let q8 = if dt == tile::Q8 {
+                        let at = (r - block.start) * shape.n_head + h;
+                        &tile.q8[at..at + take]
+                    } else {
+                        &[]
+                    };
                     // SAFETY: the level was checked against the CPU; queries
                     // of hd values, states of hd + 2 that this item alone
-                    // writes, n <= TILE rows of hd values in `tdt`.
+                    // writes, n <= TILE rows of hd values in `kdt`/`vdt`.
                     unsafe {
                         match take {
                             1 => tile::run::<1>(
                                 level,
-                                tdt,
+                                kdt,
+                                vdt,
                                 &tile::Pass {
                                     q: [qh(0)],
                                     st: [state(r, h)],
                                     k,
                                     v,
                                     ahead,
+                                    q8,
                                     hd,
                                     scale,
                                 },
                             ),
                             2 => tile::run::<2>(
                                 level,
-                                tdt,
+                                kdt,
+                                vdt,
                                 &tile::Pass {
                                     q: [qh(0), qh(1)],
                                     st: [state(r, h), state(r, h + 1)],
                                     k,
                                     v,
                                     ahead,
+                                    q8,
                                     hd,
                                     scale,
                                 },
                             ),
                             3 => tile::run::<3>(
                                 level,
-                                tdt,
+                                kdt,
+                                vdt,
                                 &tile::Pass {
                                     q: [qh(0), qh(1), qh(2)],
                                     st: [state(r, h), state(r, h + 1), state(r, h + 2)],
                                     k,
                                     v,
                                     ahead,
+                                    q8,
                                     hd,
                                     scale,
                                 },
                             ),
                             _ => tile::run::<4>(
                                 level,
-                                tdt,
+                                kdt,
+                                vdt,
                                 &tile::Pass {
                                     q: [qh(0), qh(1), qh(2), qh(3)],
                                     st: [
@@ -701,6 +736,7 @@ fn run_item(
                                     k,
                                     v,
                                     ahead,
+                                    q8,
                                     hd,
                                     scale,
                                 },
@@ -728,6 +764,36 @@ fn kv_type(rows: &KvRows<'_>) -> u8 {
         KvRows::F32(_) => tile::F32,
         KvRows::F16(_) => tile::F16,
         KvRows::Q8_0(_) => tile::Q8,
+    }
+}
+
+/// The K and V row starts of `positions` (at most [`TILE`]) of a
+/// sequence's pages, into `k[i]`, `v[i]`: one division per call, bounds
+/// checked per page.
+fn rows_of(
+    seq: &[KvPage<'_>],
+    ps: usize,
+    row_bytes: usize,
+    positions: Range<usize>,
+    k: &mut [*const u8; TILE],
+    v: &mut [*const u8; TILE],
+) {
+    let mut i = 0;
+    let mut p = positions.start;
+    while p < positions.end {
+        let (page, slot) = (&seq[p / ps], p % ps);
+        let take = (ps - slot).min(positions.end - p);
+        let span = slot * row_bytes..(slot + take) * row_bytes;
+        let (kb, vb) = (
+            &rows_bytes(&page.k)[span.clone()],
+            &rows_bytes(&page.v)[span],
+        );
+        for j in 0..take {
+            k[i + j] = kb[j * row_bytes..].as_ptr();
+            v[i + j] = vb[j * row_bytes..].as_ptr();
+        }
+        i += take;
+        p += take;
     }
 }
 

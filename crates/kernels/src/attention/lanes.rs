@@ -12,10 +12,12 @@
 //! (8 sums), then `j` and `j + 4`, then `j` and `j + 2`, then the last two.
 
 #![allow(clippy::missing_safety_doc)] // every method: the level's CPU features, pointers valid for 16 values
+#![allow(clippy::needless_range_loop)] // register arrays indexed by head, block and key
 
 use half::f16;
 
-use super::{EXP_MAX, EXP_MIN, EXP_P, LN2_HI, LN2_LO, LOG2E};
+use super::tile::{Q8Query, NB_MAX};
+use super::{EXP_MAX, EXP_MIN, EXP_P, LN2_HI, LN2_LO, LOG2E, Q8_BLOCK, Q8_BLOCK_BYTES};
 
 /// Sixteen `f32` lanes (see the module documentation).
 ///
@@ -37,6 +39,18 @@ pub(super) trait Lanes: Copy {
     unsafe fn f16(bits: u16) -> f32;
     /// 16 `i8` values, converted exactly.
     unsafe fn load_i8(p: *const i8) -> Self;
+    /// 16 `i32` values, converted (exactly below 2^24, as integer dot
+    /// products of `q8_0` blocks are).
+    unsafe fn load_i32(p: *const i32) -> Self;
+    /// `out[h][b][t]`: the exact integer dot product of query `h`'s codes
+    /// with block `b` of key `t`'s `q8_0` row (`rows[t]`), for blocks
+    /// `0..nb`; 0 for `t >= rows.len()` (at most 16 rows).
+    unsafe fn q8_dots<const G: usize>(
+        rows: &[*const u8],
+        q: &[Q8Query; G],
+        nb: usize,
+        out: &mut [[[i32; 16]; NB_MAX]; G],
+    );
     unsafe fn store(self, p: *mut f32);
     unsafe fn add(self, b: Self) -> Self;
     unsafe fn sub(self, b: Self) -> Self;
@@ -108,6 +122,35 @@ impl Lanes for Scalar {
         Scalar(std::array::from_fn(|i| f32::from(unsafe { *p.add(i) })))
     }
     #[inline(always)]
+    unsafe fn load_i32(p: *const i32) -> Self {
+        // SAFETY: as above.
+        Scalar(std::array::from_fn(|i| unsafe { *p.add(i) } as f32))
+    }
+    #[inline(always)]
+    unsafe fn q8_dots<const G: usize>(
+        rows: &[*const u8],
+        q: &[Q8Query; G],
+        nb: usize,
+        out: &mut [[[i32; 16]; NB_MAX]; G],
+    ) {
+        for (h, qh) in q.iter().enumerate() {
+            for b in 0..nb {
+                for t in 0..16 {
+                    out[h][b][t] = match rows.get(t) {
+                        Some(&r) => (0..Q8_BLOCK)
+                            .map(|i| {
+                                // SAFETY: the row holds nb whole blocks.
+                                let k = unsafe { *r.add(b * Q8_BLOCK_BYTES + 2 + i) } as i8;
+                                i32::from(qh.q[Q8_BLOCK * b + i]) * i32::from(k)
+                            })
+                            .sum(),
+                        None => 0,
+                    };
+                }
+            }
+        }
+    }
+    #[inline(always)]
     unsafe fn store(self, p: *mut f32) {
         for (i, x) in self.0.into_iter().enumerate() {
             // SAFETY: as above.
@@ -168,7 +211,10 @@ pub(super) use x86::{Avx2, Avx512};
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Lanes, EXP_MAX, EXP_MIN, EXP_P, LN2_HI, LN2_LO, LOG2E};
+    use super::{
+        Lanes, Q8Query, EXP_MAX, EXP_MIN, EXP_P, LN2_HI, LN2_LO, LOG2E, NB_MAX, Q8_BLOCK,
+        Q8_BLOCK_BYTES,
+    };
 
     /// Lanes 0–7 in `.0[0]`, 8–15 in `.0[1]`.
     #[derive(Clone, Copy)]
@@ -297,6 +343,63 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn load_i32(p: *const i32) -> Self {
+            // SAFETY: p valid for 16 values; AVX in the caller.
+            unsafe {
+                Avx2([
+                    _mm256_cvtepi32_ps(_mm256_loadu_si256(p.cast())),
+                    _mm256_cvtepi32_ps(_mm256_loadu_si256(p.add(8).cast())),
+                ])
+            }
+        }
+        #[inline(always)]
+        unsafe fn q8_dots<const G: usize>(
+            rows: &[*const u8],
+            q: &[Q8Query; G],
+            nb: usize,
+            out: &mut [[[i32; 16]; NB_MAX]; G],
+        ) {
+            // SAFETY: rows of nb whole blocks; queries of nb blocks; AVX2
+            // in the caller. Products widened to i16 pairs (`madd`): exact.
+            unsafe {
+                for b in 0..nb {
+                    let qw: [[__m256i; 2]; G] = std::array::from_fn(|h| {
+                        let x = _mm256_loadu_si256(q[h].q.as_ptr().add(Q8_BLOCK * b).cast());
+                        [
+                            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(x)),
+                            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(x, 1)),
+                        ]
+                    });
+                    for t in 0..16 {
+                        let Some(&r) = rows.get(t) else {
+                            for o in out.iter_mut() {
+                                o[b][t] = 0;
+                            }
+                            continue;
+                        };
+                        let k = _mm256_loadu_si256(r.add(b * Q8_BLOCK_BYTES + 2).cast());
+                        let kw = [
+                            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(k)),
+                            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(k, 1)),
+                        ];
+                        for h in 0..G {
+                            let x = _mm256_add_epi32(
+                                _mm256_madd_epi16(kw[0], qw[h][0]),
+                                _mm256_madd_epi16(kw[1], qw[h][1]),
+                            );
+                            let x = _mm_add_epi32(
+                                _mm256_castsi256_si128(x),
+                                _mm256_extracti128_si256(x, 1),
+                            );
+                            let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
+                            let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b01));
+                            out[h][b][t] = _mm_cvtsi128_si32(x);
+                        }
+                    }
+                }
+            }
+        }
+        #[inline(always)]
         unsafe fn store(self, p: *mut f32) {
             // SAFETY: p valid for 16 values; AVX in the caller.
             unsafe {
@@ -384,6 +487,67 @@ mod x86 {
         }
     }
 
+    /// For 16 keys' vectors of two blocks' partial sums (lanes 0–7 the
+    /// even block, 8–15 the odd), the sums per key: (even blocks, odd
+    /// blocks), lane t for key t. Integer: any order is exact.
+    #[inline(always)]
+    unsafe fn sums16(a: &[__m512i; 16]) -> (__m512i, __m512i) {
+        // SAFETY: register arithmetic; AVX-512F in the caller.
+        unsafe {
+            // j + j+4: B_i blocks: [key 2i even, key 2i odd, key 2i+1 even, key 2i+1 odd].
+            let b: [__m512i; 8] = std::array::from_fn(|i| {
+                let (x, y) = (a[2 * i], a[2 * i + 1]);
+                _mm512_add_epi32(
+                    _mm512_shuffle_i32x4::<0b10_00_10_00>(x, y),
+                    _mm512_shuffle_i32x4::<0b11_01_11_01>(x, y),
+                )
+            });
+            // j + j+2: C_k block r = [item r of B_2k: 2 | item r of B_2k+1: 2].
+            let c: [__m512i; 4] = std::array::from_fn(|k| {
+                let (x, y) = (b[2 * k], b[2 * k + 1]);
+                _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y))
+            });
+            // The last pair: D_k block r lane s = item r of B_4k+s.
+            let d: [__m512i; 2] = std::array::from_fn(|k| {
+                let (x, y) = (
+                    _mm512_castsi512_ps(c[2 * k]),
+                    _mm512_castsi512_ps(c[2 * k + 1]),
+                );
+                _mm512_add_epi32(
+                    _mm512_castps_si512(_mm512_shuffle_ps::<0b10_00_10_00>(x, y)),
+                    _mm512_castps_si512(_mm512_shuffle_ps::<0b11_01_11_01>(x, y)),
+                )
+            });
+            // Key κ: in B_{κ/2} (D_{κ/8}, lane s = κ/2 mod 4), item r = 0
+            // (even block) or 1 (odd) for κ even, 2 or 3 for κ odd.
+            let idx = |odd: i32| {
+                let at = |k: i32| (k / 8) * 16 + 4 * ((k % 2) * 2 + odd) + (k / 2) % 4;
+                _mm512_setr_epi32(
+                    at(0),
+                    at(1),
+                    at(2),
+                    at(3),
+                    at(4),
+                    at(5),
+                    at(6),
+                    at(7),
+                    at(8),
+                    at(9),
+                    at(10),
+                    at(11),
+                    at(12),
+                    at(13),
+                    at(14),
+                    at(15),
+                )
+            };
+            (
+                _mm512_permutex2var_epi32(d[0], idx(0), d[1]),
+                _mm512_permutex2var_epi32(d[0], idx(1), d[1]),
+            )
+        }
+    }
+
     /// One AVX-512 register.
     #[derive(Clone, Copy)]
     pub(in crate::attention) struct Avx512(__m512);
@@ -422,6 +586,65 @@ mod x86 {
                 Avx512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                     p.cast(),
                 ))))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_i32(p: *const i32) -> Self {
+            // SAFETY: p valid for 16 values; AVX-512F in the caller.
+            unsafe { Avx512(_mm512_cvtepi32_ps(_mm512_loadu_si512(p.cast()))) }
+        }
+        #[inline(always)]
+        unsafe fn q8_dots<const G: usize>(
+            rows: &[*const u8],
+            q: &[Q8Query; G],
+            nb: usize,
+            out: &mut [[[i32; 16]; NB_MAX]; G],
+        ) {
+            // SAFETY: rows of nb whole blocks; queries of HEAD_DIM_MAX codes
+            // (zero past hd); AVX-512 F/BW/VNNI in the caller.
+            unsafe {
+                // Two blocks a register: key codes + 128 (unsigned) times the
+                // query's codes (signed), by `vpdpbusd`; then 128·Σq off.
+                let bias = _mm512_set1_epi8(0x80u8 as i8);
+                let mut pb = 0;
+                while pb < nb {
+                    let two = pb + 1 < nb;
+                    let qz: [__m512i; G] = std::array::from_fn(|h| {
+                        _mm512_loadu_si512(q[h].q.as_ptr().add(Q8_BLOCK * pb).cast())
+                    });
+                    let mut a = [[_mm512_setzero_si512(); 16]; G];
+                    for (t, &r) in rows.iter().enumerate() {
+                        let lo = _mm256_loadu_si256(r.add(pb * Q8_BLOCK_BYTES + 2).cast());
+                        let hi = if two {
+                            _mm256_loadu_si256(r.add((pb + 1) * Q8_BLOCK_BYTES + 2).cast())
+                        } else {
+                            lo // against zero query codes: adds nothing
+                        };
+                        let k = _mm512_xor_si512(
+                            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi),
+                            bias,
+                        );
+                        for h in 0..G {
+                            a[h][t] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k, qz[h]);
+                        }
+                    }
+                    for h in 0..G {
+                        let (even, odd) = sums16(&a[h]);
+                        let ce = _mm512_set1_epi32(128 * q[h].sum[pb]);
+                        _mm512_storeu_si512(
+                            out[h][pb].as_mut_ptr().cast(),
+                            _mm512_sub_epi32(even, ce),
+                        );
+                        if two {
+                            let co = _mm512_set1_epi32(128 * q[h].sum[pb + 1]);
+                            _mm512_storeu_si512(
+                                out[h][pb + 1].as_mut_ptr().cast(),
+                                _mm512_sub_epi32(odd, co),
+                            );
+                        }
+                    }
+                    pb += 2;
+                }
             }
         }
         #[inline(always)]

@@ -168,6 +168,19 @@ fn naive(shape: AttnShape, pages: &Paged, store: Store, rows: &[AttnRow], q: &[f
             (Store::Q8, _) => f64::from(q8_value(&pages.v8[i], j)),
         }
     };
+    // Against q8_0 keys the query is quantised too (the contract's integer
+    // dot products): the reference uses the values its codes stand for.
+    let q: Vec<f32> = match store {
+        Store::Q8 => q
+            .chunks(Q8_BLOCK)
+            .flat_map(|b| {
+                // SAFETY: a block of 32 values.
+                let z = unsafe { tile::quantize_query(b.as_ptr(), Q8_BLOCK) };
+                (0..Q8_BLOCK).map(move |i| z.d[0] * f32::from(z.q[i]))
+            })
+            .collect(),
+        _ => q.to_vec(),
+    };
     let mut out = vec![0.0; rows.len() * dim];
     for (ri, r) in rows.iter().enumerate() {
         for h in 0..shape.n_head {
@@ -408,6 +421,10 @@ fn tile_update_speed() {
         ),
         (tile::Q8, &k8[..], &v8[..], hd / 32 * 34),
     ] {
+        // SAFETY: three heads of hd values.
+        let q8s: Vec<tile::Q8Query> = (0..3)
+            .map(|h| unsafe { tile::quantize_query(q[h * hd..].as_ptr(), hd) })
+            .collect();
         let kr: Vec<*const u8> = (0..TILE).map(|i| kb[i * row..].as_ptr()).collect();
         let vr: Vec<*const u8> = (0..TILE).map(|i| vb[i * row..].as_ptr()).collect();
         for level in levels() {
@@ -429,6 +446,7 @@ fn tile_update_speed() {
                         v: &[],
                         bytes: 0,
                     },
+                    q8: &q8s,
                     hd,
                     scale: 0.125,
                 }
@@ -436,7 +454,7 @@ fn tile_update_speed() {
             let start = std::time::Instant::now();
             for _ in 0..reps {
                 // SAFETY: as above.
-                unsafe { tile::run::<3>(level, dt, &pass) };
+                unsafe { tile::run::<3>(level, dt, dt, &pass) };
             }
             let ns = start.elapsed().as_secs_f64() * 1e9 / reps as f64;
             println!(
@@ -552,6 +570,59 @@ fn sliding_windows_attend_to_the_last_w_positions_only() {
                     "{sh:?} row {i} alone"
                 );
             }
+        }
+    }
+}
+
+#[test]
+fn q8_0_codes_of_every_value_give_the_same_bits_at_every_level_k12() {
+    // Pages of q8_0 codes over the whole i8 range (−128 included, which
+    // the quantiser never writes but a page could hold), one row and a
+    // block of rows, every level and thread count: the integer dot
+    // products are exact, so the bits agree.
+    let mut rng = StdRng::seed_from_u64(11);
+    let sh = shape(9, 3, 64, 16);
+    let kvw = sh.kv_width();
+    let len: usize = 300;
+    let pages_n = len.div_ceil(16);
+    let block = |rng: &mut StdRng| {
+        let mut b = f16::from_f32(rng.gen_range(0.001f32..0.05))
+            .to_le_bytes()
+            .to_vec();
+        b.extend((0..Q8_BLOCK).map(|_| rng.gen_range(-128i32..=127) as i8 as u8));
+        b
+    };
+    let bytes = |rng: &mut StdRng| -> Vec<u8> {
+        (0..16 * kvw / Q8_BLOCK).flat_map(|_| block(rng)).collect()
+    };
+    let ks: Vec<Vec<u8>> = (0..pages_n).map(|_| bytes(&mut rng)).collect();
+    let vs: Vec<Vec<u8>> = (0..pages_n).map(|_| bytes(&mut rng)).collect();
+    let pages: Vec<KvPage<'_>> = (0..pages_n)
+        .map(|i| KvPage {
+            k: KvRows::Q8_0(&ks[i]),
+            v: KvRows::Q8_0(&vs[i]),
+            slots: 16.min(len - 16 * i),
+        })
+        .collect();
+    let rows: Vec<AttnRow> = [299, 17, 200, 201, 202, 203]
+        .iter()
+        .map(|&pos| AttnRow {
+            pos,
+            pages: 0..pages_n,
+        })
+        .collect();
+    let q: Vec<f32> = (0..rows.len() * 9 * 64)
+        .map(|_| rng.gen_range(-3.0f32..3.0))
+        .collect();
+    let want = bits(&run(KernelLevel::Scalar, 1, sh, &pages, &rows, &q));
+    assert!(want.iter().all(|&b| f32::from_bits(b).is_finite()));
+    for level in levels() {
+        for threads in [1, 2, 3] {
+            let got = bits(&run(level, threads, sh, &pages, &rows, &q));
+            assert!(got == want, "{level:?} threads {threads}");
+            // One row alone gives its bits in the block too.
+            let one = bits(&run(level, threads, sh, &pages, &rows[..1], &q[..9 * 64]));
+            assert!(one[..] == want[..9 * 64], "{level:?} alone");
         }
     }
 }

@@ -10,7 +10,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::lanes::{Lanes, Scalar};
-use super::{Q8_BLOCK, Q8_BLOCK_BYTES, TILE};
+use super::{HEAD_DIM_MAX, Q8_BLOCK, Q8_BLOCK_BYTES, TILE};
 use crate::KernelLevel;
 
 /// How the tile's K/V rows are stored.
@@ -33,6 +33,9 @@ pub(super) struct Pass<'a, const G: usize> {
     pub v: &'a [*const u8],
     /// Rows to prefetch as the pass goes (the next tile's).
     pub ahead: Ahead<'a>,
+    /// Against `q8_0` keys: each head's query quantised
+    /// ([`quantize_query`]), `G` of them; otherwise empty.
+    pub q8: &'a [Q8Query],
     pub hd: usize,
     pub scale: f32,
 }
@@ -88,10 +91,10 @@ unsafe fn chunk<L: Lanes, const DT: u8>(row: *const u8, c: usize) -> L {
 /// blocks of 16 keys (16-lane dot products, reduced fold-halves), the
 /// online softmax in lanes of 16 positions, the weighted sum of V in order.
 #[inline(always)]
-unsafe fn update<L: Lanes, const DT: u8, const G: usize>(p: &Pass<'_, G>) {
+unsafe fn update<L: Lanes, const KDT: u8, const VDT: u8, const G: usize>(p: &Pass<'_, G>) {
     let (n, hd) = (p.k.len(), p.hd);
     debug_assert!(n <= TILE && p.v.len() == n && hd.is_multiple_of(16));
-    const { assert!(DT != Q8 || Q8_BLOCK == 32) };
+    const { assert!(Q8_BLOCK == 32 && VDT != Q8 || KDT == Q8) };
     let chunks = hd / 16;
     let mut s = [[0.0f32; TILE]; G];
     // SAFETY: every pointer stays inside the rows (hd values each), the
@@ -99,9 +102,12 @@ unsafe fn update<L: Lanes, const DT: u8, const G: usize>(p: &Pass<'_, G>) {
     // of 16).
     unsafe {
         let zero = L::zero();
+        if KDT == Q8 {
+            q8_scores::<L, G>(p, &mut s);
+        }
         let mut acc = [[zero; 16]; G];
         let mut kb = 0;
-        while kb < n {
+        while KDT != Q8 && kb < n {
             let m = (n - kb).min(16);
             for t in 0..16 {
                 if t >= m {
@@ -117,7 +123,7 @@ unsafe fn update<L: Lanes, const DT: u8, const G: usize>(p: &Pass<'_, G>) {
                 }
                 let mut a = [zero; G];
                 for c in 0..chunks {
-                    let kv = chunk::<L, DT>(row, c);
+                    let kv = chunk::<L, KDT>(row, c);
                     for h in 0..G {
                         a[h] = L::fma(L::load(p.q[h].add(16 * c)), kv, a[h]);
                     }
@@ -181,15 +187,111 @@ unsafe fn update<L: Lanes, const DT: u8, const G: usize>(p: &Pass<'_, G>) {
         while c0 < chunks {
             let left = chunks - c0;
             if L::PV_CHUNKS >= 4 && left >= 4 {
-                weigh::<L, DT, G, 4>(p, &s, &alpha, c0);
+                weigh::<L, VDT, G, 4>(p, &s, &alpha, c0);
                 c0 += 4;
             } else if left >= 2 {
-                weigh::<L, DT, G, 2>(p, &s, &alpha, c0);
+                weigh::<L, VDT, G, 2>(p, &s, &alpha, c0);
                 c0 += 2;
             } else {
-                weigh::<L, DT, G, 1>(p, &s, &alpha, c0);
+                weigh::<L, VDT, G, 1>(p, &s, &alpha, c0);
                 c0 += 1;
             }
+        }
+    }
+}
+
+/// A query quantised as `q8_0` for the integer dot products against
+/// `q8_0` keys: per block of 32, `d = max|x| / 127` and `q = round(x / d)`
+/// (`x · (1/d)`, ties to even), with `Σ q` per block.
+pub(super) struct Q8Query {
+    pub q: [i8; HEAD_DIM_MAX],
+    pub d: [f32; NB_MAX],
+    pub sum: [i32; NB_MAX],
+}
+
+impl Q8Query {
+    /// All zero (a placeholder until quantised).
+    pub fn zero() -> Q8Query {
+        Q8Query {
+            q: [0; HEAD_DIM_MAX],
+            d: [0.0; NB_MAX],
+            sum: [0; NB_MAX],
+        }
+    }
+}
+
+/// Most `q8_0` blocks in a head.
+pub(super) const NB_MAX: usize = HEAD_DIM_MAX / Q8_BLOCK;
+
+/// Quantises `hd` values at `x` (the reference; every level runs this).
+///
+/// # Safety
+/// `x` valid for `hd` values, `hd % 32 == 0`, `hd <= HEAD_DIM_MAX`.
+#[inline(always)]
+pub(super) unsafe fn quantize_query(x: *const f32, hd: usize) -> Q8Query {
+    let mut out = Q8Query::zero();
+    for b in 0..hd / Q8_BLOCK {
+        // SAFETY: 32·b + 32 <= hd values (caller).
+        let xs = unsafe { std::slice::from_raw_parts(x.add(Q8_BLOCK * b), Q8_BLOCK) };
+        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0;
+        for (i, &v) in xs.iter().enumerate() {
+            let q = (v * id).round_ties_even() as i8;
+            out.q[Q8_BLOCK * b + i] = q;
+            sum += i32::from(q);
+        }
+        out.d[b] = d;
+        out.sum[b] = sum;
+    }
+    out
+}
+
+/// Scores against `q8_0` keys (the contract's integer path): per key and
+/// block, the exact integer dot product of the quantised query and the
+/// key's codes; `s = Σ_b fma(isum_b, d_q,b · d_k,b, ·)` in block order from
+/// 0, then `· scale`. Scores 16 keys at a time.
+#[inline(always)]
+unsafe fn q8_scores<L: Lanes, const G: usize>(p: &Pass<'_, G>, s: &mut [[f32; TILE]; G]) {
+    let (n, hd) = (p.k.len(), p.hd);
+    let nb = hd / Q8_BLOCK;
+    // SAFETY: queries of hd values (caller); rows of nb whole blocks.
+    unsafe {
+        let qq: &[Q8Query; G] = p.q8.try_into().expect("a quantised query per head");
+        let mut isum = [[[0i32; 16]; NB_MAX]; G];
+        let mut dk = [[0.0f32; 16]; NB_MAX];
+        let mut kb = 0;
+        while kb < n {
+            let m = (n - kb).min(16);
+            let rows = &p.k[kb..kb + m];
+            for (i, _) in rows.iter().enumerate() {
+                if let (Some(&ka), Some(&va)) = (p.ahead.k.get(kb + i), p.ahead.v.get(kb + i)) {
+                    prefetch(ka, p.ahead.bytes);
+                    prefetch(va, p.ahead.bytes);
+                }
+            }
+            L::q8_dots::<G>(rows, qq, nb, &mut isum);
+            for (b, dkb) in dk.iter_mut().enumerate().take(nb) {
+                for t in 0..16 {
+                    dkb[t] = match rows.get(t) {
+                        Some(&r) => {
+                            let at = r.add(b * Q8_BLOCK_BYTES);
+                            L::f16(u16::from_le_bytes([*at, *at.add(1)]))
+                        }
+                        None => 0.0,
+                    };
+                }
+            }
+            for h in 0..G {
+                let mut acc = L::zero();
+                for b in 0..nb {
+                    let dd = L::splat(qq[h].d[b]).mul(L::load(dk[b].as_ptr()));
+                    acc = L::fma(L::load_i32(isum[h][b].as_ptr()), dd, acc);
+                }
+                acc.mul(L::splat(p.scale)).store(s[h].as_mut_ptr().add(kb));
+            }
+            kb += 16;
         }
     }
 }
@@ -231,53 +333,54 @@ unsafe fn weigh<L: Lanes, const DT: u8, const G: usize, const N: usize>(
 }
 
 /// The reference instantiation.
-fn scalar<const DT: u8, const G: usize>(p: &Pass<'_, G>) {
+fn scalar<const K: u8, const V: u8, const G: usize>(p: &Pass<'_, G>) {
     // SAFETY: `Scalar` uses no instructions beyond the baseline; the
     // pointers are the caller's contract (`run`).
-    unsafe { update::<Scalar, DT, G>(p) }
+    unsafe { update::<Scalar, K, V, G>(p) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2<const DT: u8, const G: usize>(p: &Pass<'_, G>) {
+unsafe fn avx2<const K: u8, const V: u8, const G: usize>(p: &Pass<'_, G>) {
     // SAFETY: built with AVX2/FMA/F16C, which the caller checked.
-    unsafe { update::<super::lanes::Avx2, DT, G>(p) }
+    unsafe { update::<super::lanes::Avx2, K, V, G>(p) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn avx512<const DT: u8, const G: usize>(p: &Pass<'_, G>) {
+unsafe fn avx512<const K: u8, const V: u8, const G: usize>(p: &Pass<'_, G>) {
     // SAFETY: built with AVX-512, which the caller checked.
-    unsafe { update::<super::lanes::Avx512, DT, G>(p) }
+    unsafe { update::<super::lanes::Avx512, K, V, G>(p) }
 }
 
-/// One pass at `level`, K/V stored as `dt`.
+/// One pass at `level`, keys stored as `kdt` and values as `vdt`: both
+/// the pages' type, or `q8_0` keys with values converted to `f32`.
 ///
 /// # Safety
 /// `level` runs on this CPU; the pass's pointers are valid: queries and
 /// rows for `hd` values (`hd % 16 == 0`) in their types, states for
 /// `hd + 2`, with no other access to the states meanwhile; `k.len() ==
 /// v.len() <= TILE`.
-pub(super) unsafe fn run<const G: usize>(level: KernelLevel, dt: u8, p: &Pass<'_, G>) {
+pub(super) unsafe fn run<const G: usize>(level: KernelLevel, kdt: u8, vdt: u8, p: &Pass<'_, G>) {
     debug_assert!(level.is_supported());
+    macro_rules! at_level {
+        ($f:ident) => {
+            match (kdt, vdt) {
+                (F32, _) => $f::<F32, F32, G>(p),
+                (F16, _) => $f::<F16, F16, G>(p),
+                (_, F32) => $f::<Q8, F32, G>(p),
+                _ => $f::<Q8, Q8, G>(p),
+            }
+        };
+    }
     // SAFETY: the level was checked against the CPU (caller).
     unsafe {
-        match (level, dt) {
+        match level {
             #[cfg(target_arch = "x86_64")]
-            (KernelLevel::Avx512, F32) => avx512::<F32, G>(p),
+            KernelLevel::Avx512 => at_level!(avx512),
             #[cfg(target_arch = "x86_64")]
-            (KernelLevel::Avx512, F16) => avx512::<F16, G>(p),
-            #[cfg(target_arch = "x86_64")]
-            (KernelLevel::Avx512, _) => avx512::<Q8, G>(p),
-            #[cfg(target_arch = "x86_64")]
-            (KernelLevel::Avx2, F32) => avx2::<F32, G>(p),
-            #[cfg(target_arch = "x86_64")]
-            (KernelLevel::Avx2, F16) => avx2::<F16, G>(p),
-            #[cfg(target_arch = "x86_64")]
-            (KernelLevel::Avx2, _) => avx2::<Q8, G>(p),
-            (_, F32) => scalar::<F32, G>(p),
-            (_, F16) => scalar::<F16, G>(p),
-            _ => scalar::<Q8, G>(p),
+            KernelLevel::Avx2 => at_level!(avx2),
+            _ => at_level!(scalar),
         }
     }
 }
