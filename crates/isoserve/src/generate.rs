@@ -94,6 +94,25 @@ pub fn one_request_engine(
     tokens_max: usize,
     kv_dtype: kv::DType,
 ) -> Result<Engine> {
+    // One request at a time: nothing to share, and a benchmark that
+    // repeats its prompt must compute it every time.
+    engine_for_one(
+        model,
+        tokenizer,
+        tokens_max,
+        kv_dtype,
+        engine::PrefixCache::Off,
+    )
+}
+
+/// [`one_request_engine`] with a prefix cache as given.
+fn engine_for_one(
+    model: Model,
+    tokenizer: Tokenizer,
+    tokens_max: usize,
+    kv_dtype: kv::DType,
+    prefix_cache: engine::PrefixCache,
+) -> Result<Engine> {
     let window = model.config.context_length;
     let pages = tokens_max.max(1).div_ceil(PAGE_SIZE_TOKENS);
     let cfg = EngineConfig {
@@ -104,9 +123,7 @@ pub fn one_request_engine(
         max_running: 1,
         max_queue: 1,
         kv_dtype,
-        // One request at a time: nothing to share, and a benchmark that
-        // repeats its prompt must compute it every time.
-        prefix_cache: engine::PrefixCache::Off,
+        prefix_cache,
         ..EngineConfig::default()
     };
     Ok(Engine::start(model, tokenizer, cfg)?)
@@ -275,7 +292,8 @@ pub fn run_bench(
     );
     // The roofline: what memory allows each decode (the mean depth of a
     // decode of gen_tokens after d tokens is d + gen_tokens / 2).
-    let bandwidth = roofline::read_bandwidth(threads);
+    let probe = roofline::Bandwidth::new(threads);
+    let bandwidth = probe.measure(5);
     let at = |depth: usize| roofline::kv_bytes(&config, kv_dtype, depth + gen_tokens / 2);
     println!(
         "roofline: read bandwidth {:.1} GB/s ({threads} threads, a buffer past the last-level cache)",
@@ -289,6 +307,29 @@ pub fn run_bench(
         "  tg{gen_tokens} after pp{prompt_tokens}: {}",
         roofline::line(c, weights, at(prompt_tokens), bandwidth)
     );
+    if depths.is_empty() {
+        return Ok(());
+    }
+    // Prefill at depth (llama-bench's `-p N -d D`): the depth's prompt
+    // cached, then N new tokens after it, timed alone. A second engine with
+    // a prefix cache; each rep's N tokens differ, so none is a cache hit.
+    let Loaded {
+        model: model2,
+        tokenizer: tokenizer2,
+        ..
+    } = load(model_path)?;
+    let cached = engine_for_one(
+        model2,
+        tokenizer2,
+        longest + 2 * prompt_tokens + gen_tokens + 1,
+        kv_dtype,
+        engine::PrefixCache::Tenant,
+    )?;
+    let tail = |rep: usize| -> Vec<u32> {
+        (0..prompt_tokens as u32)
+            .map(|i| 100 + ((i + 1 + 1000 * rep as u32) * 104_729) % (vocab - 100))
+            .collect()
+    };
     for &depth in depths {
         let mut v = Vec::new();
         for _ in 0..reps.max(1) {
@@ -297,10 +338,37 @@ pub fn run_bench(
             })?;
             v.push(gen_tokens as f64 / t.decode.as_secs_f64());
         }
+        // The bandwidth beside this depth's runs (best of three passes).
+        let here = probe.measure(3);
         let (m, lo, hi) = summary(&mut v);
         println!(
             "depth {depth}: tg{gen_tokens} (min {lo:.1}, max {hi:.1}): {}",
-            roofline::line(m, weights, at(depth.max(1)), bandwidth)
+            roofline::line(m, weights, at(depth.max(1)), here)
+        );
+        if depth + prompt_tokens + 1 > window {
+            continue;
+        }
+        // Cache the depth's prompt (whole pages are what the cache keeps).
+        let cached_depth = depth / PAGE_SIZE_TOKENS * PAGE_SIZE_TOKENS;
+        if cached_depth > 0 {
+            generate(&cached, &ids[..cached_depth], &args(1), |_| Ok(()))?;
+        }
+        let mut v = Vec::new();
+        for rep in 0..reps.max(1) {
+            let mut prompt = ids[..cached_depth].to_vec();
+            prompt.extend(tail(rep));
+            let t = generate(&cached, &prompt, &args(1), |_| Ok(()))?;
+            if t.prompt_tokens != prompt.len() {
+                bail!(
+                    "prefill at depth {depth}: {} prompt tokens counted",
+                    t.prompt_tokens
+                );
+            }
+            v.push(prompt_tokens as f64 / t.prefill.as_secs_f64());
+        }
+        let (p, lo, hi) = summary(&mut v);
+        println!(
+            "depth {cached_depth}: pp{prompt_tokens} (min {lo:.1}, max {hi:.1}): {p:.1} tok/s"
         );
     }
     Ok(())

@@ -120,7 +120,9 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = args::KvDtypeArg::F16)]
         kv_dtype: args::KvDtypeArg,
         /// Decode speed at each of these context depths (tokens already in
-        /// the context: `0,512,2048,4096,8128`), each with its roofline.
+        /// the context: `0,512,2048,4096,8128`), each with its roofline
+        /// (the read bandwidth measured beside it); and the prefill of
+        /// --prompt-tokens new tokens after each depth (its prompt cached).
         #[arg(long, value_delimiter = ',')]
         depths: Vec<usize>,
     },

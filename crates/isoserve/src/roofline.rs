@@ -37,44 +37,62 @@ fn llc_bytes() -> usize {
     }
 }
 
-/// Bytes per second `threads` threads read from memory: each sums its
-/// share of a buffer 8× the last-level cache (at least 256 MiB), best of
-/// five passes.
-pub fn read_bandwidth(threads: usize) -> f64 {
-    let bytes = (8 * llc_bytes()).max(256 << 20);
-    let words = bytes / 8;
-    // Written once so the pages are resident (not the zero page).
-    let buf: Vec<u64> = (0..words as u64)
-        .map(|i| i.wrapping_mul(0x9E37_79B9))
-        .collect();
-    let threads = threads.max(1);
-    let chunk = words.div_ceil(threads);
-    let mut best = 0.0f64;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let sums: Vec<u64> = std::thread::scope(|s| {
-            let handles: Vec<_> = buf
-                .chunks(chunk)
-                .map(|part| {
-                    s.spawn(move || {
-                        // Eight independent sums: the loop vectorises and
-                        // memory, not the adds, bounds it.
-                        let mut acc = [0u64; 8];
-                        for c in part.chunks_exact(8) {
-                            for (a, x) in acc.iter_mut().zip(c) {
-                                *a = a.wrapping_add(*x);
-                            }
-                        }
-                        acc.iter().fold(0u64, |a, x| a.wrapping_add(*x))
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or(0)).collect()
-        });
-        std::hint::black_box(sums);
-        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64());
+/// A read-bandwidth probe: a buffer 8× the last-level cache (at least
+/// 256 MiB), written once, that `threads` threads sum in equal shares.
+/// Kept so that each test can be measured beside its own probe: on a
+/// shared machine the bandwidth drifts from minute to minute (44.7 to 57.5
+/// GB/s between two runs here).
+pub struct Bandwidth {
+    buf: Vec<u64>,
+    threads: usize,
+}
+
+impl Bandwidth {
+    /// Allocates and fills the buffer.
+    pub fn new(threads: usize) -> Bandwidth {
+        let words = (8 * llc_bytes()).max(256 << 20) / 8;
+        // Written once so the pages are resident (not the zero page).
+        let buf = (0..words as u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9))
+            .collect();
+        Bandwidth {
+            buf,
+            threads: threads.max(1),
+        }
     }
-    best
+
+    /// Bytes per second, best of `passes` passes.
+    pub fn measure(&self, passes: usize) -> f64 {
+        let words = self.buf.len();
+        let chunk = words.div_ceil(self.threads);
+        let mut best = 0.0f64;
+        for _ in 0..passes.max(1) {
+            let t = Instant::now();
+            let sums: Vec<u64> = std::thread::scope(|s| {
+                let handles: Vec<_> = self
+                    .buf
+                    .chunks(chunk)
+                    .map(|part| {
+                        s.spawn(move || {
+                            // Eight independent sums: the loop vectorises
+                            // and memory, not the adds, bounds it.
+                            let mut acc = [0u64; 8];
+                            for c in part.chunks_exact(8) {
+                                for (a, x) in acc.iter_mut().zip(c) {
+                                    *a = a.wrapping_add(*x);
+                                }
+                            }
+                            acc.iter().fold(0u64, |a, x| a.wrapping_add(*x))
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap_or(0)).collect()
+            });
+            std::hint::black_box(sums);
+            best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64());
+        }
+        best
+    }
 }
 
 /// Bytes of weights one decoded token reads: every tensor, except that an

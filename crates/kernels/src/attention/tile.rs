@@ -105,39 +105,12 @@ unsafe fn update<L: Lanes, const KDT: u8, const VDT: u8, const G: usize>(p: &Pas
         if KDT == Q8 {
             q8_scores::<L, G>(p, &mut s);
         }
-        let mut acc = [[zero; 16]; G];
-        let mut kb = 0;
-        while KDT != Q8 && kb < n {
-            let m = (n - kb).min(16);
-            for t in 0..16 {
-                if t >= m {
-                    for a in acc.iter_mut() {
-                        a[t] = zero;
-                    }
-                    continue;
-                }
-                let row = p.k[kb + t];
-                if let (Some(&ka), Some(&va)) = (p.ahead.k.get(kb + t), p.ahead.v.get(kb + t)) {
-                    prefetch(ka, p.ahead.bytes);
-                    prefetch(va, p.ahead.bytes);
-                }
-                let mut a = [zero; G];
-                for c in 0..chunks {
-                    let kv = chunk::<L, KDT>(row, c);
-                    for h in 0..G {
-                        a[h] = L::fma(L::load(p.q[h].add(16 * c)), kv, a[h]);
-                    }
-                }
-                for h in 0..G {
-                    acc[h][t] = a[h];
-                }
+        if KDT != Q8 {
+            if chunks == 4 {
+                scores::<L, KDT, G, 4>(p, &mut s);
+            } else {
+                scores::<L, KDT, G, 0>(p, &mut s);
             }
-            for h in 0..G {
-                L::tree16(&acc[h])
-                    .mul(L::splat(p.scale))
-                    .store(s[h].as_mut_ptr().add(kb));
-            }
-            kb += 16;
         }
         let mut alpha = [0.0f32; G];
         for h in 0..G {
@@ -196,6 +169,73 @@ unsafe fn update<L: Lanes, const KDT: u8, const VDT: u8, const G: usize>(p: &Pas
                 weigh::<L, VDT, G, 1>(p, &s, &alpha, c0);
                 c0 += 1;
             }
+        }
+    }
+}
+
+/// Scores of `f32`/`f16` keys, 16 at a time: per key, 16-lane dot products
+/// (lane l over dimensions ≡ l mod 16, in order), the 16 keys' lanes then
+/// reduced together (fold halves), times the scale. `C` dimension chunks
+/// of 16, known at compile time (the query then stays in registers), or 0:
+/// `hd / 16` at run time.
+#[inline(always)]
+unsafe fn scores<L: Lanes, const KDT: u8, const G: usize, const C: usize>(
+    p: &Pass<'_, G>,
+    s: &mut [[f32; TILE]; G],
+) {
+    let n = p.k.len();
+    let chunks = if C > 0 { C } else { p.hd / 16 };
+    // SAFETY: as in `update`.
+    unsafe {
+        let zero = L::zero();
+        // The query in registers when its size is known.
+        let mut qr = [[zero; 4]; G];
+        if C > 0 {
+            for h in 0..G {
+                for c in 0..C.min(4) {
+                    qr[h][c] = L::load(p.q[h].add(16 * c));
+                }
+            }
+        }
+        let mut acc = [[zero; 16]; G];
+        let mut kb = 0;
+        while kb < n {
+            let m = (n - kb).min(16);
+            for (i, _) in p.k[kb..kb + m].iter().enumerate() {
+                if let (Some(&ka), Some(&va)) = (p.ahead.k.get(kb + i), p.ahead.v.get(kb + i)) {
+                    prefetch(ka, p.ahead.bytes);
+                    prefetch(va, p.ahead.bytes);
+                }
+            }
+            for t in 0..m {
+                let row = p.k[kb + t];
+                let mut a = [zero; G];
+                for c in 0..chunks {
+                    let kv = chunk::<L, KDT>(row, c);
+                    for h in 0..G {
+                        let q = if C > 0 && c < 4 {
+                            qr[h][c]
+                        } else {
+                            L::load(p.q[h].add(16 * c))
+                        };
+                        a[h] = L::fma(q, kv, a[h]);
+                    }
+                }
+                for h in 0..G {
+                    acc[h][t] = a[h];
+                }
+            }
+            for t in m..16 {
+                for a in acc.iter_mut() {
+                    a[t] = zero;
+                }
+            }
+            for h in 0..G {
+                L::tree16(&acc[h])
+                    .mul(L::splat(p.scale))
+                    .store(s[h].as_mut_ptr().add(kb));
+            }
+            kb += 16;
         }
     }
 }
