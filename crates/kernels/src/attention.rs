@@ -644,107 +644,97 @@ fn run_item(
             } else {
                 (dt, dt)
             };
+            let state = |r: usize, h: usize| state(r, h, c);
+            let q8 = |r: usize, h: usize| -> *const tile::Q8Query {
+                if dt == tile::Q8 {
+                    &tile.q8[(r - block.start) * shape.n_head + h]
+                } else {
+                    std::ptr::null()
+                }
+            };
+            let qh = |r: usize, h: usize| q[r * dim + h * hd..][..hd].as_ptr();
+            // The first pass of the tile prefetches the next one.
+            let mut pf = ahead;
+            let mut run = |entries: &[(usize, usize)], skip: usize, upto: usize| {
+                let ahead = tile::Ahead {
+                    k: &tile.k_ahead[..pf],
+                    v: &tile.v_ahead[..pf],
+                    bytes: head_bytes,
+                };
+                pf = 0;
+                let (k, v) = (&tile.k_head[skip..upto], &tile.v_head[skip..upto]);
+                macro_rules! go {
+                    ($g:literal) => {{
+                        let e: [(usize, usize); $g] = entries.try_into().expect("size");
+                        let pass = tile::Pass {
+                            q: e.map(|(r, h)| qh(r, h)),
+                            st: e.map(|(r, h)| state(r, h)),
+                            q8: e.map(|(r, h)| q8(r, h)),
+                            k,
+                            v,
+                            ahead,
+                            hd,
+                            scale,
+                        };
+                        // SAFETY: the level was checked against the CPU;
+                        // queries of hd values, states of hd + 2 that this
+                        // item alone writes (each entry a different (row,
+                        // head)), up to TILE rows of hd values in
+                        // `kdt`/`vdt`, quantised queries when q8_0.
+                        unsafe { tile::run::<$g>(level, kdt, vdt, &pass) }
+                    }};
+                }
+                match entries.len() {
+                    1 => go!(1),
+                    2 => go!(2),
+                    3 => go!(3),
+                    4 => go!(4),
+                    5 => go!(5),
+                    _ => go!(6),
+                }
+            };
+            // Rows that attend to the whole tile share passes, up to
+            // HEADS_MAX (row, head) entries each; a row that attends to
+            // part of it (its own tile, or where its window starts) runs
+            // alone.
+            let mut shared = [(0usize, 0usize); tile::HEADS_MAX];
+            let mut ns = 0;
             for r in block.clone() {
                 let pos = rows[r].pos;
                 let lo = shape.lo(pos);
                 if pos < t0 || lo >= t1 {
                     continue;
                 }
-                // The row's keys in this tile: `skip..upto` (skip > 0 only
-                // in the tile where its window starts).
+                // The row's keys in this tile: `skip..upto`.
                 let (skip, upto) = (lo.saturating_sub(t0), n.min(pos + 1 - t0));
-                let (k, v) = (&tile.k_head[skip..upto], &tile.v_head[skip..upto]);
-                let state = |r: usize, h: usize| state(r, h, c);
-                let pf = if r == block.start { ahead } else { 0 };
-                let ahead = tile::Ahead {
-                    k: &tile.k_ahead[..pf],
-                    v: &tile.v_ahead[..pf],
-                    bytes: head_bytes,
-                };
-                let mut h = g * group;
-                while h < (g + 1) * group {
-                    let take = ((g + 1) * group - h).min(tile::HEADS_MAX);
-                    let qh = |i: usize| q[r * dim + (h + i) * hd..][..hd].as_ptr();
-                    let q8 = if dt == tile::Q8 {
-                        let at = (r - block.start) * shape.n_head + h;
-                        &tile.q8[at..at + take]
-                    } else {
-                        &[]
-                    };
-                    // SAFETY: the level was checked against the CPU; queries
-                    // of hd values, states of hd + 2 that this item alone
-                    // writes, n <= TILE rows of hd values in `kdt`/`vdt`.
-                    unsafe {
-                        match take {
-                            1 => tile::run::<1>(
-                                level,
-                                kdt,
-                                vdt,
-                                &tile::Pass {
-                                    q: [qh(0)],
-                                    st: [state(r, h)],
-                                    k,
-                                    v,
-                                    ahead,
-                                    q8,
-                                    hd,
-                                    scale,
-                                },
-                            ),
-                            2 => tile::run::<2>(
-                                level,
-                                kdt,
-                                vdt,
-                                &tile::Pass {
-                                    q: [qh(0), qh(1)],
-                                    st: [state(r, h), state(r, h + 1)],
-                                    k,
-                                    v,
-                                    ahead,
-                                    q8,
-                                    hd,
-                                    scale,
-                                },
-                            ),
-                            3 => tile::run::<3>(
-                                level,
-                                kdt,
-                                vdt,
-                                &tile::Pass {
-                                    q: [qh(0), qh(1), qh(2)],
-                                    st: [state(r, h), state(r, h + 1), state(r, h + 2)],
-                                    k,
-                                    v,
-                                    ahead,
-                                    q8,
-                                    hd,
-                                    scale,
-                                },
-                            ),
-                            _ => tile::run::<4>(
-                                level,
-                                kdt,
-                                vdt,
-                                &tile::Pass {
-                                    q: [qh(0), qh(1), qh(2), qh(3)],
-                                    st: [
-                                        state(r, h),
-                                        state(r, h + 1),
-                                        state(r, h + 2),
-                                        state(r, h + 3),
-                                    ],
-                                    k,
-                                    v,
-                                    ahead,
-                                    q8,
-                                    hd,
-                                    scale,
-                                },
-                            ),
+                let heads = g * group..(g + 1) * group;
+                if skip == 0 && upto == n {
+                    for h in heads {
+                        shared[ns] = (r, h);
+                        ns += 1;
+                        if ns == tile::HEADS_MAX {
+                            run(&shared, 0, n);
+                            ns = 0;
                         }
                     }
-                    h += take;
+                } else {
+                    let mut own = [(0usize, 0usize); tile::HEADS_MAX];
+                    let mut no = 0;
+                    for h in heads {
+                        own[no] = (r, h);
+                        no += 1;
+                        if no == tile::HEADS_MAX {
+                            run(&own, skip, upto);
+                            no = 0;
+                        }
+                    }
+                    if no > 0 {
+                        run(&own[..no], skip, upto);
+                    }
                 }
+            }
+            if ns > 0 {
+                run(&shared[..ns], 0, n);
             }
         }
         at = following;

@@ -47,7 +47,7 @@ pub(super) trait Lanes: Copy {
     /// `0..nb`; 0 for `t >= rows.len()` (at most 16 rows).
     unsafe fn q8_dots<const G: usize>(
         rows: &[*const u8],
-        q: &[Q8Query; G],
+        q: &[&Q8Query; G],
         nb: usize,
         out: &mut [[[i32; 16]; NB_MAX]; G],
     );
@@ -129,7 +129,7 @@ impl Lanes for Scalar {
     #[inline(always)]
     unsafe fn q8_dots<const G: usize>(
         rows: &[*const u8],
-        q: &[Q8Query; G],
+        q: &[&Q8Query; G],
         nb: usize,
         out: &mut [[[i32; 16]; NB_MAX]; G],
     ) {
@@ -355,7 +355,7 @@ mod x86 {
         #[inline(always)]
         unsafe fn q8_dots<const G: usize>(
             rows: &[*const u8],
-            q: &[Q8Query; G],
+            q: &[&Q8Query; G],
             nb: usize,
             out: &mut [[[i32; 16]; NB_MAX]; G],
         ) {
@@ -596,7 +596,7 @@ mod x86 {
         #[inline(always)]
         unsafe fn q8_dots<const G: usize>(
             rows: &[*const u8],
-            q: &[Q8Query; G],
+            q: &[&Q8Query; G],
             nb: usize,
             out: &mut [[[i32; 16]; NB_MAX]; G],
         ) {

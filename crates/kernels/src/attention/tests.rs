@@ -446,7 +446,7 @@ fn tile_update_speed() {
                         v: &[],
                         bytes: 0,
                     },
-                    q8: &q8s,
+                    q8: [&q8s[0] as *const _, &q8s[1], &q8s[2]],
                     hd,
                     scale: 0.125,
                 }

@@ -18,8 +18,9 @@ pub(super) const F32: u8 = 0;
 pub(super) const F16: u8 = 1;
 pub(super) const Q8: u8 = 2;
 
-/// Most query heads one pass carries (a larger group runs in passes).
-pub(super) const HEADS_MAX: usize = 4;
+/// Most (row, head) entries one pass carries: a KV group's heads, of one
+/// row or of several rows that attend to the same keys.
+pub(super) const HEADS_MAX: usize = 6;
 
 /// One pass: `G` heads' queries and states against `n` keys.
 pub(super) struct Pass<'a, const G: usize> {
@@ -34,8 +35,8 @@ pub(super) struct Pass<'a, const G: usize> {
     /// Rows to prefetch as the pass goes (the next tile's).
     pub ahead: Ahead<'a>,
     /// Against `q8_0` keys: each head's query quantised
-    /// ([`quantize_query`]), `G` of them; otherwise empty.
-    pub q8: &'a [Q8Query],
+    /// ([`quantize_query`]); otherwise null.
+    pub q8: [*const Q8Query; G],
     pub hd: usize,
     pub scale: f32,
 }
@@ -159,10 +160,13 @@ unsafe fn update<L: Lanes, const KDT: u8, const VDT: u8, const G: usize>(p: &Pas
         let mut c0 = 0;
         while c0 < chunks {
             let left = chunks - c0;
+            // Accumulators in registers: G × N × (16 lanes) within what
+            // the level has (AVX2: 16 registers of 8 lanes).
+            let two = L::PV_CHUNKS >= 4 || G <= 3;
             if L::PV_CHUNKS >= 4 && left >= 4 {
                 weigh::<L, VDT, G, 4>(p, &s, &alpha, c0);
                 c0 += 4;
-            } else if left >= 2 {
+            } else if two && left >= 2 {
                 weigh::<L, VDT, G, 2>(p, &s, &alpha, c0);
                 c0 += 2;
             } else {
@@ -298,7 +302,7 @@ unsafe fn q8_scores<L: Lanes, const G: usize>(p: &Pass<'_, G>, s: &mut [[f32; TI
     let nb = hd / Q8_BLOCK;
     // SAFETY: queries of hd values (caller); rows of nb whole blocks.
     unsafe {
-        let qq: &[Q8Query; G] = p.q8.try_into().expect("a quantised query per head");
+        let qq: [&Q8Query; G] = std::array::from_fn(|h| &*p.q8[h]);
         let mut isum = [[[0i32; 16]; NB_MAX]; G];
         let mut dk = [[0.0f32; 16]; NB_MAX];
         let mut kb = 0;
@@ -311,7 +315,7 @@ unsafe fn q8_scores<L: Lanes, const G: usize>(p: &Pass<'_, G>, s: &mut [[f32; TI
                     prefetch(va, p.ahead.bytes);
                 }
             }
-            L::q8_dots::<G>(rows, qq, nb, &mut isum);
+            L::q8_dots::<G>(rows, &qq, nb, &mut isum);
             for (b, dkb) in dk.iter_mut().enumerate().take(nb) {
                 for t in 0..16 {
                     dkb[t] = match rows.get(t) {
