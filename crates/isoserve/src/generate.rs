@@ -345,11 +345,12 @@ pub fn run_bench(
             "depth {depth}: tg{gen_tokens} (min {lo:.1}, max {hi:.1}): {}",
             roofline::line(m, weights, at(depth.max(1)), here)
         );
-        if depth + prompt_tokens + 1 > window {
-            continue;
-        }
         // Cache the depth's prompt (whole pages are what the cache keeps).
-        let cached_depth = depth / PAGE_SIZE_TOKENS * PAGE_SIZE_TOKENS;
+        // Where the window leaves no room for the new tokens after the
+        // depth (8128 + 512 > 8192), the prefill runs at the deepest
+        // depth that leaves room, and its line says which.
+        let room = window.saturating_sub(prompt_tokens + 1);
+        let cached_depth = depth.min(room) / PAGE_SIZE_TOKENS * PAGE_SIZE_TOKENS;
         if cached_depth > 0 {
             generate(&cached, &ids[..cached_depth], &args(1), |_| Ok(()))?;
         }

@@ -289,6 +289,60 @@ fn extreme_codes_and_activations_match_scalar() {
     }
 }
 
+/// K-quant super-blocks at their extremes: every code at its maximum or
+/// minimum (Q6_K: q − 32 = 31 or −32), the largest scales (6-bit 63; Q6_K's
+/// i8 127 and −128), activations ±127 in patterns that split the `maddubs`
+/// pairs. The SIMD kernels' i16 pair sums then reach their bounds (Q6_K's
+/// `maddubs(q, x) − maddubs(32, x)` too); a saturation or a wrong scale
+/// lane would part from the scalar reference's exact integer sums.
+#[test]
+fn extreme_k_quant_codes_and_scales_match_scalar() {
+    let pool = ThreadPool::new(2);
+    let cols = 512;
+    let pats: [fn(usize) -> bool; 4] = [|_| true, |_| false, |j| j % 4 < 2, |j| j % 2 == 0];
+    for ty in [WeightType::Q4_K, WeightType::Q5_K, WeightType::Q6_K] {
+        let mut wb = Vec::new();
+        let mut rows = 0;
+        for high in [true, false] {
+            for sc in [0xFFu8, 0x80, 0x7F] {
+                rows += 1;
+                for _ in 0..cols / 256 {
+                    let code = if high { 0xFF } else { 0x00 };
+                    match ty {
+                        WeightType::Q6_K => {
+                            wb.extend([code; 128]); // ql
+                            wb.extend([code; 64]); // qh
+                            wb.extend([sc; 16]); // i8 scales
+                            wb.extend(f16b(1.0));
+                        }
+                        _ => {
+                            wb.extend(f16b(1.0));
+                            wb.extend(f16b(0.5));
+                            wb.extend([sc; 12]); // 6-bit scales and mins
+                            if ty == WeightType::Q5_K {
+                                wb.extend([code; 32]); // qh
+                            }
+                            wb.extend([code; 128]);
+                        }
+                    }
+                }
+            }
+        }
+        let w = WeightMatrix::new(ty, &wb, rows, cols).unwrap();
+        for n in 1..=5 {
+            let mut x = Vec::new();
+            for i in 0..n {
+                let pos = pats[i % pats.len()];
+                x.extend((0..cols).map(|j| if pos(j) { 1.0f32 } else { -1.0 }));
+            }
+            let want = run(KernelLevel::Scalar, &pool, w, &x);
+            for l in levels() {
+                assert_bits_eq(&run(l, &pool, w, &x), &want, &format!("{ty:?} {l:?} n {n}"));
+            }
+        }
+    }
+}
+
 /// Rows longer than one expansion chunk (65 blocks: chunks of 36 + 29 with a
 /// trailing single block) and a weight matrix smaller than one panel.
 #[test]

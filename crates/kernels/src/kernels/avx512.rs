@@ -16,7 +16,7 @@
 //! * More rows ([`panel`]): decoded blocks go to an L1-resident buffer (up to
 //!   `KB` blocks) reused by every activation row, `NA` rows per register tile.
 
-use super::{ActParts, OutPtr};
+use super::{avx512_k, ActParts, OutPtr};
 use crate::formats::{WeightMatrix, WeightType, QK};
 use core::arch::x86_64::*;
 use std::mem::MaybeUninit;
@@ -73,6 +73,22 @@ pub(crate) unsafe fn matmul_panels(
         WeightType::Q4_1 => unsafe { run::<Q4_1>(w, x, out, panels) },
         // SAFETY: as above.
         WeightType::Q8_0 => unsafe { run::<Q8_0>(w, x, out, panels) },
+        // Decode rows: the K-quant GEMV (bit-identical to the scalar
+        // reference, as the AVX2 tile is).
+        // SAFETY: as above (its contract is this one's).
+        WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K if x.n <= avx512_k::MAX_N => unsafe {
+            avx512_k::gemv(w, x, out, panels, PANEL_ROWS)
+        },
+        // Prefill rows: the AVX2 tile, on the same rows (its panels are
+        // half as tall).
+        WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => {
+            const HALVES: usize = PANEL_ROWS / super::avx2::PANEL_ROWS;
+            let last = w.rows.div_ceil(super::avx2::PANEL_ROWS);
+            let p = (panels.start * HALVES).min(last)..(panels.end * HALVES).min(last);
+            // SAFETY: the same rows and outputs; AVX2 is implied by this
+            // level.
+            unsafe { super::avx2::matmul_panels(w, x, out, p) }
+        }
         _ => unreachable!(
             "{}: no AVX-512 kernel (see kernels::level_for)",
             w.ty.name()

@@ -12,6 +12,8 @@ use std::ops::Range;
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512_k;
 pub(crate) mod scalar;
 
 /// Borrowed view of quantised activations for the kernels.
@@ -49,15 +51,22 @@ impl OutPtr {
 }
 
 /// The level that runs `ty` when `level` is asked for. The AVX-512 kernels
-/// cover Q4_0, Q4_1 and Q8_0; the other quantised formats run the AVX2
+/// cover Q4_0, Q4_1 and Q8_0, and the K-quants' decode rows (`avx512_k`,
+/// whose prefill rows run the AVX2 tile); Q5_0 and Q5_1 run the AVX2
 /// kernels on an AVX-512 machine (every AVX-512 level CPU has AVX2, and all
 /// levels compute the same canonical arithmetic, so results are unchanged).
-/// AVX-512 VNNI versions of them are not written: no machine this project
-/// runs on has AVX-512 to test them.
 pub(crate) fn level_for(level: KernelLevel, ty: WeightType) -> KernelLevel {
     match (level, ty) {
         #[cfg(target_arch = "x86_64")]
-        (KernelLevel::Avx512, WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q8_0) => level,
+        (
+            KernelLevel::Avx512,
+            WeightType::Q4_0
+            | WeightType::Q4_1
+            | WeightType::Q8_0
+            | WeightType::Q4_K
+            | WeightType::Q5_K
+            | WeightType::Q6_K,
+        ) => level,
         #[cfg(target_arch = "x86_64")]
         (KernelLevel::Avx512, _) => KernelLevel::Avx2,
         _ => level,
