@@ -18,6 +18,7 @@ import argparse
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 WORDS = ("river stone garden lantern copper meadow harbor violet thunder "
@@ -31,13 +32,16 @@ def post(url, body, timeout):
 
 
 def tokenize(base, text):
-    # isoserve's /tokenize takes `prompt`; llama-server's takes `content`.
+    # isoserve's /tokenize takes `prompt`; llama-server's takes `content`
+    # (and answers no tokens to a body without it).
     for body in ({"prompt": text}, {"content": text}):
         try:
             with post(base + "/tokenize", body, 60) as r:
-                return json.load(r)["tokens"]
+                ids = json.load(r)["tokens"]
         except urllib.error.HTTPError:
             continue
+        if ids:
+            return ids
     raise SystemExit("the server's /tokenize answered neither form")
 
 

@@ -39,6 +39,63 @@ const SPAN4_MAX_M: usize = 1;
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
+const Q5_0: u8 = 3;
+const Q5_1: u8 = 4;
+
+/// Formats with a per-block minimum.
+const fn has_min(f: u8) -> bool {
+    f == Q4_1 || f == Q5_1
+}
+/// Formats with a fifth bit per code (in a u32 after the scales).
+const fn five_bit(f: u8) -> bool {
+    f == Q5_0 || f == Q5_1
+}
+/// Byte offset in a block of the 16 bytes of nibbles.
+const fn nibbles_at(f: u8) -> usize {
+    match f {
+        Q4_1 => 4,
+        Q5_0 => 6,
+        Q5_1 => 8,
+        _ => 2,
+    }
+}
+/// Byte offset in a block of the fifth bits (Q5_0, Q5_1).
+const fn qh_at(f: u8) -> usize {
+    if f == Q5_0 {
+        2
+    } else {
+        4
+    }
+}
+/// The offset the codes carry (`q − offset` is the weight's integer).
+const fn code_offset(f: u8) -> i32 {
+    match f {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q8_0 => 128,
+        _ => 0,
+    }
+}
+
+/// Ors each code's fifth bit (bit c of the lane's `qh` for column c) into
+/// bit 4 of the codes: `wv[q]` holds columns 4q..4q+4, `wv[4+q]` columns
+/// 16+4q..16+4q+4. Four bits of a lane go to its four bytes by a multiply
+/// (`t · 0x00204081` puts bit j of t at bit 8j, with no carries for t < 16).
+#[inline(always)]
+unsafe fn add_fifth_bits(wv: &mut [__m512i; 8], qh: __m512i) {
+    // SAFETY: register operations (features enabled by the callers).
+    unsafe {
+        let nib = _mm512_set1_epi32(0xF);
+        let spread = _mm512_set1_epi32(0x0020_4081);
+        let ones = _mm512_set1_epi32(0x0101_0101);
+        for (g, v) in wv.iter_mut().enumerate() {
+            let shift = if g < 4 { 4 * g } else { 16 + 4 * (g - 4) };
+            let t = _mm512_and_si512(_mm512_srlv_epi32(qh, _mm512_set1_epi32(shift as i32)), nib);
+            let bits = _mm512_and_si512(_mm512_mullo_epi32(t, spread), ones);
+            *v = _mm512_or_si512(*v, _mm512_slli_epi32::<4>(bits));
+        }
+    }
+}
 
 /// One expanded block of a 16-row panel.
 #[derive(Clone, Copy)]
@@ -73,6 +130,10 @@ pub(crate) unsafe fn matmul_panels(
         WeightType::Q4_1 => unsafe { run::<Q4_1>(w, x, out, panels) },
         // SAFETY: as above.
         WeightType::Q8_0 => unsafe { run::<Q8_0>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q5_0 => unsafe { run::<Q5_0>(w, x, out, panels) },
+        // SAFETY: as above.
+        WeightType::Q5_1 => unsafe { run::<Q5_1>(w, x, out, panels) },
         // Decode rows: the K-quant GEMV (bit-identical to the scalar
         // reference, as the AVX2 tile is).
         // SAFETY: as above (its contract is this one's).
@@ -179,6 +240,8 @@ const fn block_bytes(f: u8) -> usize {
     match f {
         Q4_0 => 18,
         Q4_1 => 20,
+        Q5_0 => 22,
+        Q5_1 => 24,
         _ => 34,
     }
 }
@@ -433,15 +496,19 @@ unsafe fn decode_span<const F: u8, R: Rows, const SPAN: usize, const ND: usize>(
             }
         } else {
             let m4 = _mm512_set1_epi8(0x0F);
-            let nib = bo + if F == Q4_1 { 4 } else { 2 };
+            let nib = bo + nibbles_at(F);
             for q in 0..4 {
                 let d = dword(nib + 4 * q);
                 wv[q] = _mm512_and_si512(d, m4);
                 wv[4 + q] = _mm512_and_si512(_mm512_srli_epi32::<4>(d), m4);
             }
+            if five_bit(F) {
+                // SAFETY: register operations.
+                unsafe { add_fifth_bits(&mut wv, dword(bo + qh_at(F))) };
+            }
         }
         let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(half(bo)));
-        let mw = if F == Q4_1 {
+        let mw = if has_min(F) {
             _mm512_cvtph_ps(_mm512_cvtepi32_epi16(half(bo + 2)))
         } else {
             _mm512_setzero_ps()
@@ -479,15 +546,23 @@ unsafe fn decode_one<const F: u8, R: Rows>(
         }
     } else {
         let m4 = _mm512_set1_epi8(0x0F);
-        let nib = if F == Q4_1 { 4 } else { 2 };
         // SAFETY: the 16 nibble bytes of the block.
-        let t = unsafe { transpose4(src, off + nib) };
+        let t = unsafe { transpose4(src, off + nibbles_at(F)) };
         for q in 0..4 {
             wv[q] = _mm512_and_si512(t[q], m4);
             wv[4 + q] = _mm512_and_si512(_mm512_srli_epi32::<4>(t[q]), m4);
         }
+        if five_bit(F) {
+            // SAFETY: every row has this whole block; its fifth bits are the
+            // dword at qh_at.
+            unsafe {
+                let qh =
+                    _mm512_i32gather_epi32::<1>(vidx, src.base().add(off + qh_at(F)) as *const _);
+                add_fifth_bits(&mut wv, qh);
+            }
+        }
     }
-    let mw = if F == Q4_1 {
+    let mw = if has_min(F) {
         _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)))
     } else {
         _mm512_setzero_ps()
@@ -514,9 +589,13 @@ unsafe fn decode<const F: u8, R: Rows>(
         match (span, F) {
             (4, Q4_0) => decode_span::<F, R, 4, 18>(src, off, f),
             (4, Q4_1) => decode_span::<F, R, 4, 20>(src, off, f),
+            (4, Q5_0) => decode_span::<F, R, 4, 22>(src, off, f),
+            (4, Q5_1) => decode_span::<F, R, 4, 24>(src, off, f),
             (4, _) => decode_span::<F, R, 4, 34>(src, off, f),
             (2, Q4_0) => decode_span::<F, R, 2, 9>(src, off, f),
             (2, Q4_1) => decode_span::<F, R, 2, 10>(src, off, f),
+            (2, Q5_0) => decode_span::<F, R, 2, 11>(src, off, f),
+            (2, Q5_1) => decode_span::<F, R, 2, 12>(src, off, f),
             (2, _) => decode_span::<F, R, 2, 17>(src, off, f),
             _ => decode_one::<F, R>(src, vidx, off, f),
         }
@@ -594,14 +673,12 @@ unsafe fn panel_direct<const F: u8, R: Rows, const M: usize>(
                 // SAFETY: block k of the activations exists.
                 let (da, sa, sum) = unsafe { (*dp.add(k), *sp.add(k), *sump.add(k)) };
                 let mut isum = _mm512_add_epi32(s0[t], s1[t]);
-                if F == Q4_0 {
-                    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * sum));
-                } else if F == Q8_0 {
-                    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * sum));
+                if code_offset(F) != 0 {
+                    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(code_offset(F) * sum));
                 }
                 let scale = _mm512_mul_ps(dw, _mm512_set1_ps(da));
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[t]);
-                if F == Q4_1 {
+                if has_min(F) {
                     acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), acc[t]);
                 }
             }
@@ -683,18 +760,16 @@ unsafe fn tile<const F: u8, const M: usize>(c: &TileCtx, x: &ActParts<'_>, i0: u
         for t in 0..M {
             let k = bi[t] + b;
             let mut isum = _mm512_add_epi32(s0[t], s1[t]);
-            if F == Q4_0 {
+            if code_offset(F) != 0 {
                 // SAFETY: k < n * nb.
-                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * unsafe { *sump.add(k) }));
-            } else if F == Q8_0 {
-                // SAFETY: as above.
-                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * unsafe { *sump.add(k) }));
+                let sum = unsafe { *sump.add(k) };
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(code_offset(F) * sum));
             }
             // SAFETY: k < n * nb.
             let da = unsafe { *dp.add(k) };
             let scale = _mm512_mul_ps(pb.dw, _mm512_set1_ps(da));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[t]);
-            if F == Q4_1 {
+            if has_min(F) {
                 // SAFETY: as above.
                 let sa = unsafe { *sp.add(k) };
                 acc[t] = _mm512_fmadd_ps(pb.mw, _mm512_set1_ps(sa), acc[t]);

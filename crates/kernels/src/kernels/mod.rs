@@ -50,27 +50,13 @@ impl OutPtr {
     }
 }
 
-/// The level that runs `ty` when `level` is asked for. The AVX-512 kernels
-/// cover Q4_0, Q4_1 and Q8_0, and the K-quants' decode rows (`avx512_k`,
-/// whose prefill rows run the AVX2 tile); Q5_0 and Q5_1 run the AVX2
-/// kernels on an AVX-512 machine (every AVX-512 level CPU has AVX2, and all
-/// levels compute the same canonical arithmetic, so results are unchanged).
+/// The level that runs `ty` when `level` is asked for. Every quantised
+/// format has an AVX-512 kernel (the K-quants' prefill rows run the AVX2
+/// tile inside it, see `avx512_k`); all levels compute the same canonical
+/// arithmetic, so the choice never changes a result.
 pub(crate) fn level_for(level: KernelLevel, ty: WeightType) -> KernelLevel {
-    match (level, ty) {
-        #[cfg(target_arch = "x86_64")]
-        (
-            KernelLevel::Avx512,
-            WeightType::Q4_0
-            | WeightType::Q4_1
-            | WeightType::Q8_0
-            | WeightType::Q4_K
-            | WeightType::Q5_K
-            | WeightType::Q6_K,
-        ) => level,
-        #[cfg(target_arch = "x86_64")]
-        (KernelLevel::Avx512, _) => KernelLevel::Avx2,
-        _ => level,
-    }
+    let _ = ty;
+    level
 }
 
 /// Weight rows per work item of `level`.
