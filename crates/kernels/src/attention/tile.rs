@@ -205,13 +205,10 @@ unsafe fn scores<L: Lanes, const KDT: u8, const G: usize, const C: usize>(
         let mut kb = 0;
         while kb < n {
             let m = (n - kb).min(16);
-            for (i, _) in p.k[kb..kb + m].iter().enumerate() {
-                if let (Some(&ka), Some(&va)) = (p.ahead.k.get(kb + i), p.ahead.v.get(kb + i)) {
-                    prefetch(ka, p.ahead.bytes);
-                    prefetch(va, p.ahead.bytes);
-                }
-            }
             for t in 0..m {
+                if let Some(&ka) = p.ahead.k.get(kb + t) {
+                    prefetch(ka, p.ahead.bytes);
+                }
                 let row = p.k[kb + t];
                 let mut a = [zero; G];
                 for c in 0..chunks {
@@ -310,9 +307,8 @@ unsafe fn q8_scores<L: Lanes, const G: usize>(p: &Pass<'_, G>, s: &mut [[f32; TI
             let m = (n - kb).min(16);
             let rows = &p.k[kb..kb + m];
             for (i, _) in rows.iter().enumerate() {
-                if let (Some(&ka), Some(&va)) = (p.ahead.k.get(kb + i), p.ahead.v.get(kb + i)) {
+                if let Some(&ka) = p.ahead.k.get(kb + i) {
                     prefetch(ka, p.ahead.bytes);
-                    prefetch(va, p.ahead.bytes);
                 }
             }
             L::q8_dots::<G>(rows, &qq, nb, &mut isum);
@@ -361,6 +357,13 @@ unsafe fn weigh<L: Lanes, const DT: u8, const G: usize, const N: usize>(
         }
         for t in 0..p.v.len() {
             let row = p.v[t];
+            // The next tile's values are fetched here, its keys while
+            // scoring: the misses spread over the whole pass.
+            if c0 == 0 {
+                if let Some(&va) = p.ahead.v.get(t) {
+                    prefetch(va, p.ahead.bytes);
+                }
+            }
             for d in 0..N {
                 let vv = chunk::<L, DT>(row, c0 + d);
                 for h in 0..G {
