@@ -301,7 +301,9 @@ unsafe fn q8_scores<L: Lanes, const G: usize>(p: &Pass<'_, G>, s: &mut [[f32; TI
     unsafe {
         let qq: [&Q8Query; G] = std::array::from_fn(|h| &*p.q8[h]);
         let mut isum = [[[0i32; 16]; NB_MAX]; G];
-        let mut dk = [[0.0f32; 16]; NB_MAX];
+        // The 16 keys' block scales as f16 bits, converted 16 at a time
+        // (exactly, as one by one).
+        let mut dk = [[0u16; 16]; NB_MAX];
         let mut kb = 0;
         while kb < n {
             let m = (n - kb).min(16);
@@ -315,18 +317,21 @@ unsafe fn q8_scores<L: Lanes, const G: usize>(p: &Pass<'_, G>, s: &mut [[f32; TI
             for (b, dkb) in dk.iter_mut().enumerate().take(nb) {
                 for t in 0..16 {
                     dkb[t] = match rows.get(t) {
-                        Some(&r) => {
-                            let at = r.add(b * Q8_BLOCK_BYTES);
-                            L::f16(u16::from_le_bytes([*at, *at.add(1)]))
-                        }
-                        None => 0.0,
+                        Some(&r) => r.add(b * Q8_BLOCK_BYTES).cast::<u16>().read_unaligned(),
+                        None => 0,
                     };
+                    // The pages are little-endian GGML blocks.
+                    dkb[t] = u16::from_le(dkb[t]);
                 }
+            }
+            let mut dkf = [L::zero(); NB_MAX];
+            for b in 0..nb {
+                dkf[b] = L::load_f16(dk[b].as_ptr());
             }
             for h in 0..G {
                 let mut acc = L::zero();
                 for b in 0..nb {
-                    let dd = L::splat(qq[h].d[b]).mul(L::load(dk[b].as_ptr()));
+                    let dd = L::splat(qq[h].d[b]).mul(dkf[b]);
                     acc = L::fma(L::load_i32(isum[h][b].as_ptr()), dd, acc);
                 }
                 acc.mul(L::splat(p.scale)).store(s[h].as_mut_ptr().add(kb));
@@ -355,7 +360,31 @@ unsafe fn weigh<L: Lanes, const DT: u8, const G: usize, const N: usize>(
                 b[h][d] = L::load(p.st[h].add(2 + 16 * (c0 + d))).mul(al);
             }
         }
-        for t in 0..p.v.len() {
+        // q8_0 values: the tile's block scales converted 16 keys at a
+        // time up front (exactly, as one by one), for the blocks of
+        // chunks c0..c0+N.
+        let n = p.v.len();
+        let mut vd = [[0.0f32; TILE]; 3];
+        let b0 = c0 / 2;
+        if DT == Q8 {
+            for (j, vdj) in vd.iter_mut().enumerate().take((c0 + N).div_ceil(2) - b0) {
+                let mut t0 = 0;
+                while t0 < n {
+                    let mut bits = [0u16; 16];
+                    for (i, b) in bits.iter_mut().enumerate().take((n - t0).min(16)) {
+                        *b = u16::from_le(
+                            p.v[t0 + i]
+                                .add((b0 + j) * Q8_BLOCK_BYTES)
+                                .cast::<u16>()
+                                .read_unaligned(),
+                        );
+                    }
+                    L::load_f16(bits.as_ptr()).store(vdj.as_mut_ptr().add(t0));
+                    t0 += 16;
+                }
+            }
+        }
+        for t in 0..n {
             let row = p.v[t];
             // The next tile's values are fetched here, its keys while
             // scoring: the misses spread over the whole pass.
@@ -365,7 +394,13 @@ unsafe fn weigh<L: Lanes, const DT: u8, const G: usize, const N: usize>(
                 }
             }
             for d in 0..N {
-                let vv = chunk::<L, DT>(row, c0 + d);
+                let vv = if DT == Q8 {
+                    let c = c0 + d;
+                    let b = row.add(c / 2 * Q8_BLOCK_BYTES);
+                    L::load_i8(b.add(2 + 16 * (c % 2)).cast()).mul(L::splat(vd[c / 2 - b0][t]))
+                } else {
+                    chunk::<L, DT>(row, c0 + d)
+                };
                 for h in 0..G {
                     b[h][d] = L::fma(L::splat(s[h][t]), vv, b[h][d]);
                 }
