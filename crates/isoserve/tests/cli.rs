@@ -214,3 +214,114 @@ fn generate_follows_a_regex_or_a_json_schema_and_refuses_bad_ones() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
 }
+
+/// The number in `line` between `before` and the next `after`.
+fn number_between(line: &str, before: &str, after: &str) -> f64 {
+    let rest = &line[line
+        .find(before)
+        .unwrap_or_else(|| panic!("{before:?} in {line}"))
+        + before.len()..];
+    rest[..rest
+        .find(after)
+        .unwrap_or_else(|| panic!("{after:?} in {line}"))]
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}: {line}"))
+}
+
+/// `isoserve bench --depths` (issue 36's roofline): per depth, decode speed
+/// with the bytes a token reads (the weights, and K/V at that depth) and
+/// the tok/s the measured bandwidth allows; then the prefill after that
+/// depth, which runs at the deepest depth the window leaves room for when
+/// the depth leaves none (and says which). A depth past the window is a
+/// one-line error. (The default model: scripts/test fetches it.)
+#[test]
+fn bench_at_depths_prints_the_roofline_and_keeps_prefill_inside_the_window() {
+    let out = isoserve()
+        .args([
+            "bench",
+            "--depths",
+            "0,8180",
+            "--gen-tokens",
+            "4",
+            "--reps",
+            "1",
+        ])
+        .args(["--prompt-tokens", "16"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tg: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("depth ") && l.contains(": tg4 "))
+        .collect();
+    assert_eq!(tg.len(), 2, "{text}");
+    assert!(
+        tg[0].starts_with("depth 0: ") && tg[1].starts_with("depth 8180: "),
+        "{text}"
+    );
+    let weights: Vec<f64> = tg
+        .iter()
+        .map(|l| number_between(l, "(weights ", "+"))
+        .collect();
+    let kv: Vec<f64> = tg
+        .iter()
+        .map(|l| number_between(l, "+ K/V ", ")"))
+        .collect();
+    // The default model: 96.6 MB of weights read per token; f16 K/V of 30
+    // layers × 3 KV heads × 64 dims × 2 (K and V) × 2 bytes = 23,040 bytes
+    // a position, at the mean depth of the 4 decoded tokens (8182).
+    assert!(
+        (90.0..100.0).contains(&weights[0]) && weights[0] == weights[1],
+        "{text}"
+    );
+    assert!(kv[0] <= 0.1, "{text}");
+    assert!((kv[1] - 8182.0 * 23_040.0 / 1e6).abs() < 0.1, "{text}");
+    for l in &tg {
+        let mb = number_between(l, "a token reads ", "MB");
+        assert!(
+            (mb - (number_between(l, "(weights ", "+") + number_between(l, "+ K/V ", ")"))).abs()
+                < 0.11,
+            "{l}"
+        );
+        let roofline = number_between(l, "roofline ", "tok/s");
+        let gbs = number_between(l, " at ", "GB/s");
+        assert!(gbs > 0.5, "{l}");
+        assert!(
+            (roofline - gbs * 1e3 / mb).abs() <= 1.0 + 0.01 * roofline,
+            "{l}"
+        );
+        let tok_s = number_between(l, "): ", "tok/s");
+        let reached = number_between(l, "GB/s: ", "%");
+        assert!(
+            (reached - 100.0 * tok_s / roofline).abs() <= 1.0 + 0.02 * reached,
+            "{l}"
+        );
+    }
+    // 8180 + 16 new tokens do not fit the 8192-token window: the prefill
+    // runs after 8160 (the deepest whole page that leaves room).
+    let pp: Vec<&str> = text.lines().filter(|l| l.contains(": pp16 ")).collect();
+    assert_eq!(pp.len(), 2, "{text}");
+    assert!(
+        pp[0].starts_with("depth 0: ") && pp[1].starts_with("depth 8160: "),
+        "{text}"
+    );
+
+    let out = isoserve()
+        .args(["bench", "--depths", "8190", "--gen-tokens", "4"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("isoserve: ")
+            && err.contains("past the model's window")
+            && err.lines().count() == 1,
+        "{err}"
+    );
+}
