@@ -273,6 +273,8 @@ pub enum KvError {
     InvalidOwner,
     #[error("page {index} is a cached, shared page: it can be read, acquired and released, never written or freed")]
     SharedPage { index: u32 },
+    #[error("page {index} is leased to a transfer: its written slots cannot be rolled back")]
+    Leased { index: u32 },
     #[error("page {index} cannot be cached: {why}")]
     NotPublishable { index: u32, why: &'static str },
     #[error("page {index} is cached in another scope")]

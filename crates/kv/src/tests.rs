@@ -1088,3 +1088,41 @@ fn console_map_in_slices_is_the_whole_map() {
     p.map_range_into(&mut sliced, 8..100);
     assert_eq!(sliced.len(), 8);
 }
+
+/// Speculation's rollback (issue 37): rewound slots read as unwritten in
+/// every layer until their owner writes them again (K3), in order; another
+/// owner cannot rewind a page, nor anyone a page leased to a transfer.
+#[test]
+fn rewound_slots_read_as_unwritten_until_rewritten() {
+    let mut p = pool(Faults::default());
+    let w = shape().token_width();
+    let h = alloc(&mut p, ALICE, 1)[0];
+    fill_page(&mut p, h, ALICE, 1.0, 3);
+    assert!(matches!(
+        p.rewind(h, BOB, 1),
+        Err(KvError::ForeignOwner { .. })
+    ));
+    p.rewind(h, ALICE, 1).unwrap();
+    for layer in 0..shape().layers {
+        assert_eq!(p.watermark(h, ALICE, layer).unwrap(), 1);
+        assert!(matches!(
+            p.read_layer(h, ALICE, layer, 2),
+            Err(KvError::UnwrittenRead { .. })
+        ));
+        assert!(matches!(
+            p.write_token(h, ALICE, layer, 2, &row(3.0), &row(3.0)),
+            Err(KvError::WriteGap { .. })
+        ));
+        p.write_token(h, ALICE, layer, 1, &row(2.0), &row(2.0))
+            .unwrap();
+        let k = k_values(p.read_layer(h, ALICE, layer, 2).unwrap());
+        assert_eq!(&k[..w], &row(1.0)[..]);
+        assert_eq!(&k[w..2 * w], &row(2.0)[..]);
+    }
+    // Past the watermark: nothing changes.
+    p.rewind(h, ALICE, 4).unwrap();
+    assert_eq!(p.written_slots(h, ALICE).unwrap(), 2);
+    p.lease(h, ALICE).unwrap();
+    assert!(matches!(p.rewind(h, ALICE, 0), Err(KvError::Leased { .. })));
+    assert_eq!(p.written_slots(h, ALICE).unwrap(), 2);
+}

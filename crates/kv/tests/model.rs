@@ -1,5 +1,5 @@
-//! Property test: random sequences of alloc / write / read / lease / release
-//! / free / cancel / export / import, and of the prefix cache's publish /
+//! Property test: random sequences of alloc / write / read / rewind / lease /
+//! release / free / cancel / export / import, and of the prefix cache's publish /
 //! lookup / acquire / release and eviction (K11), over many requests and
 //! tenants, every result checked against a small reference model, and
 //! K1–K5 asserted on the pool after every step. Handles used include stale
@@ -78,6 +78,12 @@ enum Op {
         pick: usize,
         as_req: u64,
     },
+    /// Speculation's rollback: every layer's watermark down to `slots`.
+    Rewind {
+        pick: usize,
+        as_req: u64,
+        slots: usize,
+    },
     /// Cache the page under `key` in its owner's scope.
     Publish {
         pick: usize,
@@ -121,6 +127,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|pick| Op::Export { pick }),
         1 => (any::<usize>(), 0..SLOTS + 1).prop_map(|(pick, slots)| Op::Import { pick, slots }),
         1 => (any::<usize>(), req.clone()).prop_map(|(pick, as_req)| Op::Canary { pick, as_req }),
+        2 => (any::<usize>(), req.clone(), 0..SLOTS + 1)
+            .prop_map(|(pick, as_req, slots)| Op::Rewind { pick, as_req, slots }),
         3 => (any::<usize>(), 0..KEYS).prop_map(|(pick, key)| Op::Publish { pick, key }),
         3 => (req.clone(), 0..KEYS).prop_map(|(req, key)| Op::Acquire { req, key }),
         1 => (any::<usize>(), req.clone())
@@ -347,6 +355,29 @@ fn run(ops: Vec<Op>, faults: Faults) -> Result<(), TestCaseError> {
                         want = Kind::Other;
                     } else {
                         p.watermark[layer] = p.watermark[layer].max(slot + 1);
+                    }
+                }
+                prop_assert_eq!(kind(&r), want);
+            }
+            Op::Rewind {
+                pick,
+                as_req,
+                slots,
+            } => {
+                if m.issued.is_empty() {
+                    continue;
+                }
+                let (h, _) = m.issued[pick % m.issued.len()];
+                let r = pool.rewind(h, owner(as_req), slots);
+                let mut want = m.write_gate(h, as_req);
+                if want == Kind::Ok {
+                    let p = &mut m.pages[h.index as usize];
+                    if p.leases > 0 {
+                        want = Kind::Other;
+                    } else {
+                        for wm in p.watermark.iter_mut() {
+                            *wm = (*wm).min(slots);
+                        }
                     }
                 }
                 prop_assert_eq!(kind(&r), want);

@@ -142,6 +142,27 @@ impl Pool {
         }
     }
 
+    /// Rolls page `h` back to its first `slots` written slots in every
+    /// layer: the positions a speculative step wrote and its verification
+    /// rejected (issue 37). The watermarks move back (K3), so those rows
+    /// read as unwritten until the owner writes them again; rewinding to
+    /// `slots` at or above a layer's watermark leaves that layer as it is.
+    /// Only the owner of a private page may rewind it (a cached page's
+    /// slots never change), and not while a transfer holds a lease on it
+    /// (the transfer may already have counted its written slots).
+    pub fn rewind(&mut self, h: PageRef, owner: Owner, slots: usize) -> Result<(), KvError> {
+        self.check_write(h, owner)?;
+        if self.meta[h.index as usize].leases > 0 {
+            return Err(KvError::Leased { index: h.index });
+        }
+        let layers = self.shape.layers;
+        let at = h.index as usize * layers;
+        for wm in &mut self.watermarks[at..at + layers] {
+            *wm = (*wm).min(slots.min(u16::MAX as usize) as u16);
+        }
+        Ok(())
+    }
+
     /// Written slots of (page, layer) in the current epoch.
     pub fn watermark(&self, h: PageRef, owner: Owner, layer: usize) -> Result<usize, KvError> {
         self.check_handle(h, owner)?;
