@@ -43,7 +43,6 @@ pub fn matmul_with_level(
         level.is_supported(),
         "matmul: kernel level {level:?} is not supported by this CPU"
     );
-    let level = kernels::level_for(level, w.ty);
     let n = x.n_rows();
     if n == 0 || w.rows == 0 {
         assert!(

@@ -150,10 +150,7 @@ pub(crate) unsafe fn matmul_panels(
             // level.
             unsafe { super::avx2::matmul_panels(w, x, out, p) }
         }
-        _ => unreachable!(
-            "{}: no AVX-512 kernel (see kernels::level_for)",
-            w.ty.name()
-        ),
+        _ => unreachable!("{}: not a quantised format", w.ty.name()),
     }
 }
 

@@ -172,22 +172,30 @@ unsafe fn nibbles_k4(qs: *const u8) -> [__m512i; 4] {
     }
 }
 
+/// A Q4_K/Q5_K super-block's scales, minimums and nibble codes (`qs` at
+/// byte `qs_at`; Q5_K adds its fifth bits to the codes).
+#[inline(always)]
+unsafe fn decode_k4(blk: *const u8, qs_at: usize) -> Decoded {
+    // SAFETY: d, dmin, scales[12] and the 128 bytes at qs_at are inside the
+    // super-block (caller).
+    unsafe {
+        let (sc, mins) = scales_mins_k4(blk.add(4));
+        Decoded {
+            codes: nibbles_k4(blk.add(qs_at)),
+            scales: spread(_mm512_castsi128_si512(sc), spread8),
+            mins,
+        }
+    }
+}
+
 impl Format for Q4K {
     const TY: WeightType = WeightType::Q4_K;
     const BYTES: usize = 144;
     const OFFSET32: bool = false;
     #[inline(always)]
     unsafe fn decode(blk: *const u8) -> Decoded {
-        // SAFETY: d, dmin, scales[12], qs[128] are inside the super-block.
-        unsafe {
-            let (sc, mins) = scales_mins_k4(blk.add(4));
-            let sc = _mm512_castsi128_si512(sc);
-            Decoded {
-                codes: nibbles_k4(blk.add(16)),
-                scales: spread(sc, spread8),
-                mins,
-            }
-        }
+        // SAFETY: a whole Q4_K super-block (caller): qs at 16.
+        unsafe { decode_k4(blk, 16) }
     }
 }
 
@@ -200,9 +208,7 @@ impl Format for Q5K {
         // SAFETY: d, dmin, scales[12], qh[32], qs[128] are inside the
         // super-block.
         unsafe {
-            let (sc, mins) = scales_mins_k4(blk.add(4));
-            let sc = _mm512_castsi128_si512(sc);
-            let mut codes = nibbles_k4(blk.add(48));
+            let mut dec = decode_k4(blk, 48);
             // Block j's fifth bits are bit j of qh[0..32]: register k holds
             // blocks 2k (bytes 0..32) and 2k+1 (bytes 32..64), so it tests
             // bit 2k of [qh | qh >> 1].
@@ -210,7 +216,7 @@ impl Format for Q5K {
             let qh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 1), 1);
             let one = _mm512_set1_epi8(1);
             let sixteen = _mm512_set1_epi8(16);
-            for (k, c) in codes.iter_mut().enumerate() {
+            for (k, c) in dec.codes.iter_mut().enumerate() {
                 let bits = match k {
                     0 => qh,
                     1 => _mm512_srli_epi16(qh, 2),
@@ -220,11 +226,7 @@ impl Format for Q5K {
                 let set = _mm512_test_epi8_mask(bits, one);
                 *c = _mm512_mask_add_epi8(*c, set, *c, sixteen);
             }
-            Decoded {
-                codes,
-                scales: spread(sc, spread8),
-                mins,
-            }
+            dec
         }
     }
 }

@@ -4,7 +4,7 @@
 // chains in SIMD code.
 #![allow(clippy::needless_range_loop)]
 
-use crate::formats::{WeightMatrix, WeightType};
+use crate::formats::WeightMatrix;
 use crate::level::KernelLevel;
 use std::ops::Range;
 
@@ -48,15 +48,6 @@ impl OutPtr {
     pub(crate) fn get(self) -> OutPtr {
         self
     }
-}
-
-/// The level that runs `ty` when `level` is asked for. Every quantised
-/// format has an AVX-512 kernel (the K-quants' prefill rows run the AVX2
-/// tile inside it, see `avx512_k`); all levels compute the same canonical
-/// arithmetic, so the choice never changes a result.
-pub(crate) fn level_for(level: KernelLevel, ty: WeightType) -> KernelLevel {
-    let _ = ty;
-    level
 }
 
 /// Weight rows per work item of `level`.
