@@ -116,6 +116,14 @@ pub(crate) struct Active {
     /// admitted at one driver time (one tick admits several).
     admission: u64,
     first_token_at: Option<Instant>,
+    /// Its drafter (speculative decoding), if it has anything to draft
+    /// from: its prediction, or `--speculative ngram`.
+    drafter: Option<spec::Drafter>,
+    /// The step's draft: tokens verified as rows after the decode row at
+    /// `draft_pos`, and how many of them the sampled tokens equalled.
+    draft: Vec<u32>,
+    draft_pos: usize,
+    draft_kept: usize,
 }
 
 /// A constrained request's next mask (structured outputs).
@@ -169,9 +177,15 @@ impl Active {
     /// whose reader fell [`request::REQUEST_EVENTS_MAX`] − 1 events behind
     /// waits (back-pressure), holding its pages.
     fn has_room(&self) -> bool {
+        self.room() >= EVENTS_PER_STEP_MAX
+    }
+
+    /// Events its reader has room for (remote requests: the node's outbox
+    /// is not bounded per request).
+    fn room(&self) -> usize {
         match &self.sink {
-            Sink::Local { events, .. } => events.capacity() >= EVENTS_PER_STEP_MAX,
-            Sink::Remote { .. } => true,
+            Sink::Local { events, .. } => events.capacity(),
+            Sink::Remote { .. } => usize::MAX,
         }
     }
 }
@@ -224,6 +238,8 @@ pub struct DecodeJob {
     /// The output's grammar, compiled by the node in the request's scope:
     /// decode continues from its state after `first_token`.
     pub grammar: Option<Arc<grammar::Compiled>>,
+    /// The request's prediction (drafts; see [`request::GenRequest`]).
+    pub prediction: Vec<u32>,
 }
 
 /// A prompt the prefill role computes into its own pages.
@@ -810,6 +826,10 @@ impl<F: Forward> Core<F> {
             admitted_at,
             admission,
             first_token_at: None,
+            drafter: spec::Drafter::new(sub.req.prediction, &self.cfg.speculation),
+            draft: Vec::new(),
+            draft_pos: 0,
+            draft_kept: 0,
         });
         Placed::Admitted
     }
@@ -1127,8 +1147,22 @@ impl<F: Forward> Core<F> {
         self.sample_stashed(None);
         let budget = self.cfg.step_tokens;
         self.rows.clear();
+        let spec = self.cfg.speculation;
+        let decoding = self
+            .running
+            .iter()
+            .filter(|a| a.decoding() && !a.stashed() && a.has_room())
+            .count();
+        // Draft rows this step may take: speculation gives way as the batch
+        // fills the step by itself.
+        let mut draft_rows = spec
+            .rows_max
+            .saturating_sub(decoding)
+            .min(budget.saturating_sub(decoding));
         // Which running request each row belongs to: `seq` indexes `running`.
-        for (i, a) in self.running.iter().enumerate() {
+        for (i, a) in self.running.iter_mut().enumerate() {
+            a.draft.clear();
+            a.draft_kept = 0;
             if a.decoding() && !a.stashed() && a.has_room() && self.rows.len() < budget {
                 let pos = a.prompt.len() + a.generated.len() - 1;
                 let token = *a
@@ -1141,6 +1175,30 @@ impl<F: Forward> Core<F> {
                     token,
                     logits: true,
                 });
+                // Speculation: drafted tokens follow as rows of their own,
+                // each sampled as a decode step would be (never under a
+                // grammar: its masks are computed one token at a time).
+                // A step emits at most the draft, the model's own token
+                // and the end: the reader must have room for them all,
+                // and the request for the tokens.
+                let limit = draft_rows
+                    .min(budget - self.rows.len())
+                    .min(a.max_tokens.saturating_sub(a.generated.len() + 1))
+                    .min(a.room().saturating_sub(EVENTS_PER_STEP_MAX));
+                let free = !a.constrained();
+                if let Some(d) = a.drafter.as_mut().filter(|_| free && limit > 0) {
+                    let n = d.propose(&a.history, limit, &spec, &mut a.draft);
+                    a.draft_pos = pos;
+                    for (j, &token) in a.draft.iter().enumerate() {
+                        self.rows.push(Row {
+                            seq: i,
+                            pos: pos + 1 + j,
+                            token,
+                            logits: true,
+                        });
+                    }
+                    draft_rows -= n;
+                }
             }
         }
         // Then prompt chunks (and the recomputation of preempted requests)
@@ -1304,6 +1362,9 @@ impl<F: Forward> Core<F> {
         // Requests whose grammar could not be followed: they end with the
         // error, never with output the grammar does not accept.
         let mut failed: Vec<(usize, RequestError)> = Vec::new();
+        // Requests that ended or failed in this step (their later rows,
+        // drafts, are not sampled).
+        let mut ended = vec![false; self.running.len()];
         for ri in 0..self.rows.len() {
             let r = self.rows[ri];
             if !r.logits {
@@ -1312,6 +1373,13 @@ impl<F: Forward> Core<F> {
             let logits = &mut all_logits[k * vocab..(k + 1) * vocab];
             k += 1;
             let a = &mut self.running[r.seq];
+            // A row samples only if its input is the request's last token:
+            // a draft row whose draft the previous row's token did not
+            // equal (or after the request ended) computed a future that
+            // did not happen.
+            if ended[r.seq] || r.pos + 1 != a.history.len() || a.history[r.pos] != r.token {
+                continue;
+            }
             // Log-probabilities are the model's own distribution, before
             // the grammar's mask, biases and penalties.
             let (lp, top) = match a.logprobs {
@@ -1340,8 +1408,34 @@ impl<F: Forward> Core<F> {
                 &mut self.masks,
             ) {
                 RowEnd::Running => {}
-                RowEnd::Ended(f) => finished.push((r.seq, f)),
-                RowEnd::Failed(e) => failed.push((r.seq, e)),
+                RowEnd::Ended(f) => {
+                    ended[r.seq] = true;
+                    finished.push((r.seq, f));
+                }
+                RowEnd::Failed(e) => {
+                    ended[r.seq] = true;
+                    failed.push((r.seq, e));
+                }
+            }
+            // The token sampled from the draft's row j - 1 equals draft
+            // token j: kept.
+            if !a.draft.is_empty() {
+                let j = r.pos - a.draft_pos;
+                if j == a.draft_kept && a.draft.get(j) == a.history.last() {
+                    a.draft_kept += 1;
+                }
+            }
+        }
+        // Drafts verified: the rows past what was kept are rolled back.
+        for (i, ended) in ended.iter_mut().enumerate() {
+            if self.running[i].draft.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.settle_draft(i) {
+                if !*ended {
+                    *ended = true;
+                    failed.push((i, e));
+                }
             }
         }
         self.end_requests(
@@ -1352,6 +1446,51 @@ impl<F: Forward> Core<F> {
                 .collect(),
         );
         true
+    }
+
+    /// After a step verified request `i`'s draft: counts it, tells its
+    /// drafter what was kept, and rolls the rows past the request's
+    /// history back in the pool (K3: a rejected row reads as unwritten
+    /// until it is written again). The rollback is read back: a page that
+    /// still claims a rejected row fails the request.
+    fn settle_draft(&mut self, i: usize) -> Result<(), RequestError> {
+        let spec = self.cfg.speculation;
+        let ps = self.cfg.page_size_tokens;
+        let a = &mut self.running[i];
+        let drafted = a.draft.len();
+        self.local.spec_drafts_total += 1;
+        self.local.spec_draft_tokens_total += drafted as u64;
+        self.local.spec_accepted_tokens_total += a.draft_kept as u64;
+        if let Some(d) = a.drafter.as_mut() {
+            d.verified(a.draft_kept, &spec);
+        }
+        // Rows written: the decode row and the draft's. Kept: the history
+        // but its last token (sampled, not yet run).
+        let written_end = a.draft_pos + 1 + drafted;
+        let keep = a.history.len() - 1;
+        a.computed = keep;
+        if keep >= written_end {
+            return Ok(());
+        }
+        for p in keep / ps..=(written_end - 1) / ps {
+            let slots = if p == keep / ps { keep % ps } else { 0 };
+            self.pool
+                .rewind(a.pages[p], a.owner, slots)
+                .map_err(|e| RequestError::Internal(format!("cannot roll a draft back: {e}")))?;
+        }
+        let page = a.pages[keep / ps];
+        let left = self
+            .pool
+            .written_slots(page, a.owner)
+            .map_err(|e| RequestError::Internal(e.to_string()))?;
+        if left != keep % ps {
+            return Err(RequestError::Internal(format!(
+                "a rolled-back draft left {left} rows written in page {}, not {}",
+                page.index,
+                keep % ps
+            )));
+        }
+        Ok(())
     }
 
     /// Ends a request that finished: its Done event; frees its pages (Full
@@ -1379,6 +1518,8 @@ impl<F: Forward> Core<F> {
                 prompt_tokens: a.prompt.len(),
                 completion_tokens: a.generated.len(),
                 cached_tokens: a.cached_tokens,
+                accepted_prediction_tokens: a.drafter.as_ref().map_or(0, |d| d.accepted_prediction),
+                rejected_prediction_tokens: a.drafter.as_ref().map_or(0, |d| d.rejected_prediction),
             },
             tail_text,
             stop_index: a.stops.matched().and_then(|k| u16::try_from(k).ok()),
@@ -1432,12 +1573,25 @@ impl<F: Forward> Core<F> {
             admitted_at: now,
             admission,
             first_token_at: None,
+            drafter: None,
+            draft: Vec::new(),
+            draft_pos: 0,
+            draft_kept: 0,
         });
     }
 
     /// Decode role: continue a request whose prompt KV was transferred, from
     /// the first token prefill sampled.
     pub fn start_decode(&mut self, job: DecodeJob) -> Result<(), RequestError> {
+        // A draft is a forward row: a token outside the vocabulary would
+        // fail the whole batch's step.
+        let vocab = self.fwd.vocab();
+        if let Some(&bad) = job.prediction.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RequestError::InvalidParam {
+                field: "prediction",
+                why: format!("token id {bad} is outside the vocabulary of {vocab}"),
+            });
+        }
         let now = self.now();
         let stops = StopStrings::new(job.stop).map_err(|e| RequestError::InvalidParam {
             field: e.field,
@@ -1472,6 +1626,10 @@ impl<F: Forward> Core<F> {
             admitted_at: now,
             admission,
             first_token_at: None,
+            drafter: spec::Drafter::new(job.prediction, &self.cfg.speculation),
+            draft: Vec::new(),
+            draft_pos: 0,
+            draft_kept: 0,
         };
         let (logprob, top) = match job.first_logprobs {
             Some((l, top)) if a.logprobs.is_some() => (Some(l), top),
@@ -1748,6 +1906,7 @@ fn logprobs_of(logits: &[f32], n: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
 }
 
 mod masks;
+mod spec;
 #[cfg(test)]
 mod tests;
 

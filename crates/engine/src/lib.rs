@@ -84,6 +84,57 @@ pub struct EngineConfig {
     /// Reuse cached KV of prompts' prefixes, within each request's scope
     /// (K11).
     pub prefix_cache: PrefixCache,
+    /// Speculative decoding (`--speculative`, and every request's
+    /// `prediction`).
+    pub speculation: Speculation,
+}
+
+/// `--speculative`: where drafts come from besides a request's prediction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SpecMethod {
+    /// Only requests' predictions are drafted from.
+    #[default]
+    Off,
+    /// Prompt lookup: the longest tail of the output found in the
+    /// request's own prompt and output (vLLM's `ngram`, llama.cpp's lookup).
+    Ngram,
+}
+
+/// Speculative decoding's limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Speculation {
+    pub method: SpecMethod,
+    /// Draft tokens a request verifies in one step at most, from its own
+    /// history (vLLM's `num_speculative_tokens`).
+    pub k_max: usize,
+    /// The shortest and longest tail of the output looked up
+    /// (`prompt_lookup_min`, `prompt_lookup_max`).
+    pub ngram_min: usize,
+    pub ngram_max: usize,
+    /// Draft tokens a request verifies in one step at most from its
+    /// prediction.
+    pub prediction_k_max: usize,
+    /// Rows a step gives to drafts at most, over the whole batch, less one
+    /// for each decoding request: a large batch already fills the step, so
+    /// speculation turns itself down as the batch grows (none from this
+    /// many decoding requests on).
+    pub rows_max: usize,
+}
+
+/// The largest `k_max` and `prediction_k_max` accepted.
+pub const SPEC_K_MAX: usize = 64;
+
+impl Default for Speculation {
+    fn default() -> Self {
+        Speculation {
+            method: SpecMethod::Off,
+            k_max: 5,
+            ngram_min: 2,
+            ngram_max: 4,
+            prediction_k_max: 16,
+            rows_max: 24,
+        }
+    }
 }
 
 /// `--prefix-cache`: whether the engine reuses KV across requests.
@@ -105,7 +156,8 @@ impl EngineConfig {
         let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
         format!(
             "page_size={} kv_pages={} kv_memory_bytes={} max_context={} step_tokens={} \
-             max_running={} max_queue={} kv_dtype={:?} kv_poison={:?} prefix_cache={:?}",
+             max_running={} max_queue={} kv_dtype={:?} kv_poison={:?} prefix_cache={:?} \
+             speculative={:?} spec_k={} spec_ngram={}..={} spec_prediction_k={} spec_rows={}",
             self.page_size_tokens,
             opt(self.kv_pages.map(|p| p.to_string())),
             self.kv_memory_bytes,
@@ -116,6 +168,12 @@ impl EngineConfig {
             self.kv_dtype,
             self.poison,
             self.prefix_cache,
+            self.speculation.method,
+            self.speculation.k_max,
+            self.speculation.ngram_min,
+            self.speculation.ngram_max,
+            self.speculation.prediction_k_max,
+            self.speculation.rows_max,
         )
     }
 }
@@ -136,6 +194,7 @@ impl Default for EngineConfig {
             kv_dtype: DType::F16,
             poison: Poison::Nan,
             prefix_cache: PrefixCache::Tenant,
+            speculation: Speculation::default(),
         }
     }
 }

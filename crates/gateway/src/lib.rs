@@ -275,6 +275,8 @@ impl Inner {
                                     prompt_tokens: prompt_tokens as usize,
                                     completion_tokens: completion_tokens as usize,
                                     cached_tokens: cached_tokens as usize,
+                                    accepted_prediction_tokens: 0,
+                                    rejected_prediction_tokens: 0,
                                 },
                                 tail_text,
                                 queue_ms: 0.0,

@@ -149,6 +149,7 @@ pub fn generate(
         weight: 1,
         trace: None,
         grammar: args.grammar.clone().map(request::Constraint::new),
+        prediction: Vec::new(),
     };
     let mut h = engine.submit(req)?;
     while let Some(ev) = h.blocking_next() {

@@ -624,6 +624,7 @@ impl DecodeEngine for CoreEngine {
                 priority: s.gen.priority,
                 weight: s.gen.weight,
                 grammar,
+                prediction: s.gen.prediction.as_deref().unwrap_or_default().to_vec(),
             })
             .map_err(|e| refusal_of(&e))
     }

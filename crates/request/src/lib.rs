@@ -269,6 +269,11 @@ pub const TOP_LOGPROBS_MAX: usize = 20;
 /// Largest `max_tokens` any request may ask for (also bounded by the window).
 pub const MAX_TOKENS_MAX: usize = 1 << 20;
 
+/// Most tokens a request's prediction may hold (`prediction.content`): the
+/// drafts are verified against at most a window of output, and the
+/// drafter searches the prediction every step.
+pub const PREDICTION_TOKENS_MAX: usize = 1 << 15;
+
 /// Upper bound on a tenant's fair-share weight ([`GenRequest::weight`]).
 pub const WEIGHT_MAX: u32 = 1000;
 
@@ -360,6 +365,11 @@ pub struct GenRequest {
     /// The grammar the output must follow (structured outputs); `None`:
     /// free text.
     pub grammar: Option<Constraint>,
+    /// The output the caller expects, as tokens (OpenAI's Predicted
+    /// Outputs): drafts for speculative decoding, verified by the model, so
+    /// it changes the speed and never the tokens (K12). Empty: none. At
+    /// most [`PREDICTION_TOKENS_MAX`].
+    pub prediction: Vec<u32>,
 }
 
 impl GenRequest {
@@ -382,6 +392,7 @@ impl GenRequest {
             weight: 1,
             trace: None,
             grammar: None,
+            prediction: Vec::new(),
         }
     }
 }
@@ -406,6 +417,12 @@ pub struct Usage {
     /// Prompt tokens whose KV came from the prefix cache (OpenAI's
     /// `prompt_tokens_details.cached_tokens`).
     pub cached_tokens: usize,
+    /// Tokens of the request's prediction the model verified and kept, and
+    /// those it verified and rejected (OpenAI's
+    /// `completion_tokens_details.accepted_prediction_tokens` and
+    /// `rejected_prediction_tokens`; both 0 without a prediction).
+    pub accepted_prediction_tokens: usize,
+    pub rejected_prediction_tokens: usize,
 }
 
 /// The end of a request.
@@ -679,6 +696,21 @@ pub fn validate(req: &GenRequest, max_request: usize, vocab: usize) -> Result<()
         return Err(RequestError::InvalidParam {
             field: "top_logprobs",
             why: format!("must be 0..={TOP_LOGPROBS_MAX}"),
+        });
+    }
+    if req.prediction.len() > PREDICTION_TOKENS_MAX {
+        return Err(RequestError::InvalidParam {
+            field: "prediction",
+            why: format!(
+                "{} tokens: at most {PREDICTION_TOKENS_MAX}",
+                req.prediction.len()
+            ),
+        });
+    }
+    if let Some(&bad) = req.prediction.iter().find(|&&t| t as usize >= vocab) {
+        return Err(RequestError::InvalidParam {
+            field: "prediction",
+            why: format!("token id {bad} is outside the vocabulary of {vocab}"),
         });
     }
     if let Some(g) = &req.grammar {
@@ -980,6 +1012,13 @@ pub struct EngineStats {
     /// pass ended: the request sampled a step later, and the step did not
     /// wait for it.
     pub grammar_deferred_total: u64,
+    /// Speculative decoding: verification steps that carried drafts, the
+    /// draft tokens they verified and those the model kept (vLLM's
+    /// `spec_decode_num_drafts`, `_num_draft_tokens`,
+    /// `_num_accepted_tokens`).
+    pub spec_drafts_total: u64,
+    pub spec_draft_tokens_total: u64,
+    pub spec_accepted_tokens_total: u64,
     /// Each active tenant's requests in the engine (K13), by tenant id.
     pub tenants: Vec<TenantLoad>,
 }

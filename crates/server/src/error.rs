@@ -173,6 +173,20 @@ impl ApiError {
         .param(param)
     }
 
+    /// 400 for a parameter that cannot be used together with another
+    /// (OpenAI's `unsupported_parameter`: "Unsupported parameter: 'x' is
+    /// not supported with ...").
+    pub fn unsupported_parameter(param: &str, why: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Reason::InvalidRequest,
+            format!("Unsupported parameter: '{param}' {why}"),
+        )
+        .code("unsupported_parameter")
+        .param(param)
+    }
+
     /// 400 for a body that is not JSON (or not an object).
     pub fn invalid_json(why: impl std::fmt::Display) -> ApiError {
         ApiError::new(

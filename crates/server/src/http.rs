@@ -355,7 +355,7 @@ async fn admit(
     // work: off the async workers. A batch's prompts one after another
     // (`more_inputs`). The grammar is compiled in the request's cache scope
     // (K11) and within its bounds, so the engine never compiles.
-    let (prompts, params, grammar) = {
+    let (prompts, params, grammar, prediction) = {
         let st2 = st.clone();
         tokio::task::spawn_blocking(move || {
             let prompts = std::iter::once(&params.input)
@@ -383,10 +383,18 @@ async fn admit(
                     .map(|s| compile_structured(&st2, scope, s, opened))
                     .transpose()?,
             };
+            // A prediction is plain text: no special tokens.
+            let prediction = params
+                .prediction
+                .as_deref()
+                .map(|t| st2.tokenizer.encode(t, false))
+                .transpose()
+                .map_err(|e| ApiError::invalid_value("prediction", e))?
+                .unwrap_or_default();
             let mut params = params;
             params.reasoning_open = opened;
             params.prompt_tokens = prompts[0].0.len();
-            Ok::<_, ApiError>((prompts, params, grammar))
+            Ok::<_, ApiError>((prompts, params, grammar, prediction))
         })
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))??
@@ -437,6 +445,7 @@ async fn admit(
             .and_then(|v| v.to_str().ok())
             .and_then(request::trace::TraceContext::parse),
         grammar,
+        prediction,
     };
     if let Some(m) = tenant.max_priority.filter(|&m| params.priority < m) {
         // Priority orders only the tenant's own requests; the operator may
@@ -596,6 +605,14 @@ fn combined(dones: &[DoneEvent], n: usize) -> DoneEvent {
             prompt_tokens: firsts().map(|d| d.usage.prompt_tokens).sum(),
             completion_tokens: dones.iter().map(|d| d.usage.completion_tokens).sum(),
             cached_tokens: firsts().map(|d| d.usage.cached_tokens).sum(),
+            accepted_prediction_tokens: dones
+                .iter()
+                .map(|d| d.usage.accepted_prediction_tokens)
+                .sum(),
+            rejected_prediction_tokens: dones
+                .iter()
+                .map(|d| d.usage.rejected_prediction_tokens)
+                .sum(),
         },
         tail_text: String::new(),
         stop_index: first.stop_index,

@@ -50,6 +50,7 @@ pub fn gen_spec(req: &GenRequest) -> GenSpec {
         weight: req.weight.clamp(1, request::WEIGHT_MAX),
         trace: req.trace.map(Box::new),
         grammar: req.grammar.as_ref().map(|c| Box::new((*c.spec).clone())),
+        prediction: (!req.prediction.is_empty()).then(|| req.prediction.clone().into_boxed_slice()),
     }
 }
 
@@ -72,6 +73,7 @@ pub fn gen_request(tenant: TenantId, tokens: &[u32], max_tokens: u32, g: &GenSpe
             .grammar
             .as_deref()
             .map(|s| request::Constraint::new(s.clone())),
+        prediction: g.prediction.as_deref().unwrap_or_default().to_vec(),
     }
 }
 

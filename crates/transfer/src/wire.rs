@@ -61,6 +61,8 @@ pub const LOGIT_BIAS_MAX: usize = request::LOGIT_BIAS_MAX;
 /// limits.
 pub const GRAMMAR_BYTES_MAX: usize = request::constraint::GRAMMAR_BYTES_MAX;
 pub const GRAMMAR_CHOICES_MAX: usize = request::constraint::GRAMMAR_CHOICES_MAX;
+/// Most tokens of a request's prediction.
+pub const PREDICTION_TOKENS_MAX: usize = request::PREDICTION_TOKENS_MAX;
 pub use request::GrammarSpec;
 
 /// How a request samples: everything decode needs to continue what prefill
@@ -105,6 +107,11 @@ pub struct GenSpec {
     /// after that token. Its source is bounded by
     /// [`request::constraint::GRAMMAR_BYTES_MAX`].
     pub grammar: Option<Box<GrammarSpec>>,
+    /// The request's prediction (OpenAI's Predicted Outputs) as tokens:
+    /// the decode node drafts from it. At most
+    /// [`request::PREDICTION_TOKENS_MAX`]. Boxed, and `None` when empty:
+    /// most requests' messages stay as small as before.
+    pub prediction: Option<Box<[u32]>>,
 }
 
 impl GenSpec {
@@ -147,6 +154,7 @@ impl GenSpec {
             weight: 1,
             trace: None,
             grammar: None,
+            prediction: None,
         }
     }
 }
@@ -855,6 +863,12 @@ impl Writer<'_> {
                 self.source(l);
             }
         }
+        let prediction = g.prediction.as_deref().unwrap_or_default();
+        let n = prediction.len().min(PREDICTION_TOKENS_MAX);
+        self.u32(n as u32);
+        for &t in &prediction[..n] {
+            self.u32(t);
+        }
     }
     /// A grammar's source text (senders validated its bound; a longer
     /// one is cut, and the receiver refuses it whole).
@@ -995,6 +1009,7 @@ impl<'a> Reader<'a> {
             weight: 1,
             trace: None,
             grammar: None,
+            prediction: None,
         };
         let n = self.u32("stop")? as usize;
         if n > STOPS_MAX {
@@ -1085,6 +1100,21 @@ impl<'a> Reader<'a> {
                     max: GRAMMAR_BYTES_MAX,
                 });
             }
+        }
+        let n = self.u32("prediction")? as usize;
+        if n > PREDICTION_TOKENS_MAX {
+            return Err(WireError::TooLong {
+                what: "prediction",
+                len: n,
+                max: PREDICTION_TOKENS_MAX,
+            });
+        }
+        if n > 0 {
+            let mut p = Vec::with_capacity(n);
+            for _ in 0..n {
+                p.push(self.u32("prediction token")?);
+            }
+            g.prediction = Some(p.into_boxed_slice());
         }
         Ok(g)
     }

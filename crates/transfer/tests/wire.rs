@@ -28,7 +28,7 @@ fn grammar() -> impl Strategy<Value = Option<Box<GrammarSpec>>> {
 
 fn gen() -> impl Strategy<Value = GenSpec> {
     (
-        grammar(),
+        (grammar(), proptest::collection::vec(any::<u32>(), 0..9)),
         any::<(u32, u32, u32, u32, u32, u32, u32, u64)>(),
         any::<bool>(),
         proptest::option::of(any::<u8>()),
@@ -40,7 +40,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
     )
         .prop_map(
             |(
-                grammar,
+                (grammar, prediction),
                 (t, k, p, m, r, pr, f, seed),
                 ignore_eos,
                 logprobs,
@@ -73,6 +73,7 @@ fn gen() -> impl Strategy<Value = GenSpec> {
                     })
                 }),
                 grammar,
+                prediction: (!prediction.is_empty()).then(|| prediction.into_boxed_slice()),
             },
         )
 }

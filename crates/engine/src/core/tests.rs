@@ -50,6 +50,10 @@ struct HashModel {
     /// A hand-moved clock (milliseconds) each forward step moves by
     /// [`STEP_MS`]: the time a step takes, as the driver's clock sees it.
     clock_ms: Option<Arc<AtomicU64>>,
+    /// The letter after position p is `a + (p + 1) % period` (rows are
+    /// still read back through the pool): text that repeats, for prompt
+    /// lookup to draft from.
+    period: Option<usize>,
 }
 
 /// How long a forward step takes on a test's hand-moved clock.
@@ -65,6 +69,7 @@ impl HashModel {
             fail_step: None,
             eos_at_len: None,
             clock_ms: None,
+            period: None,
         }
     }
 }
@@ -109,8 +114,9 @@ impl Forward for HashModel {
             let s = &seqs[r.seq];
             let h = testkit::world::next_from_pool(pool, s.pages, s.owner, ps, r.pos + 1)?;
             if r.logits {
-                let next = match self.eos_at_len {
-                    Some(n) if r.pos + 1 >= n => EOS,
+                let next = match (self.eos_at_len, self.period) {
+                    (Some(n), _) if r.pos + 1 >= n => EOS,
+                    (_, Some(p)) => byte_token(b'a' + ((r.pos + 1) % p) as u8),
                     _ => byte_token(b'a' + (h % 26) as u8),
                 };
                 let at = self.logits.len();
@@ -293,6 +299,15 @@ impl Harness {
                         if d.usage.cached_tokens > 0 {
                             write!(line, ", {} cached", d.usage.cached_tokens).unwrap();
                         }
+                        let u = d.usage;
+                        if u.accepted_prediction_tokens + u.rejected_prediction_tokens > 0 {
+                            write!(
+                                line,
+                                ", prediction {} kept {} rejected",
+                                u.accepted_prediction_tokens, u.rejected_prediction_tokens
+                            )
+                            .unwrap();
+                        }
                         line += ")";
                     }
                     Event::Error(e) => write!(line, " r{id} error {}", e.kind()).unwrap(),
@@ -359,8 +374,29 @@ impl Harness {
                 return;
             }
             self.tick();
+            self.assert_watermarks();
         }
         panic!("still busy after {max} ticks:\n{}", self.log);
+    }
+
+    /// Every running request's private pages hold exactly the rows it
+    /// computed (K3): none of a rejected draft's rows still reads as
+    /// written.
+    fn assert_watermarks(&self) {
+        for a in &self.core.running {
+            for (p, &page) in a.pages.iter().enumerate() {
+                if a.shared[p] {
+                    continue;
+                }
+                let want = a.computed.saturating_sub(p * PAGE_SIZE).min(PAGE_SIZE);
+                let got = self.core.pool.written_slots(page, a.owner).unwrap();
+                assert_eq!(
+                    got, want,
+                    "request {} page {p}: {got} rows written, computed {}\n{}",
+                    a.id, a.computed, self.log
+                );
+            }
+        }
     }
 
     fn check(&self, expect: Expect) {
@@ -589,6 +625,100 @@ fn greedy_tokens_do_not_depend_on_the_batch_k12() {
     let want = alone.client(a).text.clone();
     assert_eq!(want.chars().count(), 6);
     assert_eq!(crowded.client(b).text, want);
+}
+
+/// The letters as the synthetic vocabulary's tokens.
+fn tokens_of(text: &str) -> Vec<u32> {
+    text.bytes().map(byte_token).collect()
+}
+
+/// A prediction drafts, the model verifies: the tokens are the tokens
+/// without one, fewer steps make them, a rejected draft's rows are rolled
+/// back (`run` checks every page's rows after every tick), and the usage
+/// counts what was kept and rejected. Batched with a tiny step budget,
+/// beside a request whose prediction is all wrong, the same.
+#[test]
+fn a_prediction_changes_the_steps_never_the_tokens_and_rejected_rows_roll_back_k12_k3() {
+    let prompt: Vec<u32> = (0..7).map(|i| byte_token(b'A' + i)).collect();
+    let mut alone = Harness::new(32, 32, 4);
+    let a = alone.submit(GenRequest::greedy(TenantId(1), prompt.clone(), 24));
+    alone.run(40);
+    let want = alone.client(a).text.clone();
+    let steps_alone = alone.core.fwd.steps.len();
+    assert_eq!(want.len(), 24);
+    // An edit: a letter changed at 5, two dropped at 12, one added at 18.
+    let mut edited = want.clone().into_bytes();
+    edited[5] = b'Z';
+    edited.drain(12..14);
+    edited.insert(18, b'Q');
+    let edited = String::from_utf8(edited).unwrap();
+    let with = |prediction: Vec<u32>| GenRequest {
+        prediction,
+        ..GenRequest::greedy(TenantId(1), prompt.clone(), 24)
+    };
+
+    let mut h = Harness::new(32, 32, 4);
+    let b = h.submit(with(tokens_of(&edited)));
+    h.run(40);
+    assert_eq!(h.client(b).text, want);
+    let s = h.core.local.clone();
+    assert!(s.spec_accepted_tokens_total >= 12, "{s:?}\n{}", h.log);
+    assert!(s.spec_draft_tokens_total > s.spec_accepted_tokens_total);
+    assert!(
+        h.core.fwd.steps.len() * 2 <= steps_alone,
+        "{} steps with the prediction, {steps_alone} without\n{}",
+        h.core.fwd.steps.len(),
+        h.log
+    );
+    h.assert_quiet();
+    h.check(expect![[r#"
+        t1 rows r1 0-6* | r1+"s" | queue [] running [r1] free 24/32
+        t2 rows r1 7-11* | r1+"f" r1+"e" r1+"s" r1+"s" r1+"i" | queue [] running [r1] free 24/32
+        t3 rows r1 12-20* | r1+"c" r1+"q" r1+"f" r1+"a" r1+"i" r1+"w" r1+"c" | queue [] running [r1] free 24/32
+        t4 rows r1 19-26* | r1+"l" | queue [] running [r1] free 24/32
+        t5 rows r1 20-21* | r1+"z" | queue [] running [r1] free 24/32
+        t6 rows r1 21* | r1+"c" | queue [] running [r1] free 24/32
+        t7 rows r1 22-23* | r1+"p" r1+"b" | queue [] running [r1] free 24/32
+        t8 rows r1 24-26* | r1+"u" r1+"n" r1+"z" | queue [] running [r1] free 24/32
+        t9 rows r1 27-29* | r1+"m" | queue [] running [r1] free 24/32
+        t10 rows r1 28-29* | r1+"o" r1+"a" r1 done length (24 tokens, 8 pages, prediction 14 kept 12 rejected) | queue [] running [] free 32/32
+    "#]]);
+
+    let mut crowded = Harness::new(32, 5, 4);
+    crowded.greedy(5, 6);
+    let wrong = crowded.submit(with(tokens_of(&"z".repeat(30))));
+    let b = crowded.submit(with(tokens_of(&edited)));
+    crowded.greedy(2, 9);
+    crowded.run(120);
+    assert_eq!(crowded.client(b).text, want);
+    assert_eq!(crowded.client(wrong).text, want);
+    crowded.assert_quiet();
+}
+
+/// Prompt lookup drafts from the request's own text: output that repeats
+/// is verified several tokens a step, and is the output without it.
+#[test]
+fn prompt_lookup_drafts_repeating_text_and_keeps_it_unchanged_k12() {
+    let run = |method| {
+        let mut fwd = HashModel::new(64, 300);
+        fwd.period = Some(5);
+        let mut h = Harness::with_model(fwd, 32, 32, 4);
+        h.core.cfg.speculation.method = method;
+        let id = h.greedy(3, 40);
+        h.run(60);
+        h.assert_quiet();
+        let steps = h.core.fwd.steps.len();
+        (h.client(id).text.clone(), steps, h.core.local.clone())
+    };
+    let (want, steps_off, off) = run(crate::SpecMethod::Off);
+    let (got, steps_on, on) = run(crate::SpecMethod::Ngram);
+    assert_eq!(got, want);
+    assert_eq!(off.spec_drafts_total, 0);
+    assert!(on.spec_accepted_tokens_total >= 20, "{on:?}");
+    assert!(
+        steps_on * 2 < steps_off,
+        "{steps_on} steps, {steps_off} without"
+    );
 }
 
 /// A request under a grammar beside others: its letters follow the

@@ -96,7 +96,124 @@ pub fn parse_chat(body: &[u8]) -> Result<GenParams, ApiError> {
     let obj = parse_object(body)?;
     let f = Fields(&obj);
     let out = parse_messages(&f)?;
-    parse_common(&VARIANT, Input::Chat(out), &f)
+    let mut p = parse_common(&VARIANT, Input::Chat(out), &f)?;
+    p.prediction = parse_prediction(&f, &p)?;
+    Ok(p)
+}
+
+/// Most bytes of `prediction.content`: far more than a window of output.
+pub const PREDICTION_BYTES_MAX: usize = 1 << 20;
+
+/// `prediction` (Predicted Outputs): `{"type": "content", "content": …}`,
+/// the content a string or an array of text parts (joined). Refused where
+/// OpenAI refuses it — with `n` above 1, `logprobs` or `tools` — and beside
+/// an output format, whose grammar is followed one token at a time (the
+/// prediction would go unused, and a field the server does not honour is
+/// refused).
+fn parse_prediction(f: &Fields<'_>, p: &GenParams) -> Result<Option<String>, ApiError> {
+    const P: &str = "prediction";
+    let m = match f.get(P) {
+        None => return Ok(None),
+        Some(serde_json::Value::Object(m)) => m,
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                P,
+                &format!("an object, got {}", fields::type_name(v)),
+            ))
+        }
+    };
+    let pf = Fields(m);
+    match pf.string("type") {
+        Ok(Some("content")) => {}
+        Ok(Some(t)) => {
+            return Err(ApiError::invalid_value(
+                "prediction.type",
+                format!("'{t}': the supported type is 'content'"),
+            ))
+        }
+        Ok(None) => return Err(ApiError::missing("prediction.type")),
+        Err(_) => return Err(ApiError::invalid_type("prediction.type", "a string")),
+    }
+    let text = match pf.get("content") {
+        None => return Err(ApiError::missing("prediction.content")),
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Array(parts)) => {
+            if parts.len() > super::CONTENT_PARTS_MAX {
+                return Err(ApiError::invalid_value(
+                    "prediction.content",
+                    format!(
+                        "at most {} parts, got {}",
+                        super::CONTENT_PARTS_MAX,
+                        parts.len()
+                    ),
+                ));
+            }
+            let mut text = String::new();
+            for (i, part) in parts.iter().enumerate() {
+                let at = format!("prediction.content[{i}]");
+                let serde_json::Value::Object(pm) = part else {
+                    return Err(ApiError::invalid_type(
+                        at,
+                        &format!("an object, got {}", fields::type_name(part)),
+                    ));
+                };
+                let pf = Fields(pm);
+                match pf.get("type") {
+                    Some(serde_json::Value::String(t)) if t == "text" => {}
+                    Some(_) => {
+                        return Err(ApiError::invalid_value(
+                            format!("{at}.type"),
+                            "a prediction's parts are text: 'text'",
+                        ))
+                    }
+                    None => return Err(ApiError::missing(&format!("{at}.type"))),
+                }
+                match pf.get("text") {
+                    Some(serde_json::Value::String(t)) => text.push_str(t),
+                    Some(v) => {
+                        return Err(ApiError::invalid_type(
+                            format!("{at}.text"),
+                            &format!("a string, got {}", fields::type_name(v)),
+                        ))
+                    }
+                    None => return Err(ApiError::missing(&format!("{at}.text"))),
+                }
+            }
+            text
+        }
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "prediction.content",
+                &format!(
+                    "a string or an array of text parts, got {}",
+                    fields::type_name(v)
+                ),
+            ))
+        }
+    };
+    if text.len() > PREDICTION_BYTES_MAX {
+        return Err(ApiError::invalid_value(
+            "prediction.content",
+            format!("{} bytes: at most {PREDICTION_BYTES_MAX}", text.len()),
+        ));
+    }
+    let with = "is not supported with predicted outputs.";
+    if p.n > 1 {
+        return Err(ApiError::unsupported_parameter(
+            "n",
+            &format!("greater than 1 {with}"),
+        ));
+    }
+    if p.logprobs.is_some() {
+        return Err(ApiError::unsupported_parameter("logprobs", with));
+    }
+    if p.tools.is_some() {
+        return Err(ApiError::unsupported_parameter("tools", with));
+    }
+    if let Some(s) = &p.structured {
+        return Err(ApiError::unsupported_parameter(s.param, with));
+    }
+    Ok(Some(text))
 }
 
 // ---- shapes -------------------------------------------------------------------

@@ -336,6 +336,7 @@ pub(crate) fn parse_common(
         tools,
         reasoning_open: false,
         prompt_tokens: 0,
+        prediction: None,
     })
 }
 

@@ -154,6 +154,10 @@ pub struct GenParams {
     /// generation prompt): the output starts inside the reasoning. Set at
     /// admission, from the prompt.
     pub reasoning_open: bool,
+    /// `prediction.content` (chat, OpenAI's Predicted Outputs): the text
+    /// the caller expects, tokenised at admission into the request's
+    /// drafts.
+    pub prediction: Option<String>,
 }
 
 // ---- shapes every endpoint shares ------------------------------------------
@@ -167,6 +171,19 @@ pub struct Usage {
     /// OpenAI's `prompt_tokens_details`: `cached_tokens`, the prompt tokens
     /// whose KV came from the prefix cache (always present, 0 on a miss).
     pub prompt_tokens_details: PromptTokensDetails,
+    /// OpenAI's `completion_tokens_details`: how much of a prediction the
+    /// model kept (always present, 0 without one).
+    pub completion_tokens_details: CompletionTokensDetails,
+}
+
+/// The part of `usage` that breaks the completion down: of the
+/// prediction's tokens the model verified, those it kept and those it
+/// rejected (rejected ones are not in the output, and are counted in
+/// `completion_tokens`, as OpenAI bills them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct CompletionTokensDetails {
+    pub accepted_prediction_tokens: usize,
+    pub rejected_prediction_tokens: usize,
 }
 
 /// The part of `usage` that breaks the prompt down.
@@ -182,16 +199,25 @@ impl Usage {
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails::default(),
+            completion_tokens_details: CompletionTokensDetails::default(),
         }
     }
 
-    /// The usage of a finished request.
+    /// The usage of a finished request. OpenAI bills a prediction's
+    /// rejected tokens as completion tokens: so does this count.
     pub fn of(u: &request::Usage) -> Usage {
         Usage {
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: u.cached_tokens,
             },
-            ..Usage::new(u.prompt_tokens, u.completion_tokens)
+            completion_tokens_details: CompletionTokensDetails {
+                accepted_prediction_tokens: u.accepted_prediction_tokens,
+                rejected_prediction_tokens: u.rejected_prediction_tokens,
+            },
+            ..Usage::new(
+                u.prompt_tokens,
+                u.completion_tokens + u.rejected_prediction_tokens,
+            )
         }
     }
 }

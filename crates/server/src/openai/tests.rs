@@ -731,7 +731,9 @@ fn chunk_usage_field_is_absent_null_or_set() {
     assert_eq!(
         v["usage"],
         json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-               "prompt_tokens_details": {"cached_tokens": 0}})
+               "prompt_tokens_details": {"cached_tokens": 0},
+               "completion_tokens_details": {"accepted_prediction_tokens": 0,
+                                             "rejected_prediction_tokens": 0}})
     );
     assert_eq!(v["choices"], json!([]));
 }
@@ -854,4 +856,81 @@ fn a_huge_number_is_shown_short_in_an_error() {
     assert!(e.message.contains("1e300"), "{}", e.message);
     assert_eq!(shown_number(0.5), "0.5");
     assert_eq!(shown_number(-3.0), "-3");
+}
+
+/// `prediction` (Predicted Outputs): a string or text parts, joined; every
+/// malformed shape names its field; refused with `n` above 1, `logprobs`,
+/// `tools` and an output format, as `unsupported_parameter`.
+#[test]
+fn a_prediction_is_read_and_refused_where_it_cannot_be_honoured() {
+    let with = |extra: Value| {
+        let mut body = json!({"messages": msgs()});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        chat(body)
+    };
+    let p = with(json!({"prediction": {"type": "content", "content": "fn main() {}"}})).unwrap();
+    assert_eq!(p.prediction.as_deref(), Some("fn main() {}"));
+    let parts = json!({"prediction": {"type": "content", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}});
+    assert_eq!(with(parts).unwrap().prediction.as_deref(), Some("ab"));
+    assert_eq!(with(json!({"prediction": null})).unwrap().prediction, None);
+    for (value, param) in [
+        (json!("x"), "prediction"),
+        (json!({"content": "x"}), "prediction.type"),
+        (json!({"type": "text", "content": "x"}), "prediction.type"),
+        (json!({"type": 1, "content": "x"}), "prediction.type"),
+        (json!({"type": "content"}), "prediction.content"),
+        (
+            json!({"type": "content", "content": 3}),
+            "prediction.content",
+        ),
+        (
+            json!({"type": "content", "content": ["x"]}),
+            "prediction.content[0]",
+        ),
+        (
+            json!({"type": "content", "content": [{"type": "image_url", "text": "x"}]}),
+            "prediction.content[0].type",
+        ),
+        (
+            json!({"type": "content", "content": [{"type": "text"}]}),
+            "prediction.content[0].text",
+        ),
+        (
+            json!({"type": "content", "content": [{"type": "text", "text": 1}]}),
+            "prediction.content[0].text",
+        ),
+        (
+            json!({"type": "content", "content": "x".repeat(PREDICTION_BYTES_MAX + 1)}),
+            "prediction.content",
+        ),
+    ] {
+        chat_err("prediction", value, param);
+    }
+    let pred = json!({"type": "content", "content": "x"});
+    for (extra, param) in [
+        (json!({"n": 2}), "n"),
+        (json!({"logprobs": true}), "logprobs"),
+        (json!({"logprobs": true, "top_logprobs": 2}), "logprobs"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ] {
+        let mut extra = extra;
+        extra["prediction"] = pred.clone();
+        let e = with(extra.clone()).expect_err(&extra.to_string());
+        assert_eq!(e.param.as_deref(), Some(param), "{extra}: {e}");
+        assert_eq!(e.code.as_deref(), Some("unsupported_parameter"), "{extra}");
+        assert_eq!(e.status.as_u16(), 400);
+    }
+    // Each of those fields alone is served, and so is `n: 1`.
+    assert!(with(json!({"n": 2})).is_ok());
+    assert!(with(json!({"n": 1, "prediction": pred})).is_ok());
 }
