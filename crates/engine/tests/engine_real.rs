@@ -402,3 +402,142 @@ fn a_client_that_stops_reading_pauses_only_its_own_request() {
     assert_eq!(s.pool.pages_unheld(), s.pool.pages_total);
     assert_eq!(s.pool.safety_refusals(), 0);
 }
+
+/// Speculation changes how many steps make the output, never the output
+/// (K12): greedy and seeded sampling, with prompt lookup and with
+/// predictions (right, edited and wrong), alone and all at once in one
+/// batch, give the tokens the engine without speculation gives. The
+/// drafts were really verified: the engine kept some and rejected some.
+#[test]
+fn speculation_never_changes_the_output_alone_or_batched_k12() {
+    let (plain, tok) = start(small_cfg());
+    let paragraph = "The river rises in the hills, runs through the old town, \
+                     turns the mill, and reaches the sea after forty miles.";
+    let texts = [
+        format!(
+            "<|im_start|>user\nRepeat this sentence exactly: {paragraph}<|im_end|>\n\
+             <|im_start|>assistant\n"
+        ),
+        "def fibonacci(n):".to_string(),
+        "Once upon a time, in a small village,".to_string(),
+    ];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+    let max_tokens = 48;
+    let seeded = |p: &Vec<u32>| GenRequest {
+        params: model::sample::SamplingParams {
+            temperature: 0.8,
+            seed: 7,
+            ..Default::default()
+        },
+        ..GenRequest::greedy(TenantId(1), p.clone(), max_tokens)
+    };
+    let mut reqs: Vec<GenRequest> = Vec::new();
+    for p in &prompts {
+        reqs.push(GenRequest::greedy(TenantId(1), p.clone(), max_tokens));
+        reqs.push(seeded(p));
+    }
+    let want: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| run(&plain, r.clone()).unwrap().0)
+        .collect();
+    drop(plain);
+    // Predictions: the output itself, the output with an edit in the
+    // middle, and text it never says.
+    let mut predicted = Vec::new();
+    for (r, w) in reqs.iter().zip(&want) {
+        let mut edited = w.clone();
+        edited.splice(10..12, tok.encode(" purple elephants", false).unwrap());
+        for prediction in [
+            w.clone(),
+            edited,
+            tok.encode(" zebra ".repeat(20).as_str(), false).unwrap(),
+        ] {
+            predicted.push((
+                GenRequest {
+                    prediction,
+                    ..r.clone()
+                },
+                w.clone(),
+            ));
+        }
+    }
+    let cfg = EngineConfig {
+        // Room for drafts beside a full batch, so the batched run below
+        // verifies drafts too.
+        speculation: engine::Speculation {
+            method: engine::SpecMethod::Ngram,
+            rows_max: 96,
+            ..Default::default()
+        },
+        max_running: 32,
+        ..small_cfg()
+    };
+    let (spec, _) = start(cfg);
+    for (i, (r, w)) in reqs
+        .iter()
+        .zip(&want)
+        .chain(predicted.iter().map(|(r, w)| (r, w)))
+        .enumerate()
+    {
+        let mut h = spec.submit(r.clone()).unwrap();
+        let mut ids = Vec::new();
+        while let Some(ev) = h.blocking_next() {
+            match ev {
+                Event::Token(t) => ids.push(t.id),
+                Event::Done(d) => {
+                    let u = d.usage;
+                    if i >= reqs.len() && (i - reqs.len()) % 3 == 0 {
+                        // The exact output as the prediction: mostly kept.
+                        assert!(
+                            u.accepted_prediction_tokens * 2 >= u.completion_tokens,
+                            "{u:?}"
+                        );
+                    }
+                    if r.prediction.is_empty() {
+                        assert_eq!(
+                            u.accepted_prediction_tokens + u.rejected_prediction_tokens,
+                            0
+                        );
+                    }
+                    break;
+                }
+                Event::Error(e) => panic!("request {i}: {e}"),
+            }
+        }
+        assert_eq!(&ids, w, "request {i} alone");
+    }
+    let alone = spec.stats();
+    assert!(alone.spec_accepted_tokens_total > 0, "{alone:?}");
+    assert!(alone.spec_draft_tokens_total > alone.spec_accepted_tokens_total);
+    // All at once, in one batch (which turns speculation down: the batch
+    // fills the step by itself).
+    let handles: Vec<_> = reqs
+        .iter()
+        .zip(&want)
+        .chain(predicted.iter().map(|(r, w)| (r, w)))
+        .map(|(r, w)| (spec.submit(r.clone()).unwrap(), w))
+        .collect();
+    for (i, (mut h, w)) in handles.into_iter().enumerate() {
+        let mut ids = Vec::new();
+        while let Some(ev) = h.blocking_next() {
+            match ev {
+                Event::Token(t) => ids.push(t.id),
+                Event::Done(_) => break,
+                Event::Error(e) => panic!("request {i}: {e}"),
+            }
+        }
+        assert_eq!(
+            &ids[..],
+            &w[..ids.len().min(w.len())],
+            "batched request {i}"
+        );
+        assert_eq!(ids.len(), w.len(), "batched request {i}");
+    }
+    let s = spec.stats();
+    assert!(
+        s.spec_accepted_tokens_total > alone.spec_accepted_tokens_total,
+        "no draft was kept in the batch"
+    );
+    assert_eq!(s.pool.pages_unheld(), s.pool.pages_total, "pages leaked");
+    assert_eq!(s.pool.safety_refusals(), 0);
+}

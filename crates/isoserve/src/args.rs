@@ -187,6 +187,98 @@ pub struct NodeEngineArgs {
     /// handshake compares it).
     #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
     pub kv_dtype: KvDtypeArg,
+    /// Speculative decoding's drafts besides a request's `prediction`
+    /// (which is always verified): `off`, or `ngram` — prompt lookup, the
+    /// output's tail looked up in the request's own prompt and output
+    /// (vLLM's `ngram`, llama.cpp's lookup decoding). Output is unchanged.
+    #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
+    pub speculative: SpeculativeArg,
+    /// Draft tokens a request verifies in one step at most (prompt
+    /// lookup); adapted per request below it.
+    #[arg(long, default_value_t = 5, value_parser = spec_tokens)]
+    pub num_speculative_tokens: usize,
+    /// The shortest and longest tail of the output prompt lookup looks up.
+    #[arg(long, default_value_t = 2, value_parser = ngram_size)]
+    pub prompt_lookup_min: usize,
+    #[arg(long, default_value_t = 4, value_parser = ngram_size)]
+    pub prompt_lookup_max: usize,
+    /// Draft tokens a request verifies in one step at most from its
+    /// `prediction` (OpenAI's Predicted Outputs).
+    #[arg(long, default_value_t = 16, value_parser = spec_tokens)]
+    pub prediction_draft_tokens: usize,
+    /// Rows one step gives to drafts at most, less one per decoding
+    /// request: speculation gives way as the batch grows, and stops from
+    /// this many decoding requests on (0: never speculate, predictions
+    /// included).
+    #[arg(long, default_value_t = 24)]
+    pub speculative_rows: usize,
+    /// vLLM's form of the above, as JSON: `{"method": "ngram",
+    /// "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+    /// "prompt_lookup_max": 4}` (overrides those flags; an unknown key is
+    /// refused).
+    #[arg(long, value_parser = speculative_config)]
+    pub speculative_config: Option<String>,
+}
+
+/// `--speculative off|ngram`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SpeculativeArg {
+    Off,
+    Ngram,
+}
+
+fn spec_tokens(v: &str) -> Result<usize, String> {
+    let n: usize = v.parse().map_err(|e| format!("`{v}`: {e}"))?;
+    if !(1..=engine::SPEC_K_MAX).contains(&n) {
+        return Err(format!("{n} is not in 1..={}", engine::SPEC_K_MAX));
+    }
+    Ok(n)
+}
+
+/// The longest n-gram prompt lookup matches.
+const NGRAM_MAX: usize = 16;
+
+fn ngram_size(v: &str) -> Result<usize, String> {
+    let n: usize = v.parse().map_err(|e| format!("`{v}`: {e}"))?;
+    if !(1..=NGRAM_MAX).contains(&n) {
+        return Err(format!("{n} is not in 1..={NGRAM_MAX}"));
+    }
+    Ok(n)
+}
+
+/// vLLM's `--speculative-config`, the keys this server honours.
+#[derive(serde::Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct SpeculativeConfig {
+    method: Option<String>,
+    num_speculative_tokens: Option<usize>,
+    prompt_lookup_min: Option<usize>,
+    prompt_lookup_max: Option<usize>,
+}
+
+fn parse_speculative_config(v: &str) -> Result<SpeculativeConfig, String> {
+    let c: SpeculativeConfig = serde_json::from_str(v).map_err(|e| e.to_string())?;
+    match c.method.as_deref() {
+        None | Some("ngram") => {}
+        Some(m) => return Err(format!("method `{m}`: the methods served are `ngram`")),
+    }
+    if let Some(n) = c.num_speculative_tokens {
+        spec_tokens(&n.to_string()).map_err(|e| format!("num_speculative_tokens: {e}"))?;
+    }
+    for (k, n) in [
+        ("prompt_lookup_min", c.prompt_lookup_min),
+        ("prompt_lookup_max", c.prompt_lookup_max),
+    ] {
+        if let Some(n) = n {
+            ngram_size(&n.to_string()).map_err(|e| format!("{k}: {e}"))?;
+        }
+    }
+    Ok(c)
+}
+
+fn speculative_config(v: &str) -> Result<String, String> {
+    parse_speculative_config(v).map(|_| v.to_string())
 }
 
 /// `--kv-dtype f32|f16|q8_0`.
@@ -471,8 +563,34 @@ fn parse_node_metrics(v: &str) -> Result<(String, std::net::SocketAddr), String>
 }
 
 /// The engine configuration of `serve`, `prefill` and `decode`.
-pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
-    EngineConfig {
+pub(crate) fn engine_config(e: &NodeEngineArgs) -> Result<EngineConfig> {
+    let mut spec = engine::Speculation {
+        method: match e.speculative {
+            SpeculativeArg::Off => engine::SpecMethod::Off,
+            SpeculativeArg::Ngram => engine::SpecMethod::Ngram,
+        },
+        k_max: e.num_speculative_tokens,
+        ngram_min: e.prompt_lookup_min,
+        ngram_max: e.prompt_lookup_max,
+        prediction_k_max: e.prediction_draft_tokens,
+        rows_max: e.speculative_rows,
+    };
+    if let Some(json) = &e.speculative_config {
+        let c = parse_speculative_config(json)
+            .map_err(|why| anyhow::anyhow!("--speculative-config: {why}"))?;
+        spec.method = engine::SpecMethod::Ngram;
+        spec.k_max = c.num_speculative_tokens.unwrap_or(spec.k_max);
+        spec.ngram_min = c.prompt_lookup_min.unwrap_or(spec.ngram_min);
+        spec.ngram_max = c.prompt_lookup_max.unwrap_or(spec.ngram_max);
+    }
+    if spec.ngram_min > spec.ngram_max {
+        anyhow::bail!(
+            "the prompt lookup's shortest tail ({}) is longer than its longest ({})",
+            spec.ngram_min,
+            spec.ngram_max
+        );
+    }
+    Ok(EngineConfig {
         page_size_tokens: e.page_size,
         kv_pages: e.kv_pages,
         kv_memory_bytes: e.kv_memory,
@@ -485,8 +603,9 @@ pub(crate) fn engine_config(e: &NodeEngineArgs) -> EngineConfig {
             PrefixCacheArg::Tenant => engine::PrefixCache::Tenant,
         },
         kv_dtype: e.kv_dtype.dtype(),
+        speculation: spec,
         ..EngineConfig::default()
-    }
+    })
 }
 
 /// The HTTP layer's configuration of `serve` and `gateway`.
@@ -631,6 +750,20 @@ mod tests {
             "4",
             "--kv-dtype",
             "q8_0",
+            "--speculative",
+            "ngram",
+            "--num-speculative-tokens",
+            "7",
+            "--prompt-lookup-min",
+            "1",
+            "--prompt-lookup-max",
+            "3",
+            "--prediction-draft-tokens",
+            "9",
+            "--speculative-rows",
+            "11",
+            "--speculative-config",
+            r#"{"method": "ngram", "num_speculative_tokens": 6}"#,
         ];
         let crate::Cmd::Serve(serve) = crate::Cli::try_parse_from(parent).expect("parses").command
         else {
@@ -653,8 +786,8 @@ mod tests {
         };
         assert_eq!(node.engine, serve.engine);
         assert_eq!(
-            format!("{:?}", engine_config(&node.engine)),
-            format!("{:?}", engine_config(&serve.engine))
+            format!("{:?}", engine_config(&node.engine).unwrap()),
+            format!("{:?}", engine_config(&serve.engine).unwrap())
         );
     }
 

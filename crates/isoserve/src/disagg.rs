@@ -77,7 +77,7 @@ pub fn run_node(role: PdRole, args: NodeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    let cfg = engine_config(&args.engine);
+    let cfg = engine_config(&args.engine)?;
     let cfg_summary = cfg.summary();
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))

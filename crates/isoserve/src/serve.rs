@@ -104,7 +104,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if template.is_none() {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 400");
     }
-    let ecfg = engine_config(&e);
+    let ecfg = engine_config(&e)?;
     let summary = ecfg.summary();
     // K8: refuses to start when the pool cannot hold one full window.
     let engine = Engine::start(model, tokenizer.clone(), ecfg)?;

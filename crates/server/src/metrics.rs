@@ -202,6 +202,19 @@ const F_GRAMMAR_DEFERRED: Family = Family::counter(
     "Constrained tokens sampled a step late because their grammar mask was not ready when \
      the forward pass ended (the step did not wait for them)",
 );
+const F_SPEC_DRAFTS: Family = Family::counter(
+    "isoserve_spec_decode_num_drafts_total",
+    "Speculative decoding: verification steps that carried a request's draft (vLLM's \
+     spec_decode_num_drafts)",
+);
+const F_SPEC_DRAFT_TOKENS: Family = Family::counter(
+    "isoserve_spec_decode_num_draft_tokens_total",
+    "Draft tokens verified (from predictions and prompt lookup)",
+);
+const F_SPEC_ACCEPTED_TOKENS: Family = Family::counter(
+    "isoserve_spec_decode_num_accepted_tokens_total",
+    "Draft tokens the model's own sampling kept (each saved a forward step)",
+);
 const F_GRAMMAR_MASK_FAILURES: Family = Family::counter(
     "isoserve_grammar_mask_failures_total",
     "Grammar masks that failed (a step's bound, or no token allowed): each ends its request \
@@ -273,6 +286,9 @@ pub const SERVER_FAMILIES: &[Family] = &[
     F_GRAMMAR_CACHE_LOOKUPS,
     F_GRAMMAR_DEFERRED,
     F_GRAMMAR_MASK_FAILURES,
+    F_SPEC_DRAFTS,
+    F_SPEC_DRAFT_TOKENS,
+    F_SPEC_ACCEPTED_TOKENS,
     F_TENANT_REQUESTS,
     F_TENANT_WEIGHT,
     F_TENANT_SERVICE,
@@ -507,6 +523,13 @@ impl Collector for EngineCollector {
         }
         const_counter(&mut enc, &F_GRAMMAR_DEFERRED, s.grammar_deferred_total)?;
         const_counter(&mut enc, &F_GRAMMAR_MASK_FAILURES, g.mask_failures)?;
+        const_counter(&mut enc, &F_SPEC_DRAFTS, s.spec_drafts_total)?;
+        const_counter(&mut enc, &F_SPEC_DRAFT_TOKENS, s.spec_draft_tokens_total)?;
+        const_counter(
+            &mut enc,
+            &F_SPEC_ACCEPTED_TOKENS,
+            s.spec_accepted_tokens_total,
+        )?;
         Ok(())
     }
 }
