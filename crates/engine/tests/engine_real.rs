@@ -486,7 +486,7 @@ fn speculation_never_changes_the_output_alone_or_batched_k12() {
                 Event::Token(t) => ids.push(t.id),
                 Event::Done(d) => {
                     let u = d.usage;
-                    if i >= reqs.len() && (i - reqs.len()) % 3 == 0 {
+                    if i >= reqs.len() && (i - reqs.len()).is_multiple_of(3) {
                         // The exact output as the prediction: mostly kept.
                         assert!(
                             u.accepted_prediction_tokens * 2 >= u.completion_tokens,
