@@ -927,7 +927,7 @@ fn a_prediction_is_read_and_refused_where_it_cannot_be_honoured() {
         extra["prediction"] = pred.clone();
         let e = with(extra.clone()).expect_err(&extra.to_string());
         assert_eq!(e.param.as_deref(), Some(param), "{extra}: {e}");
-        assert_eq!(e.code.as_deref(), Some("unsupported_parameter"), "{extra}");
+        assert_eq!(e.code, Some("unsupported_parameter"), "{extra}");
         assert_eq!(e.status.as_u16(), 400);
     }
     // Each of those fields alone is served, and so is `n: 1`.
