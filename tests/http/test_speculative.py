@@ -162,3 +162,30 @@ def test_prompt_lookup_keeps_the_answer_and_drafts_from_the_prompt(server, ngram
     assert text == plain.choices[0].message.content
     assert all(o.choices[0].message.content for o in others)
     assert_pool_clean(wait_pool_idle(ngram_server))
+
+
+def test_disaggregated_decode_speculates_and_answers_as_unified(server, tmp_root):
+    """`serve --disaggregated --speculative ngram`: the prediction travels to
+    the decode node in the request, which drafts from it and from prompt
+    lookup; the answer is the unified server's, the usage crosses the wire."""
+    import re
+    import requests
+    from conftest import parse_metrics
+    plain = chat(client_of(server), EDIT)
+    text = plain.choices[0].message.content
+    s = Server(["--disaggregated", "--speculative", "ngram", "--kv-memory", "256MiB",
+                "--max-context", "2048"], tmp_root, "disagg-spec")
+    try:
+        c = client_of(s)
+        r = chat(c, EDIT, prediction={"type": "content", "content": text})
+        assert r.choices[0].message.content == text
+        d = r.usage.completion_tokens_details
+        assert d.accepted_prediction_tokens >= plain.usage.completion_tokens // 2, r.usage
+        assert r.usage.completion_tokens == plain.usage.completion_tokens + d.rejected_prediction_tokens
+        assert chat(c, EDIT).choices[0].message.content == text
+        urls = dict(re.findall(r"(prefill|decode) node metrics: (http://\S+)", s.stderr()))
+        dm = parse_metrics(requests.get(urls["decode"], timeout=10).text)
+        assert dm["isoserve_node_decode_spec_accepted_tokens_total"] >= d.accepted_prediction_tokens
+        assert re.search(r"^decode-0 config: .*speculative=Ngram", s.stderr(), re.M), s.stderr()
+    finally:
+        assert s.terminate() == 0, s.stderr()

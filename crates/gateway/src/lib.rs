@@ -261,6 +261,7 @@ impl Inner {
                             prompt_tokens,
                             cached_tokens,
                             completion_tokens,
+                            prediction,
                             tail_text,
                         } => {
                             let mut c = st.clients.remove(&req).expect("known");
@@ -275,8 +276,8 @@ impl Inner {
                                     prompt_tokens: prompt_tokens as usize,
                                     completion_tokens: completion_tokens as usize,
                                     cached_tokens: cached_tokens as usize,
-                                    accepted_prediction_tokens: 0,
-                                    rejected_prediction_tokens: 0,
+                                    accepted_prediction_tokens: prediction.accepted as usize,
+                                    rejected_prediction_tokens: prediction.rejected as usize,
                                 },
                                 tail_text,
                                 queue_ms: 0.0,

@@ -166,6 +166,27 @@ pub static NODE_METRICS: &[(Family, Read)] = &[
     ),
     (
         Family::counter(
+            "isoserve_node_decode_spec_drafts_total",
+            "Speculative decoding: verification steps that carried a draft",
+        ),
+        |s, _| s.decode.as_ref().map(|_| s.engine.spec_drafts_total as f64),
+    ),
+    (
+        Family::counter(
+            "isoserve_node_decode_spec_draft_tokens_total",
+            "Draft tokens verified",
+        ),
+        |s, _| s.decode.as_ref().map(|_| s.engine.spec_draft_tokens_total as f64),
+    ),
+    (
+        Family::counter(
+            "isoserve_node_decode_spec_accepted_tokens_total",
+            "Draft tokens the model's own sampling kept",
+        ),
+        |s, _| s.decode.as_ref().map(|_| s.engine.spec_accepted_tokens_total as f64),
+    ),
+    (
+        Family::counter(
             "isoserve_node_decode_reservations_total",
             "Reservations asked for",
         ),

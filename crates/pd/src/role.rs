@@ -648,6 +648,10 @@ impl DecodeEngine for CoreEngine {
                     req,
                     finish: request::finish_code(d.finish, d.stop_index),
                     completion_tokens: d.usage.completion_tokens as u32,
+                    prediction: transfer::wire::PredictionCounts {
+                        accepted: d.usage.accepted_prediction_tokens as u32,
+                        rejected: d.usage.rejected_prediction_tokens as u32,
+                    },
                     tail_text: d.tail_text,
                 },
                 Event::Error(e) => DecodeReport::Failed {

@@ -248,6 +248,7 @@ mod tests {
             cached_tokens: 0,
             completion_tokens: 3,
             streamed: 3,
+            prediction: Default::default(),
             tail_text: String::new(),
         });
         assert_eq!(

@@ -213,6 +213,14 @@ impl Stack {
 
     /// Runs a request to its end: (tokens, text) or the error.
     fn run(&self, req: GenRequest) -> Result<(Vec<u32>, String), RequestError> {
+        self.run_usage(req).map(|(ids, text, _)| (ids, text))
+    }
+
+    /// [`Stack::run`], with the usage the gateway reported.
+    fn run_usage(
+        &self,
+        req: GenRequest,
+    ) -> Result<(Vec<u32>, String, engine::Usage), RequestError> {
         let mut h = self.gateway.submit(req)?;
         self.rt.block_on(async move {
             let mut ids = Vec::new();
@@ -229,7 +237,7 @@ impl Stack {
                         text.push_str(&d.tail_text);
                         // An EOS that ended it counts, but is no Token event.
                         assert!(d.usage.completion_tokens >= ids.len());
-                        return Ok((ids, text));
+                        return Ok((ids, text, d.usage));
                     }
                     Some(Event::Error(e)) => {
                         assert!(ids.is_empty() || matches!(&e, RequestError::Remote { code, .. } if code == "decode_lost"),
@@ -389,6 +397,93 @@ fn pd_output_equals_unified_token_for_token() {
         |p| p.pages_sent_total >= ds.pages_received_total,
     );
     assert_eq!(ps.pages_sent_total, ds.pages_received_total);
+}
+
+/// The decode node speculates (prompt lookup, and predictions that
+/// travelled in the request): the output is the unified engine's without
+/// speculation, token for token, alone and batched; the prediction's usage
+/// crosses the wire to the gateway; rolled-back rows never trouble the
+/// transfer (no refusal, every page back).
+#[test]
+fn pd_decode_speculates_and_the_output_is_unified_without_speculation_k12() {
+    let (m, t, _) = load();
+    let small = EngineConfig {
+        kv_memory_bytes: 64 << 20,
+        max_context: Some(1024),
+        ..EngineConfig::default()
+    };
+    let unified = Engine::start(m, t.clone(), small.clone()).unwrap();
+    let prompts = &PROMPTS[..8];
+    let expected: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut h = unified.submit(greedy(&t, 1, p, 24)).unwrap();
+            let mut ids = Vec::new();
+            while let Some(ev) = h.blocking_next() {
+                match ev {
+                    Event::Token(t) => ids.push(t.id),
+                    Event::Done(_) => break,
+                    Event::Error(e) => panic!("{e}"),
+                }
+            }
+            ids
+        })
+        .collect();
+    drop(unified);
+    let spec = EngineConfig {
+        speculation: engine::Speculation {
+            method: engine::SpecMethod::Ngram,
+            rows_max: 64,
+            ..Default::default()
+        },
+        ..small.clone()
+    };
+    let stack = Arc::new(Stack::start(StackCfg {
+        prefill: small,
+        decode: spec,
+        ..StackCfg::default()
+    }));
+    stack.wait_ready();
+    // Request i: even ones predict their exact output, odd ones an edit.
+    let req = |i: usize| {
+        let mut prediction = expected[i].clone();
+        if i % 2 == 1 && prediction.len() > 16 {
+            prediction[8] = prediction[8].wrapping_add(1) % 1000;
+            prediction.remove(16);
+        }
+        GenRequest {
+            prediction,
+            ..greedy(&stack.tok, 1 + i as u64 % 3, prompts[i], 24)
+        }
+    };
+    for (i, want) in expected.iter().enumerate() {
+        let (ids, _, usage) = stack.run_usage(req(i)).unwrap();
+        assert_eq!(&ids, want, "alone: prompt {i}");
+        assert!(
+            usage.accepted_prediction_tokens > 0,
+            "prompt {i}: {usage:?}"
+        );
+        if i % 2 == 0 {
+            assert!(
+                usage.accepted_prediction_tokens * 2 >= ids.len(),
+                "{usage:?}"
+            );
+        }
+    }
+    let handles: Vec<_> = (0..prompts.len())
+        .map(|i| {
+            let (s, r) = (stack.clone(), req(i));
+            std::thread::spawn(move || s.run(r))
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (ids, _) = h.join().unwrap().unwrap();
+        assert_eq!(ids, expected[i], "batched: prompt {i}");
+    }
+    let (p, d) = stack.pools_free();
+    assert_eq!(p.safety_refusals() + d.safety_refusals(), 0);
+    let ds = stack.decode.node.stats().engine;
+    assert!(ds.spec_accepted_tokens_total > 0, "{ds:?}");
 }
 
 #[test]

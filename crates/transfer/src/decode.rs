@@ -28,7 +28,8 @@ use crate::common::{
 };
 use crate::fair;
 use crate::wire::{
-    GenSpec, Message, Refusal, WireLogprobs, WirePage, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
+    GenSpec, Message, PredictionCounts, Refusal, WireLogprobs, WirePage, ROLE_DECODE, ROLE_GATEWAY,
+    ROLE_PREFILL,
 };
 
 /// Limits and identity of a decode node.
@@ -1213,6 +1214,7 @@ impl DecodeNode {
         req: RequestId,
         finish: u8,
         completion_tokens: u32,
+        prediction: PredictionCounts,
         tail_text: String,
         out: &mut Vec<DecodeAction>,
     ) {
@@ -1229,6 +1231,7 @@ impl DecodeNode {
                 cached_tokens: r.cached_tokens,
                 completion_tokens,
                 streamed: r.streamed,
+                prediction,
                 tail_text,
             },
         });

@@ -18,7 +18,8 @@ use kv::{RequestId, TenantId};
 
 use crate::common::{check_peer, pages_for, refusal, ConnId, Identity, PeerHello};
 use crate::wire::{
-    GenSpec, Message, Refusal, WireLogprobs, ROLE_DECODE, ROLE_GATEWAY, ROLE_PREFILL,
+    GenSpec, Message, PredictionCounts, Refusal, WireLogprobs, ROLE_DECODE, ROLE_GATEWAY,
+    ROLE_PREFILL,
 };
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -53,6 +54,8 @@ pub enum ClientEvent {
         /// Of the prompt, tokens prefill took from its prefix cache.
         cached_tokens: u32,
         completion_tokens: u32,
+        /// Of the prediction: kept and rejected tokens.
+        prediction: PredictionCounts,
         tail_text: String,
     },
     /// The original error of the node that refused or failed it.
@@ -636,6 +639,7 @@ impl Gateway {
                 cached_tokens,
                 completion_tokens,
                 streamed,
+                prediction,
                 tail_text,
             } if up => {
                 let Some(r) = self.reqs.get(&req) else {
@@ -666,6 +670,7 @@ impl Gateway {
                         prompt_tokens,
                         cached_tokens,
                         completion_tokens,
+                        prediction,
                         tail_text,
                     },
                 });

@@ -32,7 +32,7 @@ use kv::{Pool, RequestId, TenantId};
 use crate::common::ConnId;
 use crate::decode::{DecodeAction, DecodeNode, DecodeStart};
 use crate::prefill::{ComputeJob, PrefillAction, PrefillNode};
-use crate::wire::{GenSpec, Message, Refusal, WireLogprobs};
+use crate::wire::{GenSpec, Message, PredictionCounts, Refusal, WireLogprobs};
 
 /// What the transport tells a node (production: TCP; tests: the world's
 /// connections). The one transport event type of the project.
@@ -102,6 +102,7 @@ pub enum DecodeReport {
         req: RequestId,
         finish: u8,
         completion_tokens: u32,
+        prediction: PredictionCounts,
         tail_text: String,
     },
     Failed {
@@ -445,12 +446,14 @@ impl<E: DecodeEngine> Decode<E> {
                         req,
                         finish,
                         completion_tokens,
+                        prediction,
                         tail_text,
                     } => self.machine.decode_finished(
                         self.engine.pool(),
                         req,
                         finish,
                         completion_tokens,
+                        prediction,
                         tail_text,
                         &mut out,
                     ),

@@ -22,8 +22,9 @@ use xxhash_rust::xxh3::xxh3_64;
 /// Version of this format. A peer speaking another version is refused at
 /// the handshake. 7: `Finished`'s finish byte names the stop string that
 /// matched (`request::finish_code`), which a v6 peer would read as
-/// `length`.
-pub const WIRE_VERSION: u8 = 7;
+/// `length`. 8: a request's prediction travels in `GenSpec`, and
+/// `Finished` counts what was kept of it.
+pub const WIRE_VERSION: u8 = 8;
 /// Largest frame (a page of a large model plus headers). Bigger frames are
 /// refused before their body is read.
 pub const FRAME_BYTES_MAX: usize = 64 << 20;
@@ -63,6 +64,14 @@ pub const GRAMMAR_BYTES_MAX: usize = request::constraint::GRAMMAR_BYTES_MAX;
 pub const GRAMMAR_CHOICES_MAX: usize = request::constraint::GRAMMAR_CHOICES_MAX;
 /// Most tokens of a request's prediction.
 pub const PREDICTION_TOKENS_MAX: usize = request::PREDICTION_TOKENS_MAX;
+
+/// Of a request's prediction, the draft tokens decode's verification kept
+/// and those it rejected.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PredictionCounts {
+    pub accepted: u32,
+    pub rejected: u32,
+}
 pub use request::GrammarSpec;
 
 /// How a request samples: everything decode needs to continue what prefill
@@ -293,6 +302,9 @@ pub enum Message {
         /// `Token` messages sent before this one (a stop token counts in
         /// `completion_tokens` but is not streamed).
         streamed: u32,
+        /// Of the request's prediction, tokens decode's verification kept
+        /// and rejected (usage's `completion_tokens_details`).
+        prediction: PredictionCounts,
         /// Text held back at the end (a stop-string prefix that never
         /// completed).
         tail_text: String,
@@ -559,6 +571,7 @@ impl Message {
                 cached_tokens,
                 completion_tokens,
                 streamed,
+                prediction,
                 tail_text,
             } => {
                 w.u8(K_FINISHED);
@@ -568,6 +581,8 @@ impl Message {
                 w.u32(*cached_tokens);
                 w.u32(*completion_tokens);
                 w.u32(*streamed);
+                w.u32(prediction.accepted);
+                w.u32(prediction.rejected);
                 w.str(tail_text);
             }
             Message::Heartbeat { nonce } => {
@@ -718,6 +733,10 @@ impl Message {
                 cached_tokens: r.u32("cached_tokens")?,
                 completion_tokens: r.u32("completion_tokens")?,
                 streamed: r.u32("streamed")?,
+                prediction: PredictionCounts {
+                    accepted: r.u32("accepted_prediction_tokens")?,
+                    rejected: r.u32("rejected_prediction_tokens")?,
+                },
                 tail_text: r.str("tail_text")?,
             },
             K_HEARTBEAT => Message::Heartbeat {

@@ -318,6 +318,7 @@ fn incident_replaced_request_reused_its_wire_id() {
             cached_tokens: 0,
             completion_tokens: 1,
             streamed: 1,
+            prediction: Default::default(),
             tail_text: String::new(),
         },
         &mut out,

@@ -232,22 +232,29 @@ fn message() -> impl Strategy<Value = Message> {
                 logprobs,
             }
         }),
-        (any::<(u64, u8, u32, u32, u32, u32)>(), s).prop_map(
-            |(
-                (req, finish, prompt_tokens, cached_tokens, completion_tokens, streamed),
-                tail_text,
-            )| {
-                Message::Finished {
-                    req: RequestId(req),
-                    finish,
-                    prompt_tokens,
-                    cached_tokens,
-                    completion_tokens,
-                    streamed,
+        (
+            any::<(u64, u8, u32, u32, u32, u32)>(),
+            any::<(u32, u32)>(),
+            s
+        )
+            .prop_map(
+                |(
+                    (req, finish, prompt_tokens, cached_tokens, completion_tokens, streamed),
+                    (accepted, rejected),
                     tail_text,
+                )| {
+                    Message::Finished {
+                        req: RequestId(req),
+                        finish,
+                        prompt_tokens,
+                        cached_tokens,
+                        completion_tokens,
+                        streamed,
+                        prediction: transfer::wire::PredictionCounts { accepted, rejected },
+                        tail_text,
+                    }
                 }
-            }
-        ),
+            ),
         any::<u64>().prop_map(|nonce| Message::Heartbeat { nonce }),
         (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()).prop_map(
             |(queued, running, pages_free, pages_total)| Message::Load {

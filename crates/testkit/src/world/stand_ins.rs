@@ -300,6 +300,7 @@ impl StandInDecode {
                         req,
                         finish: 1,
                         completion_tokens: generated,
+                        prediction: Default::default(),
                         tail_text: String::new(),
                     });
                 }
@@ -364,6 +365,7 @@ impl DecodeEngine for StandInDecode {
                 req: s.req,
                 finish: 1,
                 completion_tokens: 1,
+                prediction: Default::default(),
                 tail_text: String::new(),
             });
         } else {
