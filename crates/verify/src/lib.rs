@@ -78,6 +78,10 @@ pub struct Mutations {
     pub gateway: GatewayMutations,
     /// Of the node glue both production and this model run.
     pub glue: GlueMutations,
+    /// Of decode's stand-in engine, which verifies a draft row a step as
+    /// the batch core does: leave a rejected draft's row written (no
+    /// `Pool::rewind`).
+    pub skip_rewind: bool,
 }
 
 /// How the state space is walked.
@@ -239,6 +243,21 @@ impl Bounds {
         }
     }
 
+    /// Speculative decoding on the decode node (issue 37): one request
+    /// decodes five tokens, its engine verifying a draft row beside each
+    /// step's (kept, then rolled back with `Pool::rewind`), with a cancel
+    /// and a connection kill that may land between any two events.
+    pub fn speculation() -> Bounds {
+        Bounds {
+            name: "speculation",
+            requests: vec![ClientSpec::new(TenantId(1), vec![11, 12, 13], 5)],
+            cancels: 1,
+            crashes: 0,
+            kills: 1,
+            ..Bounds::two_tenants()
+        }
+    }
+
     /// Every bound set CI checks.
     pub fn ci() -> Vec<Bounds> {
         vec![
@@ -247,6 +266,7 @@ impl Bounds {
             Bounds::stale_writer(),
             Bounds::adversarial(),
             Bounds::prefix_cache(),
+            Bounds::speculation(),
         ]
     }
 }
@@ -346,6 +366,7 @@ impl Model for PdModel {
             .set_mutations(self.bounds.mutations.prefill);
         w.decode.machine.set_mutations(self.bounds.mutations.decode);
         w.decode.set_mutations(self.bounds.mutations.glue);
+        w.decode.engine.skip_rewind = self.bounds.mutations.skip_rewind;
         vec![w]
     }
 
@@ -505,6 +526,14 @@ impl Model for PdModel {
                 |m: &PdModel, w: &World| {
                     m.bounds.name != "prefix-cache"
                         || w.prefill.machine.stats().cache_hit_pages_total > 0
+                },
+            ),
+            Property::sometimes(
+                "sometimes: decode keeps a draft, and rolls another back",
+                |m: &PdModel, w: &World| {
+                    m.bounds.name != "speculation"
+                        || (w.decode.engine.drafts_kept > 0
+                            && w.decode.engine.drafts_rolled_back > 0)
                 },
             ),
             Property::sometimes(

@@ -11,6 +11,7 @@
 //! | (c) decode believes the epoch a late write names | K2 | `without_the_epoch_check_a_stale_writer_lands` |
 //! | (d) the node glue starts decode on `Done`, before the machine's verdict | K3/K10 | `glue_that_starts_decode_before_the_verdict_reads_unwritten_pages` |
 //! | (e) the node glue ignores `StopDecode` | engines | `glue_that_ignores_stop_decode_leaves_an_ended_request_running` |
+//! | (f) decode's engine verifies a draft but does not roll its rejected row back | engines (K3) | `a_rejected_draft_left_written_is_caught` |
 
 use verify::{check, Bounds, Network, Report};
 
@@ -36,6 +37,7 @@ fn ci_bounds_hold_every_property_and_reach_every_sometimes() {
             "stale-writer" => 4_000,
             "adversarial" => 300_000,
             "prefix-cache" => 300_000,
+            "speculation" => 10_000,
             other => panic!("no floor for {other}"),
         };
         assert!(r.unique_states >= floor, "{r}");
@@ -128,6 +130,27 @@ fn glue_that_ignores_stop_decode_leaves_an_ended_request_running() {
     assert!(trace.contains("cancel"), "{trace}");
     assert!(
         trace.contains("=> engines: decode's engine runs request 100"),
+        "{trace}"
+    );
+}
+
+/// Speculation's rollback (issue 37): decode's engine verifies a draft row
+/// beside each step's; one that leaves a rejected draft's row written makes
+/// a page claim a row the sequence never had, and the world's K3 check on
+/// the engines catches it in the first state after the rejection.
+#[test]
+fn a_rejected_draft_left_written_is_caught() {
+    let mut b = Bounds::speculation();
+    b.cancels = 0;
+    b.kills = 0;
+    b.mutations.skip_rewind = true;
+    let r = run(&b);
+    let trace = violated(&r, "engines");
+    assert!(trace.contains("decode engine runs a step"), "{trace}");
+    assert!(
+        trace.contains(
+            "=> K3: decode's request 100 page 1 holds Ok(3) written rows, its sequence 2"
+        ),
         "{trace}"
     );
 }

@@ -28,6 +28,29 @@ impl World {
     /// longer its own.)
     pub fn check_engines(&self) -> Result<(), String> {
         if self.decode_up {
+            // K3 under speculation: a decoding request's pages hold exactly
+            // the rows of its sequence but the last token (sampled, not yet
+            // run) — a rejected draft's row was rolled back.
+            let ps = self.params.page_size as usize;
+            // (A request the machine ended is the check below's.)
+            for (req, d) in &self.decode.engine.decoding {
+                if self.decode.machine.phase_of(*req).is_none() {
+                    continue;
+                }
+                let computed = d.seq.len() - 1;
+                for (p, &page) in d.pages.iter().enumerate() {
+                    let want = computed.saturating_sub(p * ps).min(ps);
+                    match self.decode.engine.pool.written_slots(page, d.owner) {
+                        Ok(got) if got == want => {}
+                        got => {
+                            return Err(format!(
+                                "K3: decode's request {req} page {p} holds {got:?} written rows, \
+                                 its sequence {want}"
+                            ))
+                        }
+                    }
+                }
+            }
             if let Some(req) = self
                 .decode
                 .engine

@@ -248,11 +248,22 @@ pub struct Start {
 }
 
 /// Decode's engine over the stand-in model: a request decodes one token
-/// each time the driver steps it ([`World::decode_step`]).
+/// each time the driver steps it ([`World::decode_step`]) — or, speculating,
+/// verifies a one-token draft beside it: right every other step (kept, and
+/// the row after it gives a second token), wrong otherwise (its row rolled
+/// back with `Pool::rewind`, as the batch core does).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StandInDecode {
     pub pool: Pool,
     page_size: usize,
+    /// Verify a draft row each step (issue 37's rewind, in the model).
+    pub speculate: bool,
+    /// Drafts kept and rolled back so far.
+    pub drafts_kept: u32,
+    pub drafts_rolled_back: u32,
+    /// Test-only: a rejected draft's row stays written (the mutation the
+    /// world's K3 check must catch).
+    pub skip_rewind: bool,
     pub decoding: BTreeMap<RequestId, Decoding>,
     reports: Vec<DecodeReport>,
     /// Starts since the world last looked.
@@ -264,6 +275,10 @@ impl StandInDecode {
         StandInDecode {
             pool,
             page_size: page_size as usize,
+            speculate: true,
+            drafts_kept: 0,
+            drafts_rolled_back: 0,
+            skip_rewind: false,
             decoding: BTreeMap::new(),
             reports: Vec::new(),
             starts: Vec::new(),
@@ -278,22 +293,55 @@ impl StandInDecode {
         };
         let n = d.seq.len();
         let last = *d.seq.last().expect("non-empty");
-        let next = write_kv(&mut self.pool, &d.pages, d.owner, ps, n - 1, last)
-            .and_then(|()| next_from_pool(&self.pool, &d.pages, d.owner, ps, n));
+        let mut next = write_kv(&mut self.pool, &d.pages, d.owner, ps, n - 1, last)
+            .and_then(|()| next_from_pool(&self.pool, &d.pages, d.owner, ps, n))
+            .map(|t| vec![t]);
+        // A draft for position n, verified in the same step: right and
+        // wrong by turns (a right one's row stays, and gives the token
+        // after it; a wrong one's is rolled back: the page's watermark
+        // returns to n, so the row reads as unwritten until rewritten).
+        let speculate = self.speculate && d.generated + 2 <= d.max_tokens;
+        if let (true, Ok(tokens)) = (speculate, next.as_mut()) {
+            let t = tokens[0];
+            let right = (self.drafts_kept + self.drafts_rolled_back).is_multiple_of(2);
+            let draft = if right { t } else { t ^ 1 };
+            let verified =
+                write_kv(&mut self.pool, &d.pages, d.owner, ps, n, draft).and_then(|()| {
+                    if draft == t {
+                        self.drafts_kept += 1;
+                        next_from_pool(&self.pool, &d.pages, d.owner, ps, n + 1).map(Some)
+                    } else {
+                        self.drafts_rolled_back += 1;
+                        if self.skip_rewind {
+                            return Ok(None);
+                        }
+                        self.pool
+                            .rewind(d.pages[n / ps], d.owner, n % ps)
+                            .map(|()| None)
+                    }
+                });
+            match verified {
+                Ok(Some(bonus)) => tokens.push(bonus),
+                Ok(None) => {}
+                Err(e) => next = Err(e),
+            }
+        }
         match next {
-            Ok(t) => {
-                d.seq.push(t);
-                d.generated += 1;
+            Ok(tokens) => {
                 let conn = d.conn;
+                for &t in &tokens {
+                    d.seq.push(t);
+                    d.generated += 1;
+                    self.reports.push(DecodeReport::Token {
+                        req,
+                        conn,
+                        id: t,
+                        text: String::new(),
+                        logprobs: None,
+                    });
+                }
                 let done = d.generated >= d.max_tokens;
                 let generated = d.generated;
-                self.reports.push(DecodeReport::Token {
-                    req,
-                    conn,
-                    id: t,
-                    text: String::new(),
-                    logprobs: None,
-                });
                 if done {
                     self.decoding.remove(&req);
                     self.reports.push(DecodeReport::Finished {

@@ -38,7 +38,8 @@ struct Args {
     #[arg(long)]
     decode_pages: Option<u64>,
     /// Switch on a test-only mutation: placeholder, free-without-drain,
-    /// skip-epoch-check (the search must then find a counterexample).
+    /// skip-epoch-check, skip-rewind (the search must then find a
+    /// counterexample).
     #[arg(long)]
     mutation: Option<String>,
     /// Depth-first search (less memory, for deeper bounds).
@@ -56,7 +57,7 @@ fn main() -> ExitCode {
         name => match Bounds::ci().into_iter().find(|b| b.name == name) {
             Some(b) => vec![b],
             None => {
-                eprintln!("error: unknown suite `{name}` (two-tenants, oversize, stale-writer, adversarial, all)");
+                eprintln!("error: unknown suite `{name}` (two-tenants, oversize, stale-writer, adversarial, prefix-cache, speculation, all)");
                 return ExitCode::from(2);
             }
         },
@@ -87,8 +88,9 @@ fn main() -> ExitCode {
             Some("placeholder") => b.mutations.prefill.placeholder = true,
             Some("free-without-drain") => b.mutations.decode.free_without_drain = true,
             Some("skip-epoch-check") => b.mutations.decode.skip_epoch_check = true,
+            Some("skip-rewind") => b.mutations.skip_rewind = true,
             Some(m) => {
-                eprintln!("error: unknown mutation `{m}` (placeholder, free-without-drain, skip-epoch-check)");
+                eprintln!("error: unknown mutation `{m}` (placeholder, free-without-drain, skip-epoch-check, skip-rewind)");
                 return ExitCode::from(2);
             }
         }
