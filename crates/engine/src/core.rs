@@ -311,6 +311,9 @@ pub struct Core<F: Forward = Runner> {
     last_time: Option<Instant>,
     /// The mask workers, started with the first constrained request.
     masks: Option<masks::Masks>,
+    /// What a row costs a verification step (speculation's drafters weigh
+    /// their drafts against it).
+    row_cost: spec::RowCost,
 }
 
 /// A driver's clock (see [`Core::set_clock`]).
@@ -356,6 +359,7 @@ impl<F: Forward> Core<F> {
             clock: Arc::new(Instant::now),
             last_time: None,
             masks: None,
+            row_cost: spec::RowCost::default(),
             #[cfg(feature = "fault-incident")]
             global_scope: {
                 let on = std::env::var_os("ISOSERVE_FAULT_SHARED_CACHE").is_some_and(|v| v == "1");
@@ -1159,6 +1163,7 @@ impl<F: Forward> Core<F> {
             .rows_max
             .saturating_sub(decoding)
             .min(budget.saturating_sub(decoding));
+        let row_cost = self.row_cost.ratio();
         // Which running request each row belongs to: `seq` indexes `running`.
         for (i, a) in self.running.iter_mut().enumerate() {
             a.draft.clear();
@@ -1187,7 +1192,7 @@ impl<F: Forward> Core<F> {
                     .min(a.room().saturating_sub(EVENTS_PER_STEP_MAX));
                 let free = !a.constrained();
                 if let Some(d) = a.drafter.as_mut().filter(|_| free && limit > 0) {
-                    let n = d.propose(&a.history, limit, &spec, &mut a.draft);
+                    let n = d.propose(&a.history, limit, &spec, row_cost, decoding, &mut a.draft);
                     a.draft_pos = pos;
                     for (j, &token) in a.draft.iter().enumerate() {
                         self.rows.push(Row {
@@ -1300,6 +1305,11 @@ impl<F: Forward> Core<F> {
             )));
         }
         self.local.steps_total += 1;
+        // Decode and verification steps (no prompt rows) teach the drafters
+        // what a row costs.
+        if catching_up.is_empty() && result.is_ok() {
+            self.row_cost.record(self.rows.len(), forward_s);
+        }
         // Tokens are timed when the forward that made them ended.
         let now = self.now();
         let secs = (now - started).as_secs_f64();
@@ -1454,7 +1464,6 @@ impl<F: Forward> Core<F> {
     /// until it is written again). The rollback is read back: a page that
     /// still claims a rejected row fails the request.
     fn settle_draft(&mut self, i: usize) -> Result<(), RequestError> {
-        let spec = self.cfg.speculation;
         let ps = self.cfg.page_size_tokens;
         let a = &mut self.running[i];
         let drafted = a.draft.len();
@@ -1462,7 +1471,7 @@ impl<F: Forward> Core<F> {
         self.local.spec_draft_tokens_total += drafted as u64;
         self.local.spec_accepted_tokens_total += a.draft_kept as u64;
         if let Some(d) = a.drafter.as_mut() {
-            d.verified(a.draft_kept, &spec);
+            d.verified(a.draft_kept);
         }
         // Rows written: the decode row and the draft's. Kept: the history
         // but its last token (sampled, not yet run).

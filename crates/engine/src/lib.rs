@@ -128,11 +128,11 @@ impl Default for Speculation {
     fn default() -> Self {
         Speculation {
             method: SpecMethod::Off,
-            k_max: 5,
+            k_max: 16,
             ngram_min: 2,
             ngram_max: 4,
-            prediction_k_max: 16,
-            rows_max: 24,
+            prediction_k_max: 32,
+            rows_max: 32,
         }
     }
 }

@@ -195,7 +195,7 @@ pub struct NodeEngineArgs {
     pub speculative: SpeculativeArg,
     /// Draft tokens a request verifies in one step at most (prompt
     /// lookup); adapted per request below it.
-    #[arg(long, default_value_t = 5, value_parser = spec_tokens)]
+    #[arg(long, default_value_t = 16, value_parser = spec_tokens)]
     pub num_speculative_tokens: usize,
     /// The shortest and longest tail of the output prompt lookup looks up.
     #[arg(long, default_value_t = 2, value_parser = ngram_size)]
@@ -204,13 +204,13 @@ pub struct NodeEngineArgs {
     pub prompt_lookup_max: usize,
     /// Draft tokens a request verifies in one step at most from its
     /// `prediction` (OpenAI's Predicted Outputs).
-    #[arg(long, default_value_t = 16, value_parser = spec_tokens)]
+    #[arg(long, default_value_t = 32, value_parser = spec_tokens)]
     pub prediction_draft_tokens: usize,
     /// Rows one step gives to drafts at most, less one per decoding
     /// request: speculation gives way as the batch grows, and stops from
     /// this many decoding requests on (0: never speculate, predictions
     /// included).
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = 32)]
     pub speculative_rows: usize,
     /// vLLM's form of the above, as JSON: `{"method": "ngram",
     /// "num_speculative_tokens": 5, "prompt_lookup_min": 2,

@@ -21,11 +21,16 @@
 //! three anywhere else — then in the request's own history
 //! (`ngram_max` down to `ngram_min` tokens), and follows that.
 //!
-//! How many tokens to draft adapts to the request's acceptance: it doubles
-//! after a draft kept whole, drops to one more than what was kept after a
-//! partial one, and after drafts kept nothing the drafter sits out a
-//! growing number of steps — text that matches nothing decodes one row a
-//! step, as without speculation.
+//! How many tokens to draft is chosen every step by a cost model: the
+//! request's acceptance rate α (per drafted token, from its recent
+//! verifications) against what one more row costs a step, as a share of a
+//! one-row step (`c`, which the core fits from its own steps' times). A
+//! draft of k tokens yields 1 + α + α² + … + α^k tokens a step for a step
+//! 1 + c·k as long; the drafter drafts the k that yields the most tokens
+//! per unit of time. When no draft pays (α too low for the cost), it still
+//! probes with one token now and then — after probes that kept nothing it
+//! sits out a growing number of steps — so text that matches nothing
+//! decodes one row a step, as without speculation.
 
 use crate::{SpecMethod, Speculation};
 
@@ -65,9 +70,14 @@ pub(crate) struct Drafter {
     /// The prediction's position the output was last aligned to: a search
     /// prefers what comes after it (an edit moves forward through a file).
     floor: usize,
-    /// Tokens the next draft may hold (adapted).
-    k: usize,
-    /// Drafts in a row that kept nothing, and steps left to sit out.
+    /// Verified draft tokens kept, and drafts that parted from the model
+    /// (a rejected token), each decayed by [`DECAY`] a verification: the
+    /// acceptance rate's evidence.
+    kept_w: f64,
+    parted_w: f64,
+    /// The last draft was a probe (no draft paid): probes that kept
+    /// nothing in a row, and steps left to sit out.
+    probing: bool,
     misses: u32,
     idle: u32,
     /// The draft being verified: its source and its length.
@@ -95,7 +105,12 @@ impl Drafter {
             prediction,
             cursor,
             floor: 0,
-            k: cfg.k_max.clamp(1, 4),
+            // A prior worth a couple of verifications: the caller's
+            // prediction is trusted more than a lookup in the request's
+            // own text.
+            kept_w: if cursor.is_some() { 6.0 } else { 3.0 },
+            parted_w: 1.0,
+            probing: false,
             misses: 0,
             idle: 0,
             pending: None,
@@ -115,11 +130,16 @@ impl Drafter {
     /// Proposes up to `limit` tokens to follow `history` (the prompt and
     /// the output so far; its last token is the step's decode row) into
     /// `out` (cleared first). Returns how many.
+    /// `row_cost`: what one more row costs a step, as a share of a
+    /// one-row step; `batch`: the step's decode rows.
+    #[allow(clippy::too_many_arguments)]
     pub fn propose(
         &mut self,
         history: &[u32],
         limit: usize,
         cfg: &Speculation,
+        row_cost: f64,
+        batch: usize,
         out: &mut Vec<u32>,
     ) -> usize {
         out.clear();
@@ -149,7 +169,14 @@ impl Drafter {
         if c.src == Source::Prediction {
             self.floor = c.at;
         }
-        let k = self.k.min(self.k_max(cfg)).min(limit);
+        let best = best_k(
+            self.acceptance(),
+            row_cost,
+            batch,
+            self.k_max(cfg).min(limit),
+        );
+        self.probing = best == 0;
+        let k = best.max(1).min(limit);
         let src = self.source(c.src, history);
         let from = (c.at + 1).min(src.len());
         let to = (from + k).min(src.len());
@@ -211,7 +238,7 @@ impl Drafter {
     }
 
     /// The verification of the pending draft kept `kept` of its tokens.
-    pub fn verified(&mut self, kept: usize, cfg: &Speculation) {
+    pub fn verified(&mut self, kept: usize) {
         let Some((src, drafted)) = self.pending.take() else {
             return;
         };
@@ -225,23 +252,108 @@ impl Drafter {
         if let Some(c) = self.cursor.as_mut() {
             c.at += 1 + kept;
         }
-        let k_max = match src {
-            Source::Prediction => cfg.prediction_k_max,
-            Source::History => cfg.k_max,
-        }
-        .max(1);
-        if kept == drafted {
-            self.k = (self.k * 2).min(k_max);
+        self.kept_w = DECAY * self.kept_w + kept as f64;
+        self.parted_w = DECAY * self.parted_w + f64::from(u8::from(kept < drafted));
+        if kept > 0 {
             self.misses = 0;
-        } else if kept > 0 {
-            self.k = (kept + 1).min(k_max);
-            self.misses = 0;
-        } else {
-            self.k = 1;
+        } else if self.probing {
             self.misses += 1;
             // Sit out 0, 1, 3, 7, then 15 steps after 1, 2, 3, 4, 5 misses.
             self.idle = ((1u32 << (self.misses - 1).min(4)) - 1).min(IDLE_STEPS_MAX);
         }
+    }
+
+    /// The estimated chance that the model keeps the next drafted token.
+    fn acceptance(&self) -> f64 {
+        (self.kept_w + 0.5) / (self.kept_w + self.parted_w + 1.0)
+    }
+}
+
+/// How much a verification's evidence of the acceptance rate is worth at
+/// the next (its weight halves in about three).
+const DECAY: f64 = 0.8;
+
+/// The draft length (0 to `k_max`) that yields the most tokens per unit
+/// of time for the step's batch of `batch` decode rows: a draft of k
+/// tokens each kept with chance `alpha` (while the ones before were) adds
+/// α + … + α^k tokens to the step's `batch`, and k rows to a step that
+/// costs, in rows, a fixed part (1 − c)/c plus one a row (`c` =
+/// `row_cost`, a row's share of a one-row step). Alone (`batch` 1) a draft
+/// pays when α beats c; in a batch of B it must beat the share of the
+/// step that is per-row work, cB/(1 − c + cB): a full step has little
+/// room for drafts.
+pub(crate) fn best_k(alpha: f64, row_cost: f64, batch: usize, k_max: usize) -> usize {
+    let fixed = (1.0 - row_cost) / row_cost;
+    let b = batch.max(1) as f64;
+    let (mut best, mut best_rate) = (0, b / (fixed + b));
+    let (mut tokens, mut p) = (b, 1.0);
+    for k in 1..=k_max {
+        p *= alpha;
+        tokens += p;
+        let rate = tokens / (fixed + b + k as f64);
+        if rate > best_rate * 1.0001 {
+            (best, best_rate) = (k, rate);
+        }
+    }
+    best
+}
+
+/// Step time against rows, fitted as a line over recent verification
+/// steps (exponentially forgotten): the marginal cost of a row as a share
+/// of a one-row step, which the drafters weigh drafts against.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct RowCost {
+    /// A ratio set rather than fitted (tests, whose stand-in model's steps
+    /// take no time worth fitting).
+    fixed: Option<f64>,
+    w: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+}
+
+/// A row's share of a one-row step until the fit has evidence.
+const ROW_COST_DEFAULT: f64 = 0.15;
+
+/// Each step's weight in the fit decays by this a step (about 50 steps).
+const ROW_COST_FORGET: f64 = 0.98;
+
+impl RowCost {
+    #[cfg(test)]
+    pub fn fixed(ratio: f64) -> RowCost {
+        RowCost {
+            fixed: Some(ratio),
+            ..RowCost::default()
+        }
+    }
+
+    /// A step of `rows` rows took `secs`.
+    pub fn record(&mut self, rows: usize, secs: f64) {
+        let (x, l) = (rows as f64, ROW_COST_FORGET);
+        self.w = l * self.w + 1.0;
+        self.sx = l * self.sx + x;
+        self.sy = l * self.sy + secs;
+        self.sxx = l * self.sxx + x * x;
+        self.sxy = l * self.sxy + x * secs;
+    }
+
+    /// One more row's cost as a share of a one-row step (clamped to
+    /// [0.01, 1]; the default until steps of different sizes were seen).
+    pub fn ratio(&self) -> f64 {
+        if let Some(r) = self.fixed {
+            return r;
+        }
+        let den = self.w * self.sxx - self.sx * self.sx;
+        if self.w < 4.0 || den <= 1e-9 * self.w * self.sxx.max(1.0) {
+            return ROW_COST_DEFAULT;
+        }
+        let b = (self.w * self.sxy - self.sx * self.sy) / den;
+        let a = (self.sy - b * self.sx) / self.w;
+        if !(b > 0.0) || !(a + b > 0.0) {
+            return ROW_COST_DEFAULT;
+        }
+        (b / (a + b)).clamp(0.01, 1.0)
     }
 }
 
@@ -287,6 +399,10 @@ mod tests {
         }
     }
 
+    /// Rows this cheap make every draft up to `limit` pay while the
+    /// acceptance rate is fair: `limit` sets the draft's length.
+    const CHEAP: f64 = 0.01;
+
     #[test]
     fn prompt_lookup_follows_the_latest_earlier_occurrence_of_the_tail() {
         let c = cfg(SpecMethod::Ngram);
@@ -294,19 +410,19 @@ mod tests {
         let mut out = Vec::new();
         // "1 2 3" twice before the tail: the later one is followed by 7 8 6 1.
         let h = [1, 2, 3, 9, 9, 5, 1, 2, 3, 7, 8, 6, 1, 2, 3];
-        assert_eq!(d.propose(&h, 8, &c, &mut out), 4);
+        assert_eq!(d.propose(&h, 4, &c, CHEAP, 1, &mut out), 4);
         assert_eq!(out, [7, 8, 6, 1]);
         // Two kept, then the model said 4 where the source says 6: a
         // substitution is guessed once (the source goes on after the 6).
-        d.verified(2, &c);
+        d.verified(2);
         let h2 = [&h[..], &[7, 8, 4]].concat();
-        assert_eq!(d.propose(&h2, 8, &c, &mut out), 3);
+        assert_eq!(d.propose(&h2, 3, &c, CHEAP, 1, &mut out), 3);
         assert_eq!(out, [1, 2, 3]);
         // It was not one (the model said 5): "8 4 5" and its tails occur
         // nowhere before, so nothing is drafted.
-        d.verified(0, &c);
+        d.verified(0);
         let h3 = [&h2[..], &[5]].concat();
-        assert_eq!(d.propose(&h3, 8, &c, &mut out), 0);
+        assert_eq!(d.propose(&h3, 8, &c, CHEAP, 1, &mut out), 0);
     }
 
     #[test]
@@ -317,56 +433,67 @@ mod tests {
         let mut out = Vec::new();
         // The first token sampled was the prediction's first.
         let mut h = vec![1, 2, 100];
-        assert_eq!(d.propose(&h, 32, &c, &mut out), 4);
+        assert_eq!(d.propose(&h, 4, &c, CHEAP, 1, &mut out), 4);
         assert_eq!(out, [101, 102, 103, 104]);
-        // All kept, and the model's own next token was 105: k doubles.
+        // All kept, and the model's own next token was 105.
         h.extend([101, 102, 103, 104, 105]);
-        d.verified(4, &c);
-        assert_eq!(d.propose(&h, 32, &c, &mut out), 8);
+        d.verified(4);
+        assert_eq!(d.propose(&h, 32, &c, CHEAP, 1, &mut out), 8);
         assert_eq!(out, (106..114).collect::<Vec<_>>());
         assert_eq!(d.accepted_prediction, 4);
         // Three kept, then the output parted (it said 7).
         h.extend([106, 107, 108, 7]);
-        d.verified(3, &c);
+        d.verified(3);
         assert_eq!((d.accepted_prediction, d.rejected_prediction), (7, 5));
         // A substitution is guessed: the prediction goes on after 109.
-        assert_eq!(d.propose(&h, 32, &c, &mut out), 4);
+        assert_eq!(d.propose(&h, 4, &c, CHEAP, 1, &mut out), 4);
         assert_eq!(out, [110, 111, 112, 113]);
         // It was not one (the model said 8): nothing kept, and no second
         // guess; "7 8" and "8" are nowhere in the prediction.
         h.push(8);
-        d.verified(0, &c);
-        assert_eq!(d.propose(&h, 32, &c, &mut out), 0);
+        d.verified(0);
+        assert_eq!(d.propose(&h, 32, &c, CHEAP, 1, &mut out), 0);
         // The output came back to the prediction at 112 (an edit replaced
         // 109 to 111 with 7 8): one token so near realigns it.
         h.push(112);
-        assert_eq!(d.propose(&h, 32, &c, &mut out), 1);
+        assert_eq!(d.propose(&h, 1, &c, CHEAP, 1, &mut out), 1);
         assert_eq!(out, [113]);
         // Far ahead, a single token does not realign; three tokens do.
         let mut far = Drafter::new((100..140).collect(), &c).unwrap();
-        assert_eq!(far.propose(&[1, 2, 5, 138], 32, &c, &mut out), 0);
-        assert_eq!(far.propose(&[1, 136, 137, 138], 32, &c, &mut out), 1);
+        assert_eq!(far.propose(&[1, 2, 5, 138], 32, &c, CHEAP, 1, &mut out), 0);
+        assert_eq!(
+            far.propose(&[1, 136, 137, 138], 32, &c, CHEAP, 1, &mut out),
+            1
+        );
         assert_eq!(out, [139]);
     }
 
+    /// Drafts that keep nothing lower the acceptance rate until no draft
+    /// pays for its row; from then on the drafter only probes, one token
+    /// at a time, sitting out growing spells between probes that keep
+    /// nothing: a request whose drafts never match runs nearly every step
+    /// with its one decode row.
     #[test]
     fn drafts_that_keep_nothing_make_the_drafter_sit_out_growing_spells() {
         let c = cfg(SpecMethod::Ngram);
         let mut d = Drafter::new(Vec::new(), &c).unwrap();
         let mut out = Vec::new();
         let h = [5, 6, 1, 5, 6];
-        let mut drafted_steps = Vec::new();
-        for step in 0..40 {
-            if d.propose(&h, 8, &c, &mut out) > 0 {
-                drafted_steps.push(step);
-                d.verified(0, &c);
-                // The cursor moved past the rejected draft: put it back
-                // where the search would find it, as a fresh output would.
+        let mut drafted = Vec::new();
+        for step in 0..64 {
+            let n = d.propose(&h, 8, &c, 0.2, 1, &mut out);
+            if n > 0 {
+                drafted.push((step, n));
+                d.verified(0);
+                // Back where the search finds it, as a fresh output would be.
                 d.cursor = None;
             }
         }
-        // Gaps of 0, 1, 3, 7, then 15 steps.
-        assert_eq!(drafted_steps, [0, 1, 3, 7, 15, 31]);
+        let steps: Vec<usize> = drafted.iter().map(|&(s, _)| s).collect();
+        assert_eq!(steps, [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 14, 22, 38, 54]);
+        // Drafts shrink to single-token probes.
+        assert!(drafted.iter().skip(3).all(|&(_, n)| n == 1), "{drafted:?}");
+        assert!(drafted[0].1 > 1, "{drafted:?}");
     }
 
     #[test]
@@ -374,25 +501,82 @@ mod tests {
         let c = cfg(SpecMethod::Off);
         let mut d = Drafter::new((0..100).collect(), &c).unwrap();
         let mut out = Vec::new();
-        assert_eq!(d.propose(&[0], 2, &c, &mut out), 2);
+        assert_eq!(d.propose(&[0], 2, &c, CHEAP, 1, &mut out), 2);
         assert_eq!(out, [1, 2]);
-        d.verified(2, &c);
-        // k may grow, never past prediction_k_max, and never past `limit`.
+        d.verified(2);
+        // Never past prediction_k_max, and never past `limit`.
         let mut h = vec![0, 1, 2, 3];
         for _ in 0..6 {
-            let n = d.propose(&h, 100, &c, &mut out);
-            assert!(n <= c.prediction_k_max);
+            let n = d.propose(&h, 100, &c, CHEAP, 1, &mut out);
+            assert!((1..=c.prediction_k_max).contains(&n));
             h.extend_from_slice(&out.clone());
             let next = *h.last().unwrap() + 1;
-            d.verified(n, &c);
+            d.verified(n);
             h.push(next);
         }
-        assert_eq!(d.propose(&h, 100, &c, &mut out), c.prediction_k_max);
+        assert_eq!(
+            d.propose(&h, 100, &c, CHEAP, 1, &mut out),
+            c.prediction_k_max
+        );
+        assert_eq!(d.propose(&h, 3, &c, CHEAP, 1, &mut out), 3);
         // The end of the prediction ends the draft.
         let mut d = Drafter::new(vec![1, 2], &c).unwrap();
-        assert_eq!(d.propose(&[1], 100, &c, &mut out), 1);
-        d.verified(1, &c);
-        assert_eq!(d.propose(&[1, 2, 3], 100, &c, &mut out), 0);
+        assert_eq!(d.propose(&[1], 100, &c, CHEAP, 1, &mut out), 1);
+        d.verified(1);
+        assert_eq!(d.propose(&[1, 2, 3], 100, &c, CHEAP, 1, &mut out), 0);
+    }
+
+    #[test]
+    fn the_draft_length_weighs_the_acceptance_rate_against_a_rows_cost() {
+        // Nearly sure drafts on cheap rows: long; hopeless ones: none.
+        assert!(best_k(0.95, 0.05, 1, 16) >= 8);
+        assert_eq!(best_k(0.05, 0.15, 1, 16), 0);
+        assert_eq!(best_k(0.95, 0.05, 1, 3), 3);
+        // Alone, a draft pays when α beats c.
+        assert_eq!(best_k(0.09, 0.1, 1, 16), 0);
+        assert!(best_k(0.12, 0.1, 1, 16) >= 1);
+        // In a batch of 16 rows that cost a tenth of a one-row step each,
+        // a draft must beat 1.6/2.5 = 0.64.
+        assert_eq!(best_k(0.6, 0.1, 16, 16), 0);
+        assert!(best_k(0.7, 0.1, 16, 16) >= 1);
+        // More acceptance never drafts less; dearer rows and fuller
+        // batches never more.
+        for c in [0.02, 0.1, 0.3, 0.8] {
+            let ks: Vec<usize> = (0..=20)
+                .map(|i| best_k(i as f64 / 20.0, c, 1, 32))
+                .collect();
+            assert!(ks.windows(2).all(|w| w[0] <= w[1]), "c {c}: {ks:?}");
+        }
+        for a in [0.3, 0.6, 0.9, 0.99] {
+            let ks: Vec<usize> = [0.01, 0.05, 0.1, 0.3, 1.0]
+                .iter()
+                .map(|&c| best_k(a, c, 1, 32))
+                .collect();
+            assert!(ks.windows(2).all(|w| w[0] >= w[1]), "alpha {a}: {ks:?}");
+            let ks: Vec<usize> = [1, 2, 4, 8, 16, 32]
+                .iter()
+                .map(|&b| best_k(a, 0.1, b, 32))
+                .collect();
+            assert!(ks.windows(2).all(|w| w[0] >= w[1]), "alpha {a}: {ks:?}");
+        }
+    }
+
+    #[test]
+    fn a_rows_cost_is_fitted_from_the_steps_times() {
+        let mut r = RowCost::default();
+        assert_eq!(r.ratio(), ROW_COST_DEFAULT);
+        // One-row steps alone say nothing of a row's cost.
+        for _ in 0..20 {
+            r.record(1, 0.002);
+        }
+        assert_eq!(r.ratio(), ROW_COST_DEFAULT);
+        // 2 ms a step and 0.25 ms a row: a row is 1/8 of a one-row step.
+        for _ in 0..50 {
+            for rows in [1, 5, 9] {
+                r.record(rows, 0.00175 + 0.00025 * rows as f64);
+            }
+        }
+        assert!((r.ratio() - 0.125).abs() < 0.01, "{}", r.ratio());
     }
 
     #[test]
