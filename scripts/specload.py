@@ -128,7 +128,55 @@ def body_of(prompt, max_tokens, prediction=None, model=None):
     return b
 
 
+def summarize(path):
+    """Medians per (model, configuration, workload) and the ratios the
+    issue asks for, as the Markdown table BENCHMARKS.md holds."""
+    import statistics
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    runs = {}
+    for r in rows:
+        model, label = r["label"].split(" ", 1)
+        if r.get("prediction"):
+            label += "+prediction"
+        key = (model, r["workload"], label)
+        if r["workload"] == "editing-16":
+            v = r["aggregate_tok_s"]
+        elif r["workload"] == "repeating":
+            v = r["decode_tok_s_tenth"]
+        else:
+            v = r["decode_tok_s"]
+        runs.setdefault(key, []).append((v, r.get("sha")))
+    med = {k: statistics.median(v for v, _ in vs) for k, vs in runs.items()}
+    same = {k: len({json.dumps(s) for _, s in vs}) == 1 for k, vs in runs.items()}
+    print("| model | workload | isoserve off | prompt lookup | × | prediction | × | "
+          "llama-server | its lookup | × | ours / theirs (lookup) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    models = sorted({k[0] for k in med})
+    for m in models:
+        for w in ["editing", "quoting", "no-match", "repeating", "editing-16"]:
+            g = lambda lab: med.get((m, w, lab))
+            off, ng, pr = g("off"), g("ngram"), g("off+prediction")
+            lo, ln = g("llama-off"), g("llama-ngram")
+            if off is None:
+                continue
+            f = lambda x: f"{x:.0f}" if x else "–"
+            r = lambda a, b: f"{a / b:.2f}" if a and b else "–"
+            print(f"| {m} | {w} | {f(off)} | {f(ng)} | {r(ng, off)} | {f(pr)} | {r(pr, off)} | "
+                  f"{f(lo)} | {f(ln)} | {r(ln, lo)} | {r(ng, ln)} |")
+    for m in models:
+        answers = {k[2]: {json.dumps(s) for _, s in vs} for k, vs in runs.items()
+                   if k[0] == m and k[1] == "editing" and not k[2].startswith("llama")}
+        print(f"\n{m}: isoserve's editing answers, by configuration: "
+              + ", ".join(f"{lab} {sorted(a)}" for lab, a in sorted(answers.items())))
+    if not all(same.values()):
+        print("\nconfigurations whose answer changed between repetitions:",
+              [k for k, v in same.items() if not v])
+
+
 def main():
+    if len(__import__("sys").argv) == 3 and __import__("sys").argv[1] == "--summarize":
+        summarize(__import__("sys").argv[2])
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
     ap.add_argument("--workload", required=True,

@@ -314,6 +314,14 @@ pub struct Core<F: Forward = Runner> {
     /// What a row costs a verification step (speculation's drafters weigh
     /// their drafts against it).
     row_cost: spec::RowCost,
+    /// Earlier requests' prompts and outputs, by cache scope, for
+    /// `--speculative suffix` (K11: a request drafts from its own scope's).
+    suffix: spec::SuffixCache,
+    /// `fault-incident` builds with `ISOSERVE_FAULT_SHARED_DRAFT_POOL=1`:
+    /// one suffix-cache scope for every tenant — the cross-tenant draft
+    /// `isoserve probe`'s draft check must catch (tests/http/test_probe.py).
+    #[cfg(feature = "fault-incident")]
+    shared_drafts: bool,
 }
 
 /// A driver's clock (see [`Core::set_clock`]).
@@ -360,6 +368,19 @@ impl<F: Forward> Core<F> {
             last_time: None,
             masks: None,
             row_cost: spec::RowCost::default(),
+            suffix: spec::SuffixCache::default(),
+            #[cfg(feature = "fault-incident")]
+            shared_drafts: {
+                let on =
+                    std::env::var_os("ISOSERVE_FAULT_SHARED_DRAFT_POOL").is_some_and(|v| v == "1");
+                if on {
+                    tracing::error!(
+                        "FAULT-INCIDENT BUILD: one suffix-cache scope for every tenant \
+                         (ISOSERVE_FAULT_SHARED_DRAFT_POOL=1); for testing isoserve probe only"
+                    );
+                }
+                on
+            },
             #[cfg(feature = "fault-incident")]
             global_scope: {
                 let on = std::env::var_os("ISOSERVE_FAULT_SHARED_CACHE").is_some_and(|v| v == "1");
@@ -494,6 +515,25 @@ impl<F: Forward> Core<F> {
 
     /// Publishes occupancy and counters to the shared stats.
     pub fn publish(&mut self) {
+        // A scope's suffix-cache entries go with its last cached page
+        // (evicted, or never cached: a request shorter than a page).
+        if self.cfg.speculation.method == crate::SpecMethod::Suffix {
+            let pool = &self.pool;
+            #[cfg(feature = "fault-incident")]
+            let shared = self.shared_drafts;
+            #[cfg(not(feature = "fault-incident"))]
+            let shared = false;
+            // (The fault build keeps every scope's text under one key,
+            // while any scope caches a page.)
+            self.suffix.retain(|s| {
+                if shared {
+                    pool.pages_cached() > 0
+                } else {
+                    pool.caches_scope(s)
+                }
+            });
+            (self.local.spec_suffix_scopes, self.local.spec_suffix_tokens) = self.suffix.size();
+        }
         self.local.pool = self.pool.stats();
         self.local.running = self.running.len();
         self.local.waiting = self.tenants.values().map(|q| q.waiting.len()).sum();
@@ -1192,7 +1232,21 @@ impl<F: Forward> Core<F> {
                     .min(a.room().saturating_sub(EVENTS_PER_STEP_MAX));
                 let free = !a.constrained();
                 if let Some(d) = a.drafter.as_mut().filter(|_| free && limit > 0) {
-                    let n = d.propose(&a.history, limit, &spec, row_cost, decoding, &mut a.draft);
+                    let stored = match spec.method {
+                        crate::SpecMethod::Suffix => self.suffix.entries(suffix_scope(
+                            a.owner.scope,
+                            #[cfg(feature = "fault-incident")]
+                            self.shared_drafts,
+                        )),
+                        _ => &[],
+                    };
+                    let ctx = spec::StepCtx {
+                        cfg: &spec,
+                        row_cost,
+                        batch: decoding,
+                        stored,
+                    };
+                    let n = d.propose(&a.history, limit, &ctx, &mut a.draft);
                     a.draft_pos = pos;
                     for (j, &token) in a.draft.iter().enumerate() {
                         self.rows.push(Row {
@@ -1505,6 +1559,21 @@ impl<F: Forward> Core<F> {
     /// Ends a request that finished: its Done event; frees its pages (Full
     /// mode) and counts it.
     fn done_event(&mut self, mut a: Active, finish: FinishReason) -> (Active, DoneEvent) {
+        // The suffix cache keeps what the request read and wrote for its
+        // scope's later requests; scopes whose cached pages are all gone
+        // lose theirs.
+        if self.cfg.speculation.method == crate::SpecMethod::Suffix
+            && self.cfg.prefix_cache == PrefixCache::Tenant
+            && a.mode == Mode::Full
+        {
+            let scope = suffix_scope(
+                a.owner.scope,
+                #[cfg(feature = "fault-incident")]
+                self.shared_drafts,
+            );
+            self.suffix
+                .insert(scope, &a.history, self.cfg.speculation.suffix_tokens);
+        }
         if a.mode == Mode::Full && self.cfg.prefix_cache == PrefixCache::Tenant {
             // Cache the whole conversation so far (a next turn starts with
             // it): every full page whose slots were all written — all of
@@ -1724,6 +1793,16 @@ impl<F: Forward> Core<F> {
 }
 
 /// Undoes an admission that failed half way (see [`Pool::give_back`]).
+/// The suffix-cache key of a request's scope: the scope itself (K11) —
+/// in the fault build with the shared draft pool on, one key for all.
+fn suffix_scope(scope: kv::Scope, #[cfg(feature = "fault-incident")] shared: bool) -> kv::Scope {
+    #[cfg(feature = "fault-incident")]
+    if shared {
+        return kv::Scope::derived(0);
+    }
+    scope
+}
+
 fn give_back(pool: &mut Pool, owner: Owner, pages: &[PageRef], acquired: usize) {
     let refused = pool.give_back(owner, pages, acquired);
     if refused > 0 {

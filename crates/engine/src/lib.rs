@@ -98,6 +98,11 @@ pub enum SpecMethod {
     /// Prompt lookup: the longest tail of the output found in the
     /// request's own prompt and output (vLLM's `ngram`, llama.cpp's lookup).
     Ngram,
+    /// Prompt lookup, and the suffix cache: the prompts and outputs of
+    /// earlier requests of the request's own cache scope (K11), for agents
+    /// and batch jobs that repeat themselves (vLLM's `suffix`). Needs the
+    /// prefix cache: its entries live and go with the scope's cached pages.
+    Suffix,
 }
 
 /// Speculative decoding's limits.
@@ -119,10 +124,16 @@ pub struct Speculation {
     /// speculation turns itself down as the batch grows (none from this
     /// many decoding requests on).
     pub rows_max: usize,
+    /// The suffix cache's tokens per scope (`SpecMethod::Suffix`).
+    pub suffix_tokens: usize,
 }
 
 /// The largest `k_max` and `prediction_k_max` accepted.
 pub const SPEC_K_MAX: usize = 64;
+
+/// The largest `suffix_tokens` accepted (a scope's memory: 4 bytes a
+/// token, for each of at most 256 scopes).
+pub const SUFFIX_TOKENS_MAX: usize = 1 << 20;
 
 impl Default for Speculation {
     fn default() -> Self {
@@ -133,6 +144,7 @@ impl Default for Speculation {
             ngram_max: 4,
             prediction_k_max: 32,
             rows_max: 32,
+            suffix_tokens: 16_384,
         }
     }
 }
@@ -157,7 +169,8 @@ impl EngineConfig {
         format!(
             "page_size={} kv_pages={} kv_memory_bytes={} max_context={} step_tokens={} \
              max_running={} max_queue={} kv_dtype={:?} kv_poison={:?} prefix_cache={:?} \
-             speculative={:?} spec_k={} spec_ngram={}..={} spec_prediction_k={} spec_rows={}",
+             speculative={:?} spec_k={} spec_ngram={}..={} spec_prediction_k={} spec_rows={} \
+             suffix_cache_tokens={}",
             self.page_size_tokens,
             opt(self.kv_pages.map(|p| p.to_string())),
             self.kv_memory_bytes,
@@ -174,6 +187,7 @@ impl EngineConfig {
             self.speculation.ngram_max,
             self.speculation.prediction_k_max,
             self.speculation.rows_max,
+            self.speculation.suffix_tokens,
         )
     }
 }

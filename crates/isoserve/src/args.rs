@@ -188,9 +188,12 @@ pub struct NodeEngineArgs {
     #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
     pub kv_dtype: KvDtypeArg,
     /// Speculative decoding's drafts besides a request's `prediction`
-    /// (which is always verified): `off`, or `ngram` — prompt lookup, the
+    /// (which is always verified): `off`; `ngram` — prompt lookup, the
     /// output's tail looked up in the request's own prompt and output
-    /// (vLLM's `ngram`, llama.cpp's lookup decoding). Output is unchanged.
+    /// (vLLM's `ngram`, llama.cpp's lookup decoding); or `suffix` — prompt
+    /// lookup and the suffix cache, earlier requests' prompts and outputs
+    /// of the same cache scope (vLLM's `suffix`; needs --prefix-cache
+    /// tenant). Output is unchanged.
     #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
     pub speculative: SpeculativeArg,
     /// Draft tokens a request verifies in one step at most (prompt
@@ -212,6 +215,10 @@ pub struct NodeEngineArgs {
     /// included).
     #[arg(long, default_value_t = 32)]
     pub speculative_rows: usize,
+    /// The suffix cache's tokens per cache scope (`--speculative suffix`;
+    /// at most 256 scopes are kept, the least recently used going first).
+    #[arg(long, default_value_t = 16384, value_parser = suffix_tokens)]
+    pub suffix_cache_tokens: usize,
     /// vLLM's form of the above, as JSON: `{"method": "ngram",
     /// "num_speculative_tokens": 5, "prompt_lookup_min": 2,
     /// "prompt_lookup_max": 4}` (overrides those flags; an unknown key is
@@ -226,6 +233,15 @@ pub struct NodeEngineArgs {
 pub enum SpeculativeArg {
     Off,
     Ngram,
+    Suffix,
+}
+
+fn suffix_tokens(v: &str) -> Result<usize, String> {
+    let n: usize = v.parse().map_err(|e| format!("`{v}`: {e}"))?;
+    if n > engine::SUFFIX_TOKENS_MAX {
+        return Err(format!("{n} is more than {}", engine::SUFFIX_TOKENS_MAX));
+    }
+    Ok(n)
 }
 
 fn spec_tokens(v: &str) -> Result<usize, String> {
@@ -260,8 +276,12 @@ struct SpeculativeConfig {
 fn parse_speculative_config(v: &str) -> Result<SpeculativeConfig, String> {
     let c: SpeculativeConfig = serde_json::from_str(v).map_err(|e| e.to_string())?;
     match c.method.as_deref() {
-        None | Some("ngram") => {}
-        Some(m) => return Err(format!("method `{m}`: the methods served are `ngram`")),
+        None | Some("ngram") | Some("suffix") => {}
+        Some(m) => {
+            return Err(format!(
+                "method `{m}`: the methods served are `ngram` and `suffix`"
+            ))
+        }
     }
     if let Some(n) = c.num_speculative_tokens {
         spec_tokens(&n.to_string()).map_err(|e| format!("num_speculative_tokens: {e}"))?;
@@ -568,20 +588,31 @@ pub(crate) fn engine_config(e: &NodeEngineArgs) -> Result<EngineConfig> {
         method: match e.speculative {
             SpeculativeArg::Off => engine::SpecMethod::Off,
             SpeculativeArg::Ngram => engine::SpecMethod::Ngram,
+            SpeculativeArg::Suffix => engine::SpecMethod::Suffix,
         },
         k_max: e.num_speculative_tokens,
         ngram_min: e.prompt_lookup_min,
         ngram_max: e.prompt_lookup_max,
         prediction_k_max: e.prediction_draft_tokens,
         rows_max: e.speculative_rows,
+        suffix_tokens: e.suffix_cache_tokens,
     };
     if let Some(json) = &e.speculative_config {
         let c = parse_speculative_config(json)
             .map_err(|why| anyhow::anyhow!("--speculative-config: {why}"))?;
-        spec.method = engine::SpecMethod::Ngram;
+        spec.method = match c.method.as_deref() {
+            Some("suffix") => engine::SpecMethod::Suffix,
+            _ => engine::SpecMethod::Ngram,
+        };
         spec.k_max = c.num_speculative_tokens.unwrap_or(spec.k_max);
         spec.ngram_min = c.prompt_lookup_min.unwrap_or(spec.ngram_min);
         spec.ngram_max = c.prompt_lookup_max.unwrap_or(spec.ngram_max);
+    }
+    if spec.method == engine::SpecMethod::Suffix && e.prefix_cache == PrefixCacheArg::Off {
+        anyhow::bail!(
+            "--speculative suffix needs the prefix cache (--prefix-cache tenant): the suffix \
+             cache's entries live and go with their scope's cached pages"
+        );
     }
     if spec.ngram_min > spec.ngram_max {
         anyhow::bail!(
@@ -762,6 +793,8 @@ mod tests {
             "9",
             "--speculative-rows",
             "11",
+            "--suffix-cache-tokens",
+            "999",
             "--speculative-config",
             r#"{"method": "ngram", "num_speculative_tokens": 6}"#,
         ];

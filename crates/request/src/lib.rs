@@ -1019,6 +1019,10 @@ pub struct EngineStats {
     pub spec_drafts_total: u64,
     pub spec_draft_tokens_total: u64,
     pub spec_accepted_tokens_total: u64,
+    /// The suffix cache (`--speculative suffix`): scopes with entries, and
+    /// the tokens they hold.
+    pub spec_suffix_scopes: usize,
+    pub spec_suffix_tokens: usize,
     /// Each active tenant's requests in the engine (K13), by tenant id.
     pub tenants: Vec<TenantLoad>,
 }

@@ -215,6 +215,15 @@ const F_SPEC_ACCEPTED_TOKENS: Family = Family::counter(
     "isoserve_spec_decode_num_accepted_tokens_total",
     "Draft tokens the model's own sampling kept (each saved a forward step)",
 );
+const F_SPEC_SUFFIX_SCOPES: Family = Family::gauge(
+    "isoserve_spec_suffix_cache_scopes",
+    "Cache scopes the suffix cache holds earlier requests' text for (each only ever drafts \
+     its own scope's requests)",
+);
+const F_SPEC_SUFFIX_TOKENS: Family = Family::gauge(
+    "isoserve_spec_suffix_cache_tokens",
+    "Tokens the suffix cache holds, over every scope",
+);
 const F_GRAMMAR_MASK_FAILURES: Family = Family::counter(
     "isoserve_grammar_mask_failures_total",
     "Grammar masks that failed (a step's bound, or no token allowed): each ends its request \
@@ -289,6 +298,8 @@ pub const SERVER_FAMILIES: &[Family] = &[
     F_SPEC_DRAFTS,
     F_SPEC_DRAFT_TOKENS,
     F_SPEC_ACCEPTED_TOKENS,
+    F_SPEC_SUFFIX_SCOPES,
+    F_SPEC_SUFFIX_TOKENS,
     F_TENANT_REQUESTS,
     F_TENANT_WEIGHT,
     F_TENANT_SERVICE,
@@ -530,6 +541,8 @@ impl Collector for EngineCollector {
             &F_SPEC_ACCEPTED_TOKENS,
             s.spec_accepted_tokens_total,
         )?;
+        const_gauge(&mut enc, &F_SPEC_SUFFIX_SCOPES, s.spec_suffix_scopes as u64)?;
+        const_gauge(&mut enc, &F_SPEC_SUFFIX_TOKENS, s.spec_suffix_tokens as u64)?;
         Ok(())
     }
 }

@@ -2,8 +2,11 @@
 //!
 //! Pure state over the request's own tokens: its prediction (OpenAI's
 //! Predicted Outputs) and, with `--speculative ngram`, its prompt and
-//! output so far (prompt lookup). Nothing here reads another request's
-//! text, so nothing here can carry one tenant's text into another's drafts.
+//! output so far (prompt lookup). With `--speculative suffix`, also the
+//! prompts and outputs of earlier requests of the same cache scope (K11),
+//! kept in a [`SuffixCache`] keyed by scope: a request is only ever handed
+//! its own scope's entries, so no tenant drafts from another's text, and
+//! no acceptance rate (no speed) says what another tenant wrote.
 //!
 //! A draft is a guess. The batch core verifies it by running the request's
 //! last token and the drafted tokens as rows of one forward step, sampling
@@ -32,6 +35,11 @@
 //! sits out a growing number of steps — so text that matches nothing
 //! decodes one row a step, as without speculation.
 
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use kv::Scope;
+
 use crate::{SpecMethod, Speculation};
 
 /// Where a draft's tokens come from.
@@ -41,6 +49,8 @@ pub(crate) enum Source {
     Prediction,
     /// The request's prompt and output so far (prompt lookup).
     History,
+    /// An earlier request of the scope (the suffix cache), `stored`.
+    Stored,
 }
 
 /// A position in a source: `at` is the source's token that equals the
@@ -62,10 +72,24 @@ const REALIGN_WINDOW: usize = 16;
 /// The shortest tail that realigns the output anywhere in the prediction.
 const REALIGN_FAR_MIN: usize = 3;
 
+/// What a step gives every drafter: the limits, what a row costs, the
+/// step's batch, and the request's scope's suffix-cache entries.
+pub(crate) struct StepCtx<'a> {
+    pub cfg: &'a Speculation,
+    /// One more row's cost as a share of a one-row step.
+    pub row_cost: f64,
+    /// The step's decode rows.
+    pub batch: usize,
+    /// Earlier requests' prompts and outputs of the request's own scope.
+    pub stored: &'a [Arc<[u32]>],
+}
+
 /// A request's drafter.
 #[derive(Clone, Debug)]
 pub(crate) struct Drafter {
     prediction: Vec<u32>,
+    /// The stored sequence a `Stored` cursor follows.
+    stored: Option<Arc<[u32]>>,
     cursor: Option<Cursor>,
     /// The prediction's position the output was last aligned to: a search
     /// prefers what comes after it (an edit moves forward through a file).
@@ -103,6 +127,7 @@ impl Drafter {
         });
         Some(Drafter {
             prediction,
+            stored: None,
             cursor,
             floor: 0,
             // A prior worth a couple of verifications: the caller's
@@ -130,18 +155,14 @@ impl Drafter {
     /// Proposes up to `limit` tokens to follow `history` (the prompt and
     /// the output so far; its last token is the step's decode row) into
     /// `out` (cleared first). Returns how many.
-    /// `row_cost`: what one more row costs a step, as a share of a
-    /// one-row step; `batch`: the step's decode rows.
-    #[allow(clippy::too_many_arguments)]
     pub fn propose(
         &mut self,
         history: &[u32],
         limit: usize,
-        cfg: &Speculation,
-        row_cost: f64,
-        batch: usize,
+        step: &StepCtx<'_>,
         out: &mut Vec<u32>,
     ) -> usize {
+        let cfg = step.cfg;
         out.clear();
         self.pending = None;
         if self.idle > 0 {
@@ -161,7 +182,7 @@ impl Drafter {
         let guess = !aligned && self.followed && self.cursor.is_some();
         self.followed = false;
         if !aligned && !guess {
-            self.cursor = self.search(history, cfg);
+            self.cursor = self.search(history, cfg, step.stored);
         }
         let Some(c) = self.cursor else {
             return 0;
@@ -171,8 +192,8 @@ impl Drafter {
         }
         let best = best_k(
             self.acceptance(),
-            row_cost,
-            batch,
+            step.row_cost,
+            step.batch,
             self.k_max(cfg).min(limit),
         );
         self.probing = best == 0;
@@ -192,6 +213,7 @@ impl Drafter {
         match src {
             Source::Prediction => &self.prediction,
             Source::History => history,
+            Source::Stored => self.stored.as_deref().unwrap_or_default(),
         }
     }
 
@@ -199,7 +221,12 @@ impl Drafter {
     /// floor, any length; else, three tokens or more, the first occurrence
     /// after the floor or the last before it), then in the history itself
     /// (the latest occurrence that has a token after it).
-    fn search(&self, history: &[u32], cfg: &Speculation) -> Option<Cursor> {
+    fn search(
+        &mut self,
+        history: &[u32],
+        cfg: &Speculation,
+        stored: &[Arc<[u32]>],
+    ) -> Option<Cursor> {
         let n_max = cfg.ngram_max.max(REALIGN_FAR_MIN).min(history.len());
         if !self.prediction.is_empty() {
             let near = |at: &usize| *at <= self.floor + REALIGN_WINDOW;
@@ -221,8 +248,10 @@ impl Drafter {
                 }
             }
         }
+        // The longest tail found in the request's own text or, with the
+        // suffix cache, in its scope's earlier requests (the latest first).
         let n_max = cfg.ngram_max.min(history.len());
-        if cfg.method == SpecMethod::Ngram {
+        if cfg.method != SpecMethod::Off {
             for n in (cfg.ngram_min.max(1)..=n_max).rev() {
                 let tail = &history[history.len() - n..];
                 // Not the tail itself: an occurrence with a token after it.
@@ -231,6 +260,15 @@ impl Drafter {
                         src: Source::History,
                         at,
                     });
+                }
+                for seq in stored.iter().rev() {
+                    if let Some(at) = find_last(seq, tail, seq.len().saturating_sub(1)) {
+                        self.stored = Some(seq.clone());
+                        return Some(Cursor {
+                            src: Source::Stored,
+                            at,
+                        });
+                    }
                 }
             }
         }
@@ -266,6 +304,88 @@ impl Drafter {
     /// The estimated chance that the model keeps the next drafted token.
     fn acceptance(&self) -> f64 {
         (self.kept_w + 0.5) / (self.kept_w + self.parted_w + 1.0)
+    }
+}
+
+/// Scopes the suffix cache holds at most (the least recently used one goes
+/// first).
+pub const SUFFIX_SCOPES_MAX: usize = 256;
+
+/// Sequences one scope holds at most (the oldest goes first).
+const SUFFIX_SEQS_MAX: usize = 64;
+
+/// Speculation's cross-request memory (`--speculative suffix`): the
+/// prompts and outputs of a scope's finished requests, for its later
+/// requests to draft from. Keyed by K11's scope, as the prefix cache is;
+/// bounded per scope (tokens and sequences) and in scopes; a scope's
+/// entries are dropped with its last cached page (the engine asks the
+/// pool), so they never outlive the scope's other cached state.
+#[derive(Debug, Default)]
+pub(crate) struct SuffixCache {
+    scopes: HashMap<Scope, ScopeText>,
+    /// Uses so far (the scopes' recency).
+    clock: u64,
+}
+
+#[derive(Debug, Default)]
+struct ScopeText {
+    seqs: VecDeque<Arc<[u32]>>,
+    tokens: usize,
+    used: u64,
+}
+
+impl SuffixCache {
+    /// `scope`'s entries, oldest first (empty if none).
+    pub fn entries(&mut self, scope: Scope) -> &[Arc<[u32]>] {
+        self.clock += 1;
+        match self.scopes.get_mut(&scope) {
+            Some(t) => {
+                t.used = self.clock;
+                t.seqs.make_contiguous()
+            }
+            None => &[],
+        }
+    }
+
+    /// Keeps a finished request's prompt and output for its scope, within
+    /// `tokens_max` tokens a scope (a longer one keeps its end).
+    pub fn insert(&mut self, scope: Scope, seq: &[u32], tokens_max: usize) {
+        if tokens_max == 0 || seq.len() < 2 {
+            return;
+        }
+        self.clock += 1;
+        if !self.scopes.contains_key(&scope) && self.scopes.len() >= SUFFIX_SCOPES_MAX {
+            if let Some(&oldest) = self
+                .scopes
+                .iter()
+                .min_by_key(|(_, t)| t.used)
+                .map(|(s, _)| s)
+            {
+                self.scopes.remove(&oldest);
+            }
+        }
+        let t = self.scopes.entry(scope).or_default();
+        t.used = self.clock;
+        let seq = &seq[seq.len().saturating_sub(tokens_max)..];
+        t.tokens += seq.len();
+        t.seqs.push_back(seq.into());
+        while t.tokens > tokens_max || t.seqs.len() > SUFFIX_SEQS_MAX {
+            let old = t.seqs.pop_front().expect("over a bound: not empty");
+            t.tokens -= old.len();
+        }
+    }
+
+    /// Drops every scope `keep` says no.
+    pub fn retain(&mut self, mut keep: impl FnMut(Scope) -> bool) {
+        self.scopes.retain(|&s, _| keep(s));
+    }
+
+    /// Scopes and tokens held.
+    pub fn size(&self) -> (usize, usize) {
+        (
+            self.scopes.len(),
+            self.scopes.values().map(|t| t.tokens).sum(),
+        )
     }
 }
 
@@ -350,7 +470,9 @@ impl RowCost {
         }
         let b = (self.w * self.sxy - self.sx * self.sy) / den;
         let a = (self.sy - b * self.sx) / self.w;
-        if !(b > 0.0) || !(a + b > 0.0) {
+        // (NaN fails both comparisons too.)
+        let sane = b > 0.0 && a + b > 0.0;
+        if !sane {
             return ROW_COST_DEFAULT;
         }
         (b / (a + b)).clamp(0.01, 1.0)
@@ -396,12 +518,22 @@ mod tests {
             ngram_max: 4,
             prediction_k_max: 8,
             rows_max: 64,
+            suffix_tokens: 1024,
         }
     }
 
     /// Rows this cheap make every draft up to `limit` pay while the
     /// acceptance rate is fair: `limit` sets the draft's length.
     const CHEAP: f64 = 0.01;
+
+    fn ctx(cfg: &Speculation, row_cost: f64) -> StepCtx<'_> {
+        StepCtx {
+            cfg,
+            row_cost,
+            batch: 1,
+            stored: &[],
+        }
+    }
 
     #[test]
     fn prompt_lookup_follows_the_latest_earlier_occurrence_of_the_tail() {
@@ -410,19 +542,19 @@ mod tests {
         let mut out = Vec::new();
         // "1 2 3" twice before the tail: the later one is followed by 7 8 6 1.
         let h = [1, 2, 3, 9, 9, 5, 1, 2, 3, 7, 8, 6, 1, 2, 3];
-        assert_eq!(d.propose(&h, 4, &c, CHEAP, 1, &mut out), 4);
+        assert_eq!(d.propose(&h, 4, &ctx(&c, CHEAP), &mut out), 4);
         assert_eq!(out, [7, 8, 6, 1]);
         // Two kept, then the model said 4 where the source says 6: a
         // substitution is guessed once (the source goes on after the 6).
         d.verified(2);
         let h2 = [&h[..], &[7, 8, 4]].concat();
-        assert_eq!(d.propose(&h2, 3, &c, CHEAP, 1, &mut out), 3);
+        assert_eq!(d.propose(&h2, 3, &ctx(&c, CHEAP), &mut out), 3);
         assert_eq!(out, [1, 2, 3]);
         // It was not one (the model said 5): "8 4 5" and its tails occur
         // nowhere before, so nothing is drafted.
         d.verified(0);
         let h3 = [&h2[..], &[5]].concat();
-        assert_eq!(d.propose(&h3, 8, &c, CHEAP, 1, &mut out), 0);
+        assert_eq!(d.propose(&h3, 8, &ctx(&c, CHEAP), &mut out), 0);
     }
 
     #[test]
@@ -433,12 +565,12 @@ mod tests {
         let mut out = Vec::new();
         // The first token sampled was the prediction's first.
         let mut h = vec![1, 2, 100];
-        assert_eq!(d.propose(&h, 4, &c, CHEAP, 1, &mut out), 4);
+        assert_eq!(d.propose(&h, 4, &ctx(&c, CHEAP), &mut out), 4);
         assert_eq!(out, [101, 102, 103, 104]);
         // All kept, and the model's own next token was 105.
         h.extend([101, 102, 103, 104, 105]);
         d.verified(4);
-        assert_eq!(d.propose(&h, 32, &c, CHEAP, 1, &mut out), 8);
+        assert_eq!(d.propose(&h, 32, &ctx(&c, CHEAP), &mut out), 8);
         assert_eq!(out, (106..114).collect::<Vec<_>>());
         assert_eq!(d.accepted_prediction, 4);
         // Three kept, then the output parted (it said 7).
@@ -446,23 +578,26 @@ mod tests {
         d.verified(3);
         assert_eq!((d.accepted_prediction, d.rejected_prediction), (7, 5));
         // A substitution is guessed: the prediction goes on after 109.
-        assert_eq!(d.propose(&h, 4, &c, CHEAP, 1, &mut out), 4);
+        assert_eq!(d.propose(&h, 4, &ctx(&c, CHEAP), &mut out), 4);
         assert_eq!(out, [110, 111, 112, 113]);
         // It was not one (the model said 8): nothing kept, and no second
         // guess; "7 8" and "8" are nowhere in the prediction.
         h.push(8);
         d.verified(0);
-        assert_eq!(d.propose(&h, 32, &c, CHEAP, 1, &mut out), 0);
+        assert_eq!(d.propose(&h, 32, &ctx(&c, CHEAP), &mut out), 0);
         // The output came back to the prediction at 112 (an edit replaced
         // 109 to 111 with 7 8): one token so near realigns it.
         h.push(112);
-        assert_eq!(d.propose(&h, 1, &c, CHEAP, 1, &mut out), 1);
+        assert_eq!(d.propose(&h, 1, &ctx(&c, CHEAP), &mut out), 1);
         assert_eq!(out, [113]);
         // Far ahead, a single token does not realign; three tokens do.
         let mut far = Drafter::new((100..140).collect(), &c).unwrap();
-        assert_eq!(far.propose(&[1, 2, 5, 138], 32, &c, CHEAP, 1, &mut out), 0);
         assert_eq!(
-            far.propose(&[1, 136, 137, 138], 32, &c, CHEAP, 1, &mut out),
+            far.propose(&[1, 2, 5, 138], 32, &ctx(&c, CHEAP), &mut out),
+            0
+        );
+        assert_eq!(
+            far.propose(&[1, 136, 137, 138], 32, &ctx(&c, CHEAP), &mut out),
             1
         );
         assert_eq!(out, [139]);
@@ -481,7 +616,7 @@ mod tests {
         let h = [5, 6, 1, 5, 6];
         let mut drafted = Vec::new();
         for step in 0..64 {
-            let n = d.propose(&h, 8, &c, 0.2, 1, &mut out);
+            let n = d.propose(&h, 8, &ctx(&c, 0.2), &mut out);
             if n > 0 {
                 drafted.push((step, n));
                 d.verified(0);
@@ -501,13 +636,13 @@ mod tests {
         let c = cfg(SpecMethod::Off);
         let mut d = Drafter::new((0..100).collect(), &c).unwrap();
         let mut out = Vec::new();
-        assert_eq!(d.propose(&[0], 2, &c, CHEAP, 1, &mut out), 2);
+        assert_eq!(d.propose(&[0], 2, &ctx(&c, CHEAP), &mut out), 2);
         assert_eq!(out, [1, 2]);
         d.verified(2);
         // Never past prediction_k_max, and never past `limit`.
         let mut h = vec![0, 1, 2, 3];
         for _ in 0..6 {
-            let n = d.propose(&h, 100, &c, CHEAP, 1, &mut out);
+            let n = d.propose(&h, 100, &ctx(&c, CHEAP), &mut out);
             assert!((1..=c.prediction_k_max).contains(&n));
             h.extend_from_slice(&out.clone());
             let next = *h.last().unwrap() + 1;
@@ -515,15 +650,15 @@ mod tests {
             h.push(next);
         }
         assert_eq!(
-            d.propose(&h, 100, &c, CHEAP, 1, &mut out),
+            d.propose(&h, 100, &ctx(&c, CHEAP), &mut out),
             c.prediction_k_max
         );
-        assert_eq!(d.propose(&h, 3, &c, CHEAP, 1, &mut out), 3);
+        assert_eq!(d.propose(&h, 3, &ctx(&c, CHEAP), &mut out), 3);
         // The end of the prediction ends the draft.
         let mut d = Drafter::new(vec![1, 2], &c).unwrap();
-        assert_eq!(d.propose(&[1], 100, &c, CHEAP, 1, &mut out), 1);
+        assert_eq!(d.propose(&[1], 100, &ctx(&c, CHEAP), &mut out), 1);
         d.verified(1);
-        assert_eq!(d.propose(&[1, 2, 3], 100, &c, CHEAP, 1, &mut out), 0);
+        assert_eq!(d.propose(&[1, 2, 3], 100, &ctx(&c, CHEAP), &mut out), 0);
     }
 
     #[test]
@@ -577,6 +712,81 @@ mod tests {
             }
         }
         assert!((r.ratio() - 0.125).abs() < 0.01, "{}", r.ratio());
+    }
+
+    /// The suffix cache hands a scope only its own entries, keeps each
+    /// scope within its tokens and sequences, and as many scopes as its
+    /// bound, the least recently used going first.
+    #[test]
+    fn the_suffix_cache_is_kept_per_scope_and_bounded() {
+        let (a, b) = (Scope(1), Scope(2));
+        let mut sc = SuffixCache::default();
+        sc.insert(a, &[1, 2, 3], 10);
+        sc.insert(b, &[7, 8, 9], 10);
+        assert_eq!(sc.entries(a), [Arc::from(&[1, 2, 3][..])]);
+        assert_eq!(sc.entries(b), [Arc::from(&[7, 8, 9][..])]);
+        assert!(sc.entries(Scope(3)).is_empty());
+        // Within 10 tokens: the oldest goes; a longer one keeps its end.
+        sc.insert(a, &[4, 5, 6, 7, 8], 10);
+        sc.insert(a, &[9, 10, 11], 10);
+        assert_eq!(sc.entries(a).len(), 2);
+        sc.insert(a, &(0..25).collect::<Vec<u32>>(), 10);
+        assert_eq!(
+            sc.entries(a),
+            [Arc::from(&(15..25).collect::<Vec<u32>>()[..])]
+        );
+        assert_eq!(sc.size(), (2, 13));
+        // Sequences: at most SUFFIX_SEQS_MAX a scope.
+        for i in 0..100 {
+            sc.insert(b, &[i, i + 1], 1 << 20);
+        }
+        assert_eq!(sc.entries(b).len(), SUFFIX_SEQS_MAX);
+        // Scopes: the least recently used goes.
+        for s in 10..(10 + SUFFIX_SCOPES_MAX as u64) {
+            sc.entries(b);
+            sc.insert(Scope(s), &[1, 2], 10);
+        }
+        assert_eq!(sc.size().0, SUFFIX_SCOPES_MAX);
+        assert!(sc.entries(a).is_empty(), "the scope used least is gone");
+        assert!(!sc.entries(b).is_empty());
+        sc.retain(|s| s != b);
+        assert!(sc.entries(b).is_empty());
+    }
+
+    /// A request drafts from its scope's earlier requests, the longest
+    /// tail first.
+    #[test]
+    fn the_suffix_cache_drafts_what_the_scope_said_before() {
+        let c = Speculation {
+            method: SpecMethod::Suffix,
+            ..cfg(SpecMethod::Ngram)
+        };
+        let stored: Vec<Arc<[u32]>> = vec![
+            Arc::from(&[1, 2, 50, 51, 52, 53][..]),
+            Arc::from(&[9, 1, 2, 60, 61, 62][..]),
+        ];
+        let step = StepCtx {
+            cfg: &c,
+            row_cost: CHEAP,
+            batch: 1,
+            stored: &stored,
+        };
+        let mut d = Drafter::new(Vec::new(), &c).unwrap();
+        let mut out = Vec::new();
+        // "1 2": the latest entry has it, followed by 60 61 62.
+        assert_eq!(d.propose(&[7, 1, 2], 3, &step, &mut out), 3);
+        assert_eq!(out, [60, 61, 62]);
+        // "9 1 2" is longer and only in the second; "5 1 2" matches "1 2"
+        // in both, the latest wins; with no entries, nothing.
+        let mut d = Drafter::new(Vec::new(), &c).unwrap();
+        assert_eq!(d.propose(&[9, 1, 2], 2, &step, &mut out), 2);
+        assert_eq!(out, [60, 61]);
+        let none = StepCtx {
+            stored: &[],
+            ..step
+        };
+        let mut d = Drafter::new(Vec::new(), &c).unwrap();
+        assert_eq!(d.propose(&[7, 1, 2], 3, &none, &mut out), 0);
     }
 
     #[test]

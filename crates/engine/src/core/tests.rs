@@ -721,6 +721,47 @@ fn prompt_lookup_drafts_repeating_text_and_keeps_it_unchanged_k12() {
     );
 }
 
+/// The suffix cache (`--speculative suffix`): a tenant's later request
+/// drafts from its earlier one and keeps most of it; another tenant with
+/// the same prompt gets nothing from it (K11: drafts, and so speed, never
+/// cross scopes); all three answer the same (K12). The scope's entries go
+/// when its cached pages are evicted for another request.
+#[test]
+fn the_suffix_cache_drafts_within_a_scope_only_and_goes_with_its_pages_k11_k12() {
+    let mut h = Harness::with_cache(HashModel::new(64, 300), 16, 32, 4, PrefixCache::Tenant);
+    h.core.cfg.speculation.method = crate::SpecMethod::Suffix;
+    let p = prompt(7);
+    let mut kept = Vec::new();
+    let mut texts = Vec::new();
+    for tenant in [1, 2, 1] {
+        let before = h.core.local.spec_accepted_tokens_total;
+        let id = h.submit(GenRequest::greedy(TenantId(tenant), p.clone(), 20));
+        h.run(40);
+        kept.push(h.core.local.spec_accepted_tokens_total - before);
+        texts.push(h.client(id).text.clone());
+    }
+    assert!(texts.iter().all(|t| *t == texts[0]), "{texts:?}");
+    assert!(kept[2] >= 15, "tenant 1's second request kept {kept:?}");
+    assert!(
+        kept[1] <= 2,
+        "tenant 2 drafted from tenant 1's text: {kept:?}"
+    );
+    let t1 = Scope::of(TenantId(1), None);
+    assert!(!h.core.suffix.entries(t1).is_empty());
+    // A request that needs the whole pool evicts every idle cached page:
+    // tenant 1's suffix entries go with its last one.
+    h.submit(GenRequest::greedy(TenantId(3), prompt(10), 54));
+    h.run(80);
+    h.core.publish();
+    assert!(h.core.pool.stats().cache_evictions > 0);
+    assert!(!h.core.pool.caches_scope(t1));
+    assert!(
+        h.core.suffix.entries(t1).is_empty(),
+        "outlived its scope's pages"
+    );
+    h.assert_quiet();
+}
+
 /// A request under a grammar beside others: its letters follow the
 /// grammar, it stops where the grammar ends (not at max_tokens), and its
 /// greedy output does not depend on the batch or on when its masks came

@@ -59,6 +59,15 @@ impl Pool {
         }))
     }
 
+    /// Whether `scope` caches any page: the engine drops the scope's other
+    /// cached state (speculation's suffix cache) with its last page.
+    pub fn caches_scope(&self, scope: Scope) -> bool {
+        self.cache_index
+            .range((scope, 0)..=(scope, u64::MAX))
+            .next()
+            .is_some()
+    }
+
     /// The cached page of `scope` under `key`, if any (not acquired).
     pub fn lookup(&self, scope: Scope, key: u64) -> Option<PageRef> {
         let &index = self.cache_index.get(&(scope, key))?;
