@@ -62,15 +62,13 @@ def no_match():
 
 
 def repeating(i):
-    """One template, twenty customers: a batch job's requests."""
+    """One batch job, twenty customers: the same request but for the
+    details. The template is not in the prompt: only the suffix cache
+    (earlier answers of the same tenant) can draft the answer."""
     names = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun",
              "Kai", "Lea", "Max", "Nia", "Oto", "Pia", "Rui", "Sol", "Tam", "Uma"]
-    prompt = (f"Write the order confirmation email for customer {names[i]}, order number "
-              f"{1000 + 17 * i}, two items: a blue lamp and a wool blanket, delivery on "
-              f"Tuesday. Use this exact template:\n\nDear <name>,\n\nThank you for your order "
-              f"<number>. We are preparing your items and they will be delivered on <day>. "
-              f"If you have any questions, reply to this email and our team will help you.\n\n"
-              f"Kind regards,\nThe Shop Team")
+    prompt = (f"Write a short order confirmation email to {names[i]} for order number "
+              f"{1000 + 17 * i}: a blue lamp and a wool blanket, delivered on Tuesday.")
     return prompt, None, 200
 
 

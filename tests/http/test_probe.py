@@ -87,14 +87,17 @@ def foreign_audit(records, tmp_root, name):
     return run_audit(path, tmp_root, f"{name}-foreign", *args)
 
 
-def assert_clean(p, report):
+def assert_clean(p, report, drafts="passed"):
+    """`drafts`: the drafts check's status — `passed` against a server that
+    drafts from earlier requests (`--speculative suffix`), `skipped`
+    against one that does not."""
     assert p.returncode == 0, p.stdout + p.stderr
     assert "no findings" in p.stdout, p.stdout
     assert report["findings"] == []
     checks = {c["check"]: c["status"] for c in report["checks"]}
     assert checks == {"markers": "passed", "determinism": "passed",
                       "over-length": "passed", "prefix-cache": "passed",
-                      "grammar-cache": "passed", "timing": "passed",
+                      "grammar-cache": "passed", "drafts": drafts, "timing": "passed",
                       "tokens": "passed"}, report["checks"]
     # Content, not status: every loaded output equalled its idle output,
     # the window was read from /v1/models, the rate was measured.
@@ -107,7 +110,8 @@ def assert_clean(p, report):
     # alone before each over-recall) + 7 window edges (3 over-recalls,
     # under, at's sizing and at, over) + 9 prefix-cache trials (3 × the
     # first tenant's prompt, the second's copy and its cold twin) + 9
-    # grammar-cache trials (the same, with JSON schemas).
+    # grammar-cache trials (the same, with JSON schemas) + 12 drafts trials
+    # (4 × a story for the first tenant, the second, the first again).
     # The near-window flood prompts are as many as the measured prefill
     # rate lets finish in time (8 on an idle machine; at least the 2 that
     # cover the window plus a quarter): 14–20 flood requests in all.
@@ -116,7 +120,7 @@ def assert_clean(p, report):
     assert m, markers
     flood = int(m.group(1))
     assert 14 <= flood <= 20, markers
-    assert report["requests_sent"] == 50 + flood, report
+    assert report["requests_sent"] == 62 + flood, report
     # 6 idle + 12 loaded + the flood + 6 window edges (3 over-recalls,
     # under, at, over) read; every answer but the four refused over-long
     # ones came with its tokens (logprobs) and was matched on both.
@@ -130,7 +134,11 @@ def test_probe_passes_a_unified_server(tmp_root):
     # With the prefix cache on (the default): the probe finds nothing, and
     # the audit times only what was prefilled (`cached_tokens` in the log),
     # so the "at" prompt's repeat served from the cache is not too fast.
-    s = Server(SERVE_ARGS + ["--tenants", str(tenants(tmp_root, "unified"))],
+    # Speculation's suffix cache on: the drafts check compares a tenant's
+    # repeat with another tenant's copy, and finds each drafted only from
+    # its own scope.
+    s = Server(SERVE_ARGS + ["--speculative", "suffix",
+                             "--tenants", str(tenants(tmp_root, "unified"))],
                tmp_root, "probe-unified")
     try:
         p, report = run_probe(s.url(""), tmp_root, "unified")
@@ -176,7 +184,8 @@ def test_probe_passes_a_disaggregated_server(tmp_root):
                tmp_root, "probe-disagg")
     try:
         p, report = run_probe(s.url(""), tmp_root, "disagg")
-        assert_clean(p, report)
+        # No suffix cache here: nothing drafted across requests to compare.
+        assert_clean(p, report, drafts="skipped")
         # The gateway has no pool or prefill rate of its own: the window
         # from the log, the rate the probe measured.
         recs = s.log_records()
@@ -362,5 +371,33 @@ def test_probe_catches_a_grammar_cache_shared_across_tenants(tmp_root):
         g = next(f for f in report["findings"]
                  if f["kind"] == "grammar_cache_shared_across_tenants")
         assert g["evidence"] == "statistical", g
+    finally:
+        assert s.terminate() == 0, s.stderr()
+
+
+def test_probe_catches_drafts_shared_across_tenants(tmp_root):
+    """Issue 37: the fault build with ISOSERVE_FAULT_SHARED_DRAFT_POOL=1
+    keeps one suffix cache for every scope (`--speculative suffix`); the
+    probe's drafts check catches it — another tenant's copy of an answer
+    comes at the speed of the first tenant's repeat — while the prefix and
+    grammar caches, still per scope here, pass."""
+    assert FAULT_BIN.exists(), f"{FAULT_BIN} missing: ./scripts/test builds it"
+    s = Server(SERVE_ARGS + ["--speculative", "suffix",
+                             "--tenants", str(tenants(tmp_root, "draft-fault"))],
+               tmp_root, "probe-draft-fault", binary=FAULT_BIN,
+               env_extra={"ISOSERVE_FAULT_SHARED_DRAFT_POOL": "1"})
+    try:
+        assert "one suffix-cache scope for every tenant" in s.stderr()
+        p, report = run_probe(s.url(""), tmp_root, "draft-fault")
+        assert p.returncode == 1, p.stdout + p.stderr
+        kinds = {f["kind"] for f in report["findings"]}
+        # (The build's incident findings come with it, as in every fault
+        # test: its over-long placeholder is always on.)
+        assert "drafts_shared_across_tenants" in kinds, report["findings"]
+        checks = {c["check"]: c["status"] for c in report["checks"]}
+        assert checks["drafts"] == "findings", checks
+        assert checks["prefix-cache"] == "passed" and checks["grammar-cache"] == "passed", checks
+        d = next(f for f in report["findings"] if f["kind"] == "drafts_shared_across_tenants")
+        assert d["evidence"] == "statistical" and "ms" in d["detail"], d
     finally:
         assert s.terminate() == 0, s.stderr()

@@ -17,7 +17,8 @@ pub fn evidence_of(kind: &str) -> Evidence {
     match kind {
         "answered_faster_than_prefill"
         | "prefix_cache_shared_across_tenants"
-        | "grammar_cache_shared_across_tenants" => Evidence::Statistical,
+        | "grammar_cache_shared_across_tenants"
+        | "drafts_shared_across_tenants" => Evidence::Statistical,
         "prompt_tokens_implausible" | "prompt_tokens_not_monotone" => Evidence::Heuristic,
         _ => Evidence::Exact,
     }
@@ -366,6 +367,74 @@ pub fn grammar_cache(trials: &[GrammarTrial]) -> Vec<Finding> {
     )]
 }
 
+/// One trial of the drafts check, in seconds per output token: the first
+/// tenant's answer to a fresh prompt (`first_s`), the second tenant's
+/// answer to that very prompt (`other_s`), then the first tenant's again
+/// (`again_s`) — the same greedy text three times.
+#[derive(Clone, Debug)]
+pub struct DraftTrial {
+    pub tokens: u64,
+    pub first_s: f64,
+    pub other_s: f64,
+    pub again_s: f64,
+}
+
+/// A repeat at most this share of the first answer's time per token shows
+/// the server drafts from earlier requests (speculative decoding with a
+/// cross-request cache): the trial can tell whose text it drafts from.
+pub const DRAFT_REPEAT_MAX: f64 = 0.8;
+
+/// Trials the drafts check needs before it may conclude.
+pub const DRAFT_TRIALS_MIN: usize = 2;
+
+/// The trials where the server's repeat was fast enough to compare against.
+pub fn draft_trials_usable(trials: &[DraftTrial]) -> Vec<&DraftTrial> {
+    trials
+        .iter()
+        .filter(|t| t.again_s < t.first_s * DRAFT_REPEAT_MAX)
+        .collect()
+}
+
+/// K11 for speculation's drafts: a server that drafts from earlier
+/// requests (a suffix cache, an n-gram pool) must draft only from the
+/// asking tenant's scope. The same answer is timed three times: new to the
+/// server, then for a second tenant, then for the first again. A first
+/// tenant's repeat much faster than its first answer shows the drafting;
+/// the second tenant answered nearer the repeat's speed than the first's,
+/// in every such trial, was drafted from the first tenant's text — and its
+/// speed tells it what the first tenant wrote.
+pub fn draft_pool(trials: &[DraftTrial]) -> Vec<Finding> {
+    let usable = draft_trials_usable(trials);
+    if usable.len() < DRAFT_TRIALS_MIN
+        || !usable
+            .iter()
+            .all(|t| t.other_s < (t.first_s + t.again_s) / 2.0)
+    {
+        return Vec::new();
+    }
+    let ms = |x: f64| x * 1e3;
+    let times: Vec<String> = usable
+        .iter()
+        .map(|t| {
+            format!(
+                "{:.2}/{:.2}/{:.2} ms",
+                ms(t.first_s),
+                ms(t.other_s),
+                ms(t.again_s)
+            )
+        })
+        .collect();
+    vec![finding(
+        "drafts",
+        "drafts_shared_across_tenants",
+        format!(
+            "another tenant's answer (the same {} tokens) came at the speed of a repeat, not of              a new answer, in every trial (per token: new / other tenant / repeat: {}) — the              server drafts one tenant's request from another's text, and the speed tells              what that text was",
+            usable[0].tokens,
+            times.join(", ")
+        ),
+    )]
+}
+
 /// A prompt the probe sent and the server's count of its tokens.
 #[derive(Clone, Debug)]
 pub struct Counted {
@@ -691,6 +760,28 @@ mod tests {
         assert_eq!(f.len(), 1);
         assert_eq!(f[0].kind, "grammar_cache_shared_across_tenants");
         assert_eq!(f[0].evidence, Evidence::Statistical);
+    }
+
+    #[test]
+    fn drafts_from_another_tenant_are_a_finding_only_when_every_repeat_says_so() {
+        let t = |first: f64, other: f64, again: f64| DraftTrial {
+            tokens: 160,
+            first_s: first,
+            other_s: other,
+            again_s: again,
+        };
+        // Honest: the other tenant answers at a new answer's speed.
+        assert!(draft_pool(&[t(1.3, 1.25, 0.8), t(1.2, 1.3, 0.7)]).is_empty());
+        // Shared: at the repeat's, every time.
+        let f = draft_pool(&[t(1.3, 0.85, 0.8), t(1.2, 0.75, 0.7), t(1.5, 0.8, 0.7)]);
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].kind, "drafts_shared_across_tenants");
+        assert_eq!(f[0].evidence, Evidence::Statistical);
+        // One trial that says otherwise clears it; so does a server whose
+        // repeats are not faster (no cross-request drafts to compare).
+        assert!(draft_pool(&[t(1.3, 0.85, 0.8), t(1.2, 1.1, 0.7)]).is_empty());
+        assert!(draft_pool(&[t(1.3, 0.5, 1.2), t(1.2, 0.5, 1.1)]).is_empty());
+        assert!(draft_pool(&[t(1.3, 0.85, 0.8)]).is_empty());
     }
 
     #[test]

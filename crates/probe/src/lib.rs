@@ -29,6 +29,11 @@
 //!    prefilled.
 //! 5. **token accounting** — `usage.prompt_tokens` must grow with the
 //!    prompt and stay within what its words and characters allow.
+//! 6. **caches across tenants** — the prefix cache (another tenant's prompt
+//!    answered faster, or reported as cached), the compiled-grammar cache
+//!    (another tenant's schema compiled faster) and speculation's drafts
+//!    (another tenant's copy of an answer decoded at the speed of a
+//!    repeat): timing side channels, each over several trials.
 //!
 //! The pure part ([`secrets`], [`checks`], [`Report`]) makes no I/O; the
 //! [`Endpoint`] trait is the only door to the server ([`http::HttpEndpoint`]

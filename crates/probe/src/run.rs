@@ -7,9 +7,12 @@ use std::time::{Duration, Instant};
 
 use rand::seq::SliceRandom;
 
-use crate::checks::{self, Boundary, CacheTrial, Counted, GrammarTrial, Make, Output, Timed};
+use crate::checks::{
+    self, Boundary, CacheTrial, Counted, DraftTrial, GrammarTrial, Make, Output, Timed,
+};
 use crate::secrets::{
-    cache_prompt, flood_prompt, grammar_schema, prompt_with_secret, unit_prompt, Secret,
+    cache_prompt, flood_prompt, grammar_schema, prompt_with_secret, story_prompt, unit_prompt,
+    Secret,
 };
 use crate::{CheckResult, Completion, Endpoint, Finding, ProbeError, Report, Request};
 
@@ -564,6 +567,26 @@ pub fn run(
     });
     findings.extend(f);
 
+    // Speculation's drafts across tenants (K11 for a suffix cache).
+    progress.phase("drafts", 3 * DRAFT_TRIALS as u64);
+    let trials = draft_trials(&r, &mut next_nonce)?;
+    let f = checks::draft_pool(&trials);
+    let usable = checks::draft_trials_usable(&trials).len();
+    report.checks.push(if usable < checks::DRAFT_TRIALS_MIN {
+        skipped(
+            "drafts",
+            "the server's repeats were not faster than new answers: it drafts nothing from \
+             earlier requests that the probe could see",
+        )
+    } else {
+        result(
+            "drafts",
+            &f,
+            format!("{usable} trials: one answer timed new, for another tenant, and repeated"),
+        )
+    });
+    findings.extend(f);
+
     // Timing against the measured prefill rate.
     match rate {
         Some(rate) => {
@@ -647,6 +670,44 @@ fn grammar_trials(
         }
     }
     Ok((trials, None))
+}
+
+/// Trials of the drafts check, and the length of their answers.
+const DRAFT_TRIALS: usize = 4;
+const DRAFT_TOKENS: u32 = 160;
+
+/// Per trial, one fresh story prompt, greedy, `DRAFT_TOKENS` long: the
+/// first tenant asks, the second tenant asks, the first tenant asks again;
+/// each answer's time per token. Trials whose three answers differ in
+/// length (an end token) are not comparable and left out.
+fn draft_trials(
+    r: &Runner<'_>,
+    next_nonce: &mut impl FnMut() -> u64,
+) -> Result<Vec<DraftTrial>, ProbeError> {
+    let mut trials = Vec::new();
+    for _ in 0..DRAFT_TRIALS {
+        let req = Request {
+            prompt: story_prompt(next_nonce()),
+            max_tokens: DRAFT_TOKENS,
+            schema: None,
+        };
+        let first = r.send_as(r.key(0), &req, None)?;
+        let other = r.send_as(r.key(1), &req, None)?;
+        let again = r.send_as(r.key(0), &req, None)?;
+        let tokens = |c: &Completion| c.completion_tokens.filter(|&n| n > 0 && c.ok());
+        if let (Some(a), Some(b), Some(c)) = (tokens(&first), tokens(&other), tokens(&again)) {
+            if a == b && b == c {
+                let per = |c: &Completion| c.latency_s / a as f64;
+                trials.push(DraftTrial {
+                    tokens: a,
+                    first_s: per(&first),
+                    other_s: per(&other),
+                    again_s: per(&again),
+                });
+            }
+        }
+    }
+    Ok(trials)
 }
 
 /// Trials of the prefix-cache check.

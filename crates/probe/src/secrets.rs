@@ -246,6 +246,23 @@ pub fn cache_prompt(nonce: u64, words: usize) -> String {
     )
 }
 
+/// A story opening no one has sent before (the nonce, and words it
+/// picks): its greedy continuation is text only this prompt leads to.
+pub fn story_prompt(nonce: u64) -> String {
+    let mut x = shown(nonce);
+    let words: Vec<&str> = (0..12)
+        .map(|_| {
+            x = shown(x);
+            WORDS[(x % WORDS.len() as u64) as usize]
+        })
+        .collect();
+    format!(
+        "Story {:08x}. A tale about {}. Once upon a time,",
+        shown(nonce) as u32,
+        words.join(" ")
+    )
+}
+
 /// A JSON schema no one has sent before (its property names carry the
 /// nonce): an object of `properties` optional strings, each with its own
 /// pattern, so that compiling it takes a measurable time (88 ms mean for

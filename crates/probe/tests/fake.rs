@@ -25,6 +25,11 @@ struct Fake {
     grammar: Option<Cache>,
     /// (key or "", schema) compiled.
     compiled: Mutex<HashSet<(String, String)>>,
+    /// Speculation's cross-request drafts: an answer given before (in the
+    /// scope) is drafted, and its tokens come three times as fast.
+    drafts: Cache,
+    /// (key or "", prompt) answered, for the drafts.
+    answered: Mutex<HashSet<(String, String)>>,
     /// Keeps 4 tokens of the window spare by dropping the prompt's oldest
     /// tokens, silently (llama.cpp's `truncated`, reported only in its own
     /// fields).
@@ -144,6 +149,17 @@ impl Fake {
                 .lock()
                 .unwrap()
                 .insert((scope, req.prompt.clone()));
+        let scope = match self.drafts {
+            Cache::Global => String::new(),
+            _ => key.to_string(),
+        };
+        let drafted = self.drafts != Cache::Off
+            && !self
+                .answered
+                .lock()
+                .unwrap()
+                .insert((scope, req.prompt.clone()));
+        let per_token = if drafted { 0.001 / 3.0 } else { 0.001 };
         let tokens_out = chunks(&text);
         Ok(Completion {
             status: 200,
@@ -154,9 +170,10 @@ impl Fake {
             error_code: None,
             latency_s: compile_s
                 + match hit {
-                    true => 0.002 + 0.001 * req.max_tokens as f64,
-                    false => tokens as f64 / 2000.0 + 0.001 * req.max_tokens as f64,
-                },
+                    true => 0.002,
+                    false => tokens as f64 / 2000.0,
+                }
+                + per_token * req.max_tokens as f64,
             cached_tokens: Some(if hit { tokens - 1 } else { 0 }),
         })
     }
@@ -188,6 +205,8 @@ fn with_cache(incident: bool, cache: Cache) -> Fake {
         seen: Mutex::new(HashSet::new()),
         grammar: Some(Cache::PerKey),
         compiled: Mutex::new(HashSet::new()),
+        drafts: Cache::Off,
+        answered: Mutex::new(HashSet::new()),
         cuts: false,
         busy: Default::default(),
         busy_max: Default::default(),
@@ -240,6 +259,7 @@ fn an_honest_server_has_no_findings() {
             ("over-length", "passed"),
             ("prefix-cache", "passed"),
             ("grammar-cache", "passed"),
+            ("drafts", "skipped"),
             ("timing", "passed"),
             ("tokens", "passed")
         ],
@@ -386,6 +406,33 @@ fn a_grammar_cache_shared_across_tenants_is_caught_and_nothing_else() {
             .iter()
             .find(|c| c.check == "grammar-cache")
             .unwrap();
+        assert_eq!(check.status, status, "{}", r.human());
+    }
+}
+
+/// Issue 37: a server that drafts from earlier requests per tenant passes
+/// the drafts check; one whose draft pool is shared is caught (and only by
+/// it); one that drafts nothing across requests skips it.
+#[test]
+fn drafts_shared_across_tenants_are_caught_and_nothing_else() {
+    for (drafts, finds, status) in [
+        (Cache::Global, true, "findings"),
+        (Cache::PerKey, false, "passed"),
+        (Cache::Off, false, "skipped"),
+    ] {
+        let f = Fake {
+            drafts,
+            ..fake(false)
+        };
+        let r = run(&f, "fake://", &cfg(), &Quiet).expect("runs");
+        let kinds: Vec<&str> = r.findings.iter().map(|f| f.kind.as_str()).collect();
+        let want: &[&str] = if finds {
+            &["drafts_shared_across_tenants"]
+        } else {
+            &[]
+        };
+        assert_eq!(kinds, want, "{}", r.human());
+        let check = r.checks.iter().find(|c| c.check == "drafts").unwrap();
         assert_eq!(check.status, status, "{}", r.human());
     }
 }
