@@ -151,7 +151,7 @@ def summarize(path):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     models = sorted({k[0] for k in med})
     for m in models:
-        for w in ["editing", "quoting", "no-match", "repeating", "editing-16"]:
+        for w in ["editing", "quoting", "no-match", "editing-16"]:
             g = lambda lab: med.get((m, w, lab))
             off, ng, pr = g("off"), g("ngram"), g("off+prediction")
             lo, ln = g("llama-off"), g("llama-ngram")
@@ -161,6 +161,23 @@ def summarize(path):
             r = lambda a, b: f"{a / b:.2f}" if a and b else "–"
             print(f"| {m} | {w} | {f(off)} | {f(ng)} | {r(ng, off)} | {f(pr)} | {r(pr, off)} | "
                   f"{f(lo)} | {f(ln)} | {r(ln, lo)} | {r(ng, ln)} |")
+    print("\n| model | repeating: request | isoserve off | prompt lookup | suffix cache | × "
+          "| llama-server | its lookup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in models:
+        for which, field in (("1st", "decode_tok_s_first"), ("10th", "decode_tok_s_tenth"),
+                             ("11th–20th", "decode_tok_s_last10")):
+            v = {}
+            for r in rows:
+                model, label = r["label"].split(" ", 1)
+                if model == m and r["workload"] == "repeating":
+                    v.setdefault(label, []).append(r[field])
+            g = lambda lab: statistics.median(v[lab]) if lab in v else None
+            f = lambda x: f"{x:.0f}" if x else "–"
+            off, suf = g("off"), g("suffix")
+            ratio = f"{suf / off:.2f}" if off and suf else "–"
+            print(f"| {m} | {which} | {f(off)} | {f(g('ngram'))} | {f(suf)} | {ratio} | "
+                  f"{f(g('llama-off'))} | {f(g('llama-ngram'))} |")
     for m in models:
         answers = {k[2]: {json.dumps(s) for _, s in vs} for k, vs in runs.items()
                    if k[0] == m and k[1] == "editing" and not k[2].startswith("llama")}
