@@ -534,6 +534,7 @@ impl<F: Forward> Core<F> {
             });
             (self.local.spec_suffix_scopes, self.local.spec_suffix_tokens) = self.suffix.size();
         }
+        self.local.spec_row_cost = self.row_cost.ratio();
         self.local.pool = self.pool.stats();
         self.local.running = self.running.len();
         self.local.waiting = self.tenants.values().map(|q| q.waiting.len()).sum();

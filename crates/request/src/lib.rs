@@ -1023,6 +1023,9 @@ pub struct EngineStats {
     /// the tokens they hold.
     pub spec_suffix_scopes: usize,
     pub spec_suffix_tokens: usize,
+    /// One more row's cost as a share of a one-row step, as the engine
+    /// fitted it from its decode steps (what drafts are weighed against).
+    pub spec_row_cost: f64,
     /// Each active tenant's requests in the engine (K13), by tenant id.
     pub tenants: Vec<TenantLoad>,
 }

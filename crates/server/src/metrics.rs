@@ -224,6 +224,11 @@ const F_SPEC_SUFFIX_TOKENS: Family = Family::gauge(
     "isoserve_spec_suffix_cache_tokens",
     "Tokens the suffix cache holds, over every scope",
 );
+const F_SPEC_ROW_COST: Family = Family::gauge(
+    "isoserve_spec_row_cost_ratio",
+    "One more row's cost as a share of a one-row step, fitted from recent decode steps: what \
+     speculation weighs each draft against",
+);
 const F_GRAMMAR_MASK_FAILURES: Family = Family::counter(
     "isoserve_grammar_mask_failures_total",
     "Grammar masks that failed (a step's bound, or no token allowed): each ends its request \
@@ -300,6 +305,7 @@ pub const SERVER_FAMILIES: &[Family] = &[
     F_SPEC_ACCEPTED_TOKENS,
     F_SPEC_SUFFIX_SCOPES,
     F_SPEC_SUFFIX_TOKENS,
+    F_SPEC_ROW_COST,
     F_TENANT_REQUESTS,
     F_TENANT_WEIGHT,
     F_TENANT_SERVICE,
@@ -395,6 +401,12 @@ fn const_counter(enc: &mut DescriptorEncoder, f: &Family, v: u64) -> Result<(), 
     let c = ConstCounter::new(v);
     let m = enc.encode_descriptor(f.base(), f.help, None, c.metric_type())?;
     c.encode(m)
+}
+
+fn const_gauge_f64(enc: &mut DescriptorEncoder, f: &Family, v: f64) -> Result<(), std::fmt::Error> {
+    let g = ConstGauge::new(v);
+    let m = enc.encode_descriptor(f.base(), f.help, None, g.metric_type())?;
+    g.encode(m)
 }
 
 fn const_gauge(enc: &mut DescriptorEncoder, f: &Family, v: u64) -> Result<(), std::fmt::Error> {
@@ -543,6 +555,7 @@ impl Collector for EngineCollector {
         )?;
         const_gauge(&mut enc, &F_SPEC_SUFFIX_SCOPES, s.spec_suffix_scopes as u64)?;
         const_gauge(&mut enc, &F_SPEC_SUFFIX_TOKENS, s.spec_suffix_tokens as u64)?;
+        const_gauge_f64(&mut enc, &F_SPEC_ROW_COST, s.spec_row_cost)?;
         Ok(())
     }
 }

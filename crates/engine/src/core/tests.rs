@@ -675,13 +675,15 @@ fn a_prediction_changes_the_steps_never_the_tokens_and_rejected_rows_roll_back_k
     h.assert_quiet();
     h.check(expect![[r#"
         t1 rows r1 0-6* | r1+"s" | queue [] running [r1] free 24/32
-        t2 rows r1 7-15* | r1+"f" r1+"e" r1+"s" r1+"s" r1+"i" | queue [] running [r1] free 24/32
-        t3 rows r1 12-20* | r1+"c" r1+"q" r1+"f" r1+"a" r1+"i" r1+"w" r1+"c" | queue [] running [r1] free 24/32
-        t4 rows r1 19-28* | r1+"l" | queue [] running [r1] free 24/32
-        t5 rows r1 20-27* | r1+"z" | queue [] running [r1] free 24/32
-        t6 rows r1 21-26* | r1+"c" r1+"p" r1+"b" r1+"u" r1+"n" r1+"z" | queue [] running [r1] free 24/32
-        t7 rows r1 27-29* | r1+"m" | queue [] running [r1] free 24/32
-        t8 rows r1 28-29* | r1+"o" r1+"a" r1 done length (24 tokens, 8 pages, prediction 16 kept 24 rejected) | queue [] running [] free 32/32
+        t2 rows r1 7-12* | r1+"f" r1+"e" r1+"s" r1+"s" r1+"i" | queue [] running [r1] free 24/32
+        t3 rows r1 12-17* | r1+"c" r1+"q" r1+"f" r1+"a" r1+"i" r1+"w" | queue [] running [r1] free 24/32
+        t4 rows r1 18-25* | r1+"c" | queue [] running [r1] free 24/32
+        t5 rows r1 19-24* | r1+"l" | queue [] running [r1] free 24/32
+        t6 rows r1 20* | r1+"z" | queue [] running [r1] free 24/32
+        t7 rows r1 21-25* | r1+"c" r1+"p" r1+"b" r1+"u" r1+"n" | queue [] running [r1] free 24/32
+        t8 rows r1 26-29* | r1+"z" | queue [] running [r1] free 24/32
+        t9 rows r1 27-29* | r1+"m" | queue [] running [r1] free 24/32
+        t10 rows r1 28-29* | r1+"o" r1+"a" r1 done length (24 tokens, 8 pages, prediction 14 kept 18 rejected) | queue [] running [] free 32/32
     "#]]);
 
     let mut crowded = Harness::new(32, 5, 4);
