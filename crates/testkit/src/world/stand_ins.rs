@@ -303,7 +303,7 @@ impl StandInDecode {
         let speculate = self.speculate && d.generated + 2 <= d.max_tokens;
         if let (true, Ok(tokens)) = (speculate, next.as_mut()) {
             let t = tokens[0];
-            let right = (self.drafts_kept + self.drafts_rolled_back).is_multiple_of(2);
+            let right = (n / 2).is_multiple_of(2);
             let draft = if right { t } else { t ^ 1 };
             let verified =
                 write_kv(&mut self.pool, &d.pages, d.owner, ps, n, draft).and_then(|()| {
