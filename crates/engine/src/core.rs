@@ -166,6 +166,11 @@ impl Active {
     fn decoding(&self) -> bool {
         !self.generated.is_empty() && self.computed + 1 == self.history.len()
     }
+    /// It takes a decode row this step: decoding, its token sampled, its
+    /// reader with room.
+    fn takes_decode_row(&self) -> bool {
+        self.decoding() && !self.stashed() && self.has_room()
+    }
     fn cancelled(&self) -> bool {
         match &self.sink {
             Sink::Local { events, cancel } => cancel.load(Ordering::Relaxed) || events.is_closed(),
@@ -1193,11 +1198,7 @@ impl<F: Forward> Core<F> {
         let budget = self.cfg.step_tokens;
         self.rows.clear();
         let spec = self.cfg.speculation;
-        let decoding = self
-            .running
-            .iter()
-            .filter(|a| a.decoding() && !a.stashed() && a.has_room())
-            .count();
+        let decoding = self.running.iter().filter(|a| a.takes_decode_row()).count();
         // Draft rows this step may take: speculation gives way as the batch
         // fills the step by itself.
         let mut draft_rows = spec
@@ -1209,7 +1210,7 @@ impl<F: Forward> Core<F> {
         for (i, a) in self.running.iter_mut().enumerate() {
             a.draft.clear();
             a.draft_kept = 0;
-            if a.decoding() && !a.stashed() && a.has_room() && self.rows.len() < budget {
+            if a.takes_decode_row() && self.rows.len() < budget {
                 let pos = a.prompt.len() + a.generated.len() - 1;
                 let token = *a
                     .generated

@@ -303,6 +303,31 @@ fn greedy(tok: &Tokenizer, tenant: u64, text: &str, max_tokens: usize) -> GenReq
     )
 }
 
+/// Each prompt's greedy tokens (tenant 1, `max_tokens`) on the unified
+/// engine, one at a time: the reference PD output must equal.
+fn unified_outputs(
+    unified: &Engine,
+    tok: &Tokenizer,
+    prompts: &[&str],
+    max_tokens: usize,
+) -> Vec<Vec<u32>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let mut h = unified.submit(greedy(tok, 1, p, max_tokens)).unwrap();
+            let mut ids = Vec::new();
+            while let Some(ev) = h.blocking_next() {
+                match ev {
+                    Event::Token(t) => ids.push(t.id),
+                    Event::Done(_) => break,
+                    Event::Error(e) => panic!("{e}"),
+                }
+            }
+            ids
+        })
+        .collect()
+}
+
 const PROMPTS: [&str; 24] = [
     "The capital of France is",
     "Once upon a time, in a small village,",
@@ -343,21 +368,7 @@ fn pd_output_equals_unified_token_for_token() {
         },
     )
     .unwrap();
-    let expected: Vec<Vec<u32>> = PROMPTS
-        .iter()
-        .map(|p| {
-            let mut h = unified.submit(greedy(&t, 1, p, 12)).unwrap();
-            let mut ids = Vec::new();
-            while let Some(ev) = h.blocking_next() {
-                match ev {
-                    Event::Token(t) => ids.push(t.id),
-                    Event::Done(_) => break,
-                    Event::Error(e) => panic!("{e}"),
-                }
-            }
-            ids
-        })
-        .collect();
+    let expected = unified_outputs(&unified, &t, &PROMPTS, 12);
     drop(unified);
     let stack = Stack::start(StackCfg::default());
     stack.wait_ready();
@@ -414,21 +425,7 @@ fn pd_decode_speculates_and_the_output_is_unified_without_speculation_k12() {
     };
     let unified = Engine::start(m, t.clone(), small.clone()).unwrap();
     let prompts = &PROMPTS[..8];
-    let expected: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            let mut h = unified.submit(greedy(&t, 1, p, 24)).unwrap();
-            let mut ids = Vec::new();
-            while let Some(ev) = h.blocking_next() {
-                match ev {
-                    Event::Token(t) => ids.push(t.id),
-                    Event::Done(_) => break,
-                    Event::Error(e) => panic!("{e}"),
-                }
-            }
-            ids
-        })
-        .collect();
+    let expected = unified_outputs(&unified, &t, prompts, 24);
     drop(unified);
     let spec = EngineConfig {
         speculation: engine::Speculation {
