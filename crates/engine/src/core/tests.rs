@@ -1574,3 +1574,51 @@ fn a_requests_timings_are_the_drivers_clock() {
     // Then a step per further token.
     assert!(close(d.total_ms - d.ttft_ms, 2.0 * STEP_MS as f64), "{d:?}");
 }
+
+/// A decode node's request arrives with its prediction unchecked by this
+/// engine: a token outside the vocabulary would be a forward row that
+/// fails the whole batch's step, so `start_decode` refuses it, naming the
+/// field, and starts nothing.
+#[test]
+fn a_decode_job_with_a_prediction_outside_the_vocabulary_is_refused() {
+    let mut h = Harness::new(32, 32, 4);
+    let owner = kv::Owner::request(RequestId(77), TenantId(1), None);
+    let mut pages = Vec::new();
+    h.core.pool.alloc(owner, 2, &mut pages).unwrap();
+    let job = |prediction: Vec<u32>, pages: Vec<kv::PageRef>| super::DecodeJob {
+        req: RequestId(77),
+        owner,
+        conn: 1,
+        prompt: prompt(3),
+        max_tokens: 4,
+        params: Default::default(),
+        sampler_state: 0,
+        stop: Vec::new(),
+        ignore_eos: false,
+        logprobs: None,
+        pages,
+        first_token: byte_token(b'a'),
+        first_logprobs: None,
+        priority: 0,
+        weight: 1,
+        grammar: None,
+        prediction,
+    };
+    let e = h
+        .core
+        .start_decode(job(vec![5, 300], pages.clone()))
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            request::RequestError::InvalidParam {
+                field: "prediction",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(!h.core.runs(RequestId(77)));
+    h.core.start_decode(job(vec![5, 299], pages)).unwrap();
+    assert!(h.core.runs(RequestId(77)));
+}
