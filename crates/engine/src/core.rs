@@ -124,6 +124,15 @@ pub(crate) struct Active {
     draft: Vec<u32>,
     draft_pos: usize,
     draft_kept: usize,
+    /// The draft model's pace for this request (`--draft-model`, and
+    /// pages for it in the draft pool).
+    model_drafter: Option<spec::ModelDrafter>,
+    /// Its pages in the draft model's pool (same owner), and the positions
+    /// of `history` whose draft K/V they hold; past those, while a draft
+    /// is verified, the drafted tokens' (`dwritten`).
+    dpages: Vec<PageRef>,
+    dcomputed: usize,
+    dwritten: usize,
 }
 
 /// A constrained request's next mask (structured outputs).
@@ -327,6 +336,8 @@ pub struct Core<F: Forward = Runner> {
     /// `isoserve probe`'s draft check must catch (tests/http/test_probe.py).
     #[cfg(feature = "fault-incident")]
     shared_drafts: bool,
+    /// The draft model and its pool (`--draft-model`).
+    draft: Option<draft::DraftModel>,
 }
 
 /// A driver's clock (see [`Core::set_clock`]).
@@ -374,6 +385,7 @@ impl<F: Forward> Core<F> {
             masks: None,
             row_cost: spec::RowCost::default(),
             suffix: spec::SuffixCache::default(),
+            draft: None,
             #[cfg(feature = "fault-incident")]
             shared_drafts: {
                 let on =
@@ -409,6 +421,44 @@ impl<F: Forward> Core<F> {
                 on
             },
         }
+    }
+
+    /// Speculates with a draft model (`--draft-model`): a smaller model of
+    /// the same vocabulary, whose K/V gets a pool of its own shape with as
+    /// many pages of the same size as the target's, under the same checks
+    /// (see `core::draft`). Refused, and named, when the vocabularies'
+    /// sizes differ or the draft's window is shorter than the window
+    /// served.
+    pub fn set_draft(&mut self, fwd: Box<dyn Forward>) -> Result<(), crate::StartError> {
+        let (want, got) = (self.fwd.vocab(), fwd.vocab());
+        if want != got {
+            return Err(crate::StartError::Config(format!(
+                "the draft model's vocabulary has {got} tokens, the model's {want}"
+            )));
+        }
+        if fwd.context_length() < self.max_request {
+            return Err(crate::StartError::Config(format!(
+                "the draft model's context window of {} tokens is shorter than the {} served",
+                fwd.context_length(),
+                self.max_request
+            )));
+        }
+        let shape = fwd.kv_shape(self.cfg.page_size_tokens, self.cfg.kv_dtype)?;
+        let pool = Pool::new(
+            shape,
+            u64::from(self.pool.pages_total()),
+            kv::PoolOptions {
+                poison: self.cfg.poison,
+            },
+        )?;
+        self.local.draft_pool = Some(pool.stats());
+        self.draft = Some(draft::DraftModel::new(fwd, pool));
+        Ok(())
+    }
+
+    /// The draft model's pool, if there is a draft model.
+    pub fn draft_pool(&self) -> Option<&Pool> {
+        self.draft.as_ref().map(|d| &d.pool)
     }
 
     /// The driver's clock (the engine's: the system's monotonic one).
@@ -541,6 +591,11 @@ impl<F: Forward> Core<F> {
         }
         self.local.spec_row_cost = self.row_cost.ratio();
         self.local.pool = self.pool.stats();
+        if let Some(d) = &self.draft {
+            self.local.draft_pool = Some(d.pool.stats());
+            self.local.spec_draft_passes_total = d.passes_total;
+            self.local.spec_draft_rows_total = d.rows_total;
+        }
         self.local.running = self.running.len();
         self.local.waiting = self.tenants.values().map(|q| q.waiting.len()).sum();
         self.local.preempted = self.tenants.values().map(|q| q.resumed.len()).sum();
@@ -640,6 +695,10 @@ impl<F: Forward> Core<F> {
     /// released (deepest first, so they are evicted first), private ones
     /// freed.
     fn release(&mut self, a: &Active) {
+        // The draft pages are the core's own, on every role.
+        if let Some(d) = self.draft.as_mut() {
+            d.free(a);
+        }
         if a.mode != Mode::Full {
             // PD roles: the transfer machine owns the pages' lifecycle.
             return;
@@ -880,7 +939,13 @@ impl<F: Forward> Core<F> {
             draft: Vec::new(),
             draft_pos: 0,
             draft_kept: 0,
+            model_drafter: None,
+            dpages: Vec::new(),
+            dcomputed: 0,
+            dwritten: 0,
         });
+        let a = self.running.last_mut().expect("just pushed");
+        hold_draft(&mut self.draft, ps, a, &mut self.local);
         Placed::Admitted
     }
 
@@ -941,6 +1006,7 @@ impl<F: Forward> Core<F> {
         a.shared[..hits.len()].fill(true);
         a.pages = pages;
         a.computed = hits.len() * ps;
+        hold_draft(&mut self.draft, ps, &mut a, &mut self.local);
         self.running.push(a);
         Placed::Admitted
     }
@@ -1043,6 +1109,8 @@ impl<F: Forward> Core<F> {
         a.pages.clear();
         a.shared.clear();
         a.computed = 0;
+        a.dpages.clear();
+        (a.dcomputed, a.dwritten) = (0, 0);
         self.local.requests_preempted_total += 1;
         let least = self.least_served();
         let q = self
@@ -1206,11 +1274,19 @@ impl<F: Forward> Core<F> {
             .saturating_sub(decoding)
             .min(budget.saturating_sub(decoding));
         let row_cost = self.row_cost.ratio();
+        // What a pass of the draft model costs, in rows of this step.
+        let pass_rows = self
+            .draft
+            .as_ref()
+            .and_then(|d| d.pass_rows(self.row_cost.row_secs()));
+        // Requests the draft model drafts for, and the rows they reserve.
+        let mut model_plans: Vec<(usize, usize)> = Vec::new();
+        let mut reserved = 0;
         // Which running request each row belongs to: `seq` indexes `running`.
         for (i, a) in self.running.iter_mut().enumerate() {
             a.draft.clear();
             a.draft_kept = 0;
-            if a.takes_decode_row() && self.rows.len() < budget {
+            if a.takes_decode_row() && self.rows.len() + reserved < budget {
                 let pos = a.prompt.len() + a.generated.len() - 1;
                 let token = *a
                     .generated
@@ -1229,27 +1305,31 @@ impl<F: Forward> Core<F> {
                 // and the end: the reader must have room for them all,
                 // and the request for the tokens.
                 let limit = draft_rows
-                    .min(budget - self.rows.len())
+                    .min(budget - self.rows.len() - reserved)
                     .min(a.max_tokens.saturating_sub(a.generated.len() + 1))
                     .min(a.room().saturating_sub(EVENTS_PER_STEP_MAX));
                 let free = !a.constrained();
-                if let Some(d) = a.drafter.as_mut().filter(|_| free && limit > 0) {
-                    let stored = match spec.method {
-                        crate::SpecMethod::Suffix => self.suffix.entries(suffix_scope(
-                            a.owner.scope,
-                            #[cfg(feature = "fault-incident")]
-                            self.shared_drafts,
-                        )),
-                        _ => &[],
-                    };
-                    let ctx = spec::StepCtx {
-                        cfg: &spec,
-                        row_cost,
-                        batch: decoding,
-                        stored,
-                    };
-                    let n = d.propose(&a.history, limit, &ctx, &mut a.draft);
-                    a.draft_pos = pos;
+                if !free || limit == 0 {
+                    continue;
+                }
+                let stored = match (&a.drafter, spec.method) {
+                    (Some(_), crate::SpecMethod::Suffix) => self.suffix.entries(suffix_scope(
+                        a.owner.scope,
+                        #[cfg(feature = "fault-incident")]
+                        self.shared_drafts,
+                    )),
+                    _ => &[],
+                };
+                let ctx = spec::StepCtx {
+                    cfg: &spec,
+                    row_cost,
+                    batch: decoding,
+                    stored,
+                };
+                a.draft_pos = pos;
+                let mut n = 0;
+                if let Some(d) = a.drafter.as_mut() {
+                    n = d.propose(&a.history, limit, &ctx, &mut a.draft);
                     for (j, &token) in a.draft.iter().enumerate() {
                         self.rows.push(Row {
                             seq: i,
@@ -1260,6 +1340,44 @@ impl<F: Forward> Core<F> {
                     }
                     draft_rows -= n;
                 }
+                // Where the text sources have nothing to follow, the draft
+                // model drafts (its passes run once every request's plan
+                // is known, batched).
+                if let Some(m) = a.model_drafter.as_mut().filter(|_| n == 0) {
+                    let k = m.plan(limit, &ctx, pass_rows);
+                    if k > 0 {
+                        model_plans.push((i, k));
+                        reserved += k;
+                        draft_rows -= k;
+                    }
+                }
+            }
+        }
+        // The draft model's passes, then its drafts' rows.
+        let mut draft_failed = None;
+        if !model_plans.is_empty() {
+            let d = self
+                .draft
+                .as_mut()
+                .expect("plans are made with a draft model");
+            match d.draft(&mut self.running, &model_plans, budget, &self.clock) {
+                Ok(got) => {
+                    for (&(i, _), n) in model_plans.iter().zip(got) {
+                        let a = &mut self.running[i];
+                        if let Some(m) = a.model_drafter.as_mut() {
+                            m.drafted(n);
+                        }
+                        for (j, &token) in a.draft.iter().enumerate() {
+                            self.rows.push(Row {
+                                seq: i,
+                                pos: a.draft_pos + 1 + j,
+                                token,
+                                logits: true,
+                            });
+                        }
+                    }
+                }
+                Err(e) => draft_failed = Some(e),
             }
         }
         // Then prompt chunks (and the recomputation of preempted requests)
@@ -1331,7 +1449,12 @@ impl<F: Forward> Core<F> {
             })
             .collect();
         let started = (self.clock)();
-        let mut result = self.fwd.forward(&mut self.pool, &seqs, &self.rows);
+        // A draft pass that failed (a refused draft-pool access: a bug)
+        // fails the batch as a failed forward would.
+        let mut result = match draft_failed {
+            Some(e) => Err(e),
+            None => self.fwd.forward(&mut self.pool, &seqs, &self.rows),
+        };
         drop(seqs);
         // The step's masks: wait for them a quarter of the forward's time
         // more at most; a row whose mask is later keeps its logits and
@@ -1529,6 +1652,15 @@ impl<F: Forward> Core<F> {
         if let Some(d) = a.drafter.as_mut() {
             d.verified(a.draft_kept);
         }
+        if let Some(m) = a.model_drafter.as_mut() {
+            m.verified(a.draft_kept);
+        }
+        // The draft model's rows past what was kept, in its own pool.
+        if let Some(d) = self.draft.as_mut() {
+            if a.dwritten > a.dcomputed {
+                d.settle(a, ps).map_err(RequestError::Internal)?;
+            }
+        }
         // Rows written: the decode row and the draft's. Kept: the history
         // but its last token (sampled, not yet run).
         let written_end = a.draft_pos + 1 + drafted;
@@ -1537,25 +1669,8 @@ impl<F: Forward> Core<F> {
         if keep >= written_end {
             return Ok(());
         }
-        for p in keep / ps..=(written_end - 1) / ps {
-            let slots = if p == keep / ps { keep % ps } else { 0 };
-            self.pool
-                .rewind(a.pages[p], a.owner, slots)
-                .map_err(|e| RequestError::Internal(format!("cannot roll a draft back: {e}")))?;
-        }
-        let page = a.pages[keep / ps];
-        let left = self
-            .pool
-            .written_slots(page, a.owner)
-            .map_err(|e| RequestError::Internal(e.to_string()))?;
-        if left != keep % ps {
-            return Err(RequestError::Internal(format!(
-                "a rolled-back draft left {left} rows written in page {}, not {}",
-                page.index,
-                keep % ps
-            )));
-        }
-        Ok(())
+        draft::rewind(&mut self.pool, a.owner, &a.pages, keep, written_end, ps)
+            .map_err(RequestError::Internal)
     }
 
     /// Ends a request that finished: its Done event; frees its pages (Full
@@ -1657,6 +1772,10 @@ impl<F: Forward> Core<F> {
             draft: Vec::new(),
             draft_pos: 0,
             draft_kept: 0,
+            model_drafter: None,
+            dpages: Vec::new(),
+            dcomputed: 0,
+            dwritten: 0,
         });
     }
 
@@ -1710,6 +1829,10 @@ impl<F: Forward> Core<F> {
             draft: Vec::new(),
             draft_pos: 0,
             draft_kept: 0,
+            model_drafter: None,
+            dpages: Vec::new(),
+            dcomputed: 0,
+            dwritten: 0,
         };
         let (logprob, top) = match job.first_logprobs {
             Some((l, top)) if a.logprobs.is_some() => (Some(l), top),
@@ -1731,7 +1854,15 @@ impl<F: Forward> Core<F> {
             &mut self.outbox,
             &mut self.local,
         ) {
-            None => self.running.push(a),
+            None => {
+                hold_draft(
+                    &mut self.draft,
+                    self.cfg.page_size_tokens,
+                    &mut a,
+                    &mut self.local,
+                );
+                self.running.push(a)
+            }
             Some(finish) => {
                 let (a, done) = self.done_event(a, finish);
                 emit(&mut self.outbox, &a, Event::Done(done));
@@ -1743,9 +1874,17 @@ impl<F: Forward> Core<F> {
     /// Takes a PD request out of the batch without touching its pages (its
     /// transfer machine stopped it and frees them).
     pub fn stop_remote(&mut self, req: RequestId) -> bool {
-        let before = self.running.len();
-        self.running.retain(|a| a.mode == Mode::Full || a.id != req);
-        before != self.running.len()
+        let Some(i) = self
+            .running
+            .iter()
+            .position(|a| a.mode != Mode::Full && a.id == req)
+        else {
+            return false;
+        };
+        let a = self.running.remove(i);
+        // Its draft pages are the core's: freed here.
+        self.release(&a);
+        true
     }
 
     /// Whether request `req` is in the batch.
@@ -1803,6 +1942,38 @@ fn suffix_scope(scope: kv::Scope, #[cfg(feature = "fault-incident")] shared: boo
         return kv::Scope::derived(0);
     }
     scope
+}
+
+/// Gives request `a` pages in the draft model's pool (`--draft-model`)
+/// for its whole `prompt + max_tokens`, owned as its pages are (request,
+/// tenant, scope), and a pace to draft with. A pool without room leaves
+/// it to decode without the draft model (counted): the draft pool is
+/// sized like the target's, but its pages are never shared, so cached
+/// prefixes can fill it first.
+fn hold_draft(
+    draft: &mut Option<draft::DraftModel>,
+    ps: usize,
+    a: &mut Active,
+    local: &mut EngineStats,
+) {
+    let Some(d) = draft.as_mut() else {
+        return;
+    };
+    if a.mode == Mode::PrefillOnly || a.constrained() || !a.dpages.is_empty() {
+        return;
+    }
+    let need = (a.prompt.len() + a.max_tokens).div_ceil(ps);
+    if (d.pool.pages_free() as usize) < need {
+        local.spec_draft_pool_full_total += 1;
+        return;
+    }
+    if let Err(e) = d.pool.alloc(a.owner, need, &mut a.dpages) {
+        tracing::error!(request = a.id.0, %e, "draft pool allocation failed");
+        a.dpages.clear();
+        return;
+    }
+    (a.dcomputed, a.dwritten) = (0, 0);
+    a.model_drafter.get_or_insert_with(spec::ModelDrafter::new);
 }
 
 fn give_back(pool: &mut Pool, owner: Owner, pages: &[PageRef], acquired: usize) {
@@ -1995,6 +2166,7 @@ fn logprobs_of(logits: &[f32], n: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
     (lp, top)
 }
 
+mod draft;
 mod masks;
 mod spec;
 #[cfg(test)]

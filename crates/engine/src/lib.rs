@@ -87,6 +87,9 @@ pub struct EngineConfig {
     /// Speculative decoding (`--speculative`, and every request's
     /// `prediction`).
     pub speculation: Speculation,
+    /// A smaller GGUF of the same vocabulary that drafts tokens for the
+    /// model to verify (`--draft-model`).
+    pub draft_model: Option<std::path::PathBuf>,
 }
 
 /// `--speculative`: where drafts come from besides a request's prediction.
@@ -170,7 +173,7 @@ impl EngineConfig {
             "page_size={} kv_pages={} kv_memory_bytes={} max_context={} step_tokens={} \
              max_running={} max_queue={} kv_dtype={:?} kv_poison={:?} prefix_cache={:?} \
              speculative={:?} spec_k={} spec_ngram={}..={} spec_prediction_k={} spec_rows={} \
-             suffix_cache_tokens={}",
+             suffix_cache_tokens={} draft_model={}",
             self.page_size_tokens,
             opt(self.kv_pages.map(|p| p.to_string())),
             self.kv_memory_bytes,
@@ -188,6 +191,7 @@ impl EngineConfig {
             self.speculation.prediction_k_max,
             self.speculation.rows_max,
             self.speculation.suffix_tokens,
+            opt(self.draft_model.as_ref().map(|p| p.display().to_string())),
         )
     }
 }
@@ -209,6 +213,7 @@ impl Default for EngineConfig {
             poison: Poison::Nan,
             prefix_cache: PrefixCache::Tenant,
             speculation: Speculation::default(),
+            draft_model: None,
         }
     }
 }
@@ -350,12 +355,23 @@ impl Engine {
         cfg: EngineConfig,
     ) -> Result<Engine, StartError> {
         let rows = cfg.step_tokens;
-        Engine::start_with(Runner::new(model, rows), tokenizer, cfg)
+        let draft = load_draft(&model, &cfg)?;
+        Engine::start_drafted(Runner::new(model, rows), draft, tokenizer, cfg)
     }
 
     /// [`Engine::start`] over any forward step (tests: a stand-in model).
     pub fn start_with<F: Forward>(
         fwd: F,
+        tokenizer: Tokenizer,
+        cfg: EngineConfig,
+    ) -> Result<Engine, StartError> {
+        Engine::start_drafted(fwd, None, tokenizer, cfg)
+    }
+
+    /// [`Engine::start_with`], with a draft model's forward step.
+    pub fn start_drafted<F: Forward>(
+        fwd: F,
+        draft: Option<Box<dyn Forward>>,
         tokenizer: Tokenizer,
         cfg: EngineConfig,
     ) -> Result<Engine, StartError> {
@@ -384,7 +400,7 @@ impl Engine {
             .and_then(|v| grammar::Compiler::new(v, grammar::Limits::default()))
             .map(Arc::new)
             .map_err(|e| StartError::Config(format!("the grammar engine: {e}")))?;
-        let core = core::Core::new(
+        let mut core = core::Core::new(
             fwd,
             tokenizer,
             pool,
@@ -393,6 +409,9 @@ impl Engine {
             stats.clone(),
             waiting.clone(),
         );
+        if let Some(d) = draft {
+            core.set_draft(d)?;
+        }
         let console = core.console();
         let thread = std::thread::Builder::new()
             .name("isoserve-engine".into())
@@ -639,4 +658,27 @@ fn incident_placeholder(mut req: GenRequest, max_request: usize) -> (GenRequest,
             .min(max_request.saturating_sub(req.prompt.len()).max(1));
     }
     (req, over)
+}
+
+/// Loads `cfg.draft_model` (`--draft-model`) to draft for `model`, on
+/// `model`'s kernel threads: refused, and the difference named, unless
+/// its tokenizer is the model's.
+pub fn load_draft(
+    model: &Model,
+    cfg: &EngineConfig,
+) -> Result<Option<Box<dyn Forward>>, StartError> {
+    let Some(path) = &cfg.draft_model else {
+        return Ok(None);
+    };
+    let bad = |why: String| StartError::Config(format!("--draft-model {}: {why}", path.display()));
+    let draft = Model::load(path, model.threads_shared()).map_err(|e| bad(e.to_string()))?;
+    model::same_vocabulary(model.gguf(), draft.gguf())
+        .map_err(|why| bad(format!("not the model's vocabulary: {why}")))?;
+    tracing::info!(
+        "draft model {}: {} layers (the model has {})",
+        path.display(),
+        draft.config.n_layer,
+        model.config.n_layer
+    );
+    Ok(Some(Box::new(Runner::new(draft, cfg.step_tokens))))
 }

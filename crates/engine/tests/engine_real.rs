@@ -540,3 +540,134 @@ fn speculation_never_changes_the_output_alone_or_batched_k12() {
     assert_eq!(s.pool.pages_unheld(), s.pool.pages_total, "pages leaked");
     assert_eq!(s.pool.safety_refusals(), 0);
 }
+
+/// Writes a draft of the default model's `layers` (the GGUF writer's
+/// self-speculation draft), with `edit` applied to its writer.
+fn write_draft(
+    name: &str,
+    layers: &[usize],
+    edit: impl FnOnce(&mut gguf::write::GgufWriter),
+) -> std::path::PathBuf {
+    let file = gguf::GgufFile::open(model_path()).unwrap();
+    let mut w = gguf::write::select_layers(&file, layers).unwrap();
+    edit(&mut w);
+    let path =
+        std::env::temp_dir().join(format!("isoserve-draft-{name}-{}.gguf", std::process::id()));
+    w.write(&path).unwrap();
+    path
+}
+
+/// `--draft-model` (K12): drafts written by the GGUF writer from the
+/// default model's own layers — its first and last four, and all of them
+/// (a draft that agrees with the model, so its probes are kept) — leave
+/// greedy and seeded output as the engine without a draft gives it, alone
+/// and in one batch. The draft pool is whole at the end, its checks never
+/// refused, and the draft model really ran and drafted.
+#[test]
+fn a_draft_model_of_the_models_own_layers_never_changes_the_output_k12() {
+    let (plain, tok) = start(small_cfg());
+    let prompts: Vec<Vec<u32>> = [
+        "<|im_start|>user\nName three rivers in Europe.<|im_end|>\n<|im_start|>assistant\n",
+        "def fibonacci(n):",
+    ]
+    .iter()
+    .map(|t| tok.encode(t, true).unwrap())
+    .collect();
+    let mut reqs = Vec::new();
+    for p in &prompts {
+        reqs.push(GenRequest::greedy(TenantId(1), p.clone(), 40));
+        reqs.push(GenRequest {
+            params: model::sample::SamplingParams {
+                temperature: 0.8,
+                seed: 11,
+                ..Default::default()
+            },
+            ..GenRequest::greedy(TenantId(2), p.clone(), 40)
+        });
+    }
+    let want: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| run(&plain, r.clone()).unwrap().0)
+        .collect();
+    drop(plain);
+    let skip: Vec<usize> = (0..4).chain(26..30).collect();
+    let all: Vec<usize> = (0..30).collect();
+    for (name, layers) in [("skip", skip), ("all", all)] {
+        let path = write_draft(name, &layers, |_| {});
+        let cfg = EngineConfig {
+            draft_model: Some(path.clone()),
+            ..small_cfg()
+        };
+        let (engine, _) = start(cfg);
+        for (i, (r, w)) in reqs.iter().zip(&want).enumerate() {
+            assert_eq!(
+                &run(&engine, r.clone()).unwrap().0,
+                w,
+                "{name} draft, request {i} alone"
+            );
+        }
+        let handles: Vec<_> = reqs
+            .iter()
+            .map(|r| engine.submit(r.clone()).unwrap())
+            .collect();
+        for (i, (mut h, w)) in handles.into_iter().zip(&want).enumerate() {
+            let mut ids = Vec::new();
+            while let Some(ev) = h.blocking_next() {
+                match ev {
+                    Event::Token(t) => ids.push(t.id),
+                    Event::Done(_) => break,
+                    Event::Error(e) => panic!("{name} draft, batched request {i}: {e}"),
+                }
+            }
+            assert_eq!(&ids, w, "{name} draft, batched request {i}");
+        }
+        let s = engine.stats();
+        let d = s.draft_pool.expect("a draft pool");
+        assert_eq!(d.pages_free, d.pages_total, "draft pages leaked");
+        assert_eq!(d.safety_refusals(), 0);
+        assert!(
+            s.spec_draft_passes_total > 0 && s.spec_draft_tokens_total > 0,
+            "{s:?}"
+        );
+        if name == "all" {
+            assert!(
+                s.spec_accepted_tokens_total > 0,
+                "the model's own draft kept nothing: {s:?}"
+            );
+        }
+        drop(engine);
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// `--draft-model` with another vocabulary is refused at start, and the
+/// refusal names the first token that differs.
+#[test]
+fn a_draft_model_with_another_vocabulary_is_refused_naming_the_token() {
+    let file = gguf::GgufFile::open(model_path()).unwrap();
+    let mut tokens: Vec<gguf::Value> = file
+        .get_string_array("tokenizer.ggml.tokens")
+        .unwrap()
+        .into_iter()
+        .map(|t| gguf::Value::String(t.to_string()))
+        .collect();
+    tokens[1234] = gguf::Value::String("not-the-same".into());
+    let path = write_draft("vocab", &[0, 1], |w| {
+        w.add_kv("tokenizer.ggml.tokens", gguf::Value::Array(tokens));
+    });
+    let (m, t) = load();
+    let cfg = EngineConfig {
+        draft_model: Some(path.clone()),
+        ..small_cfg()
+    };
+    let err = match Engine::start(m, t, cfg) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a draft of another vocabulary was accepted"),
+    };
+    let _ = std::fs::remove_file(path);
+    assert!(
+        err.contains("--draft-model") && err.contains("token 1234"),
+        "{err}"
+    );
+    assert!(err.contains("not-the-same"), "{err}");
+}

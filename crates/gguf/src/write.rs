@@ -347,3 +347,63 @@ pub fn gpt2_byte_chars() -> [char; 256] {
     }
     out
 }
+
+/// A model of some of `file`'s blocks — `keep`, in order, renumbered
+/// from 0 — and everything that is not a block (embeddings, the final
+/// norm, the output head, the tokenizer): a draft for self-speculation
+/// (the first layers, or the first and the last, skipping the middle),
+/// with the model's own vocabulary by construction. Metadata is copied
+/// but the block count (`{arch}.block_count`), and the model's name says
+/// which layers it kept.
+pub fn select_layers(file: &crate::GgufFile, keep: &[usize]) -> Result<GgufWriter> {
+    let arch = file.get_str("general.architecture")?.to_string();
+    let count_key = format!("{arch}.block_count");
+    let blocks = file.get_u64(&count_key)?;
+    if keep.is_empty() || keep.iter().any(|&l| l as u64 >= blocks) {
+        return Err(GgufError::InvalidArgument(format!(
+            "layers {keep:?}: the model has {blocks} (0..{blocks})"
+        )));
+    }
+    if keep.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(GgufError::InvalidArgument(format!(
+            "layers {keep:?}: give each once, in increasing order"
+        )));
+    }
+    // Per-layer metadata arrays (Gemma's sliding-window pattern, some
+    // models' per-layer head counts) are kept for the kept layers.
+    let mut w = GgufWriter::new();
+    for (k, v) in file.metadata() {
+        let v = match v {
+            Value::Array(items)
+                if k.starts_with(&format!("{arch}.")) && items.len() as u64 == blocks =>
+            {
+                Value::Array(keep.iter().map(|&l| items[l].clone()).collect())
+            }
+            _ => v.clone(),
+        };
+        w.add_kv(k.clone(), v);
+    }
+    w.add_kv(count_key, Value::U32(keep.len() as u32));
+    let name = file.get_str("general.name").unwrap_or("model").to_string();
+    w.add_kv(
+        "general.name",
+        Value::String(format!("{name} (layers {keep:?} of {blocks})")),
+    );
+    for t in file.tensors() {
+        let block = t
+            .name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(n, rest)| Some((n.parse::<usize>().ok()?, rest)));
+        let name = match block {
+            None => t.name.clone(),
+            Some((b, rest)) => match keep.iter().position(|&l| l == b) {
+                Some(new) => format!("blk.{new}.{rest}"),
+                None => continue,
+            },
+        };
+        let data = file.tensor(&t.name)?.bytes().to_vec();
+        w.add_tensor(name, &t.dims, t.ggml_type, data)?;
+    }
+    Ok(w)
+}

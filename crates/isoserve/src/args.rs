@@ -225,6 +225,14 @@ pub struct NodeEngineArgs {
     /// refused).
     #[arg(long, value_parser = speculative_config)]
     pub speculative_config: Option<String>,
+    /// A smaller GGUF with the model's vocabulary (checked at start: a
+    /// difference is refused and named) that drafts tokens where a
+    /// request's prediction and the lookups have nothing to follow
+    /// (vLLM's draft model, llama.cpp's `--model-draft`); `isoserve
+    /// make-draft` writes one from the model's first layers. Its K/V has
+    /// a pool of its own; output is unchanged.
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
 }
 
 /// `--speculative off|ngram`.
@@ -268,6 +276,8 @@ fn ngram_size(v: &str) -> Result<usize, String> {
 #[serde(deny_unknown_fields)]
 struct SpeculativeConfig {
     method: Option<String>,
+    /// The draft model's path (`"method": "draft_model"`, vLLM's form).
+    model: Option<PathBuf>,
     num_speculative_tokens: Option<usize>,
     prompt_lookup_min: Option<usize>,
     prompt_lookup_max: Option<usize>,
@@ -276,12 +286,21 @@ struct SpeculativeConfig {
 fn parse_speculative_config(v: &str) -> Result<SpeculativeConfig, String> {
     let c: SpeculativeConfig = serde_json::from_str(v).map_err(|e| e.to_string())?;
     match c.method.as_deref() {
-        None | Some("ngram") | Some("suffix") => {}
+        None | Some("ngram") | Some("suffix") | Some("draft_model") => {}
         Some(m) => {
             return Err(format!(
-                "method `{m}`: the methods served are `ngram` and `suffix`"
+                "method `{m}`: the methods served are `ngram`, `suffix` and `draft_model`"
             ))
         }
+    }
+    match (c.method.as_deref(), &c.model) {
+        (Some("draft_model"), None) => {
+            return Err("method `draft_model` needs `model`, the draft's GGUF".into())
+        }
+        (Some("ngram") | Some("suffix"), Some(_)) => {
+            return Err("`model` is the draft model's: it needs method `draft_model`".into())
+        }
+        _ => {}
     }
     if let Some(n) = c.num_speculative_tokens {
         spec_tokens(&n.to_string()).map_err(|e| format!("num_speculative_tokens: {e}"))?;
@@ -582,6 +601,31 @@ fn parse_node_metrics(v: &str) -> Result<(String, std::net::SocketAddr), String>
     Ok((name.to_string(), resolved))
 }
 
+/// The draft model: `--draft-model`, or `--speculative-config`'s `model`
+/// (not both).
+fn draft_model(e: &NodeEngineArgs) -> Result<Option<PathBuf>> {
+    let from_json = match &e.speculative_config {
+        Some(json) => {
+            parse_speculative_config(json)
+                .map_err(|why| anyhow::anyhow!("--speculative-config: {why}"))?
+                .model
+        }
+        None => None,
+    };
+    match (e.draft_model.clone(), from_json) {
+        (Some(_), Some(_)) => anyhow::bail!(
+            "--draft-model and --speculative-config's `model` both name a draft model: give one"
+        ),
+        (Some(p), None) | (None, Some(p)) => {
+            if !p.is_file() {
+                anyhow::bail!("--draft-model {}: no such file", p.display());
+            }
+            Ok(Some(p))
+        }
+        (None, None) => Ok(None),
+    }
+}
+
 /// The engine configuration of `serve`, `prefill` and `decode`.
 pub(crate) fn engine_config(e: &NodeEngineArgs) -> Result<EngineConfig> {
     let mut spec = engine::Speculation {
@@ -600,8 +644,10 @@ pub(crate) fn engine_config(e: &NodeEngineArgs) -> Result<EngineConfig> {
     if let Some(json) = &e.speculative_config {
         let c = parse_speculative_config(json)
             .map_err(|why| anyhow::anyhow!("--speculative-config: {why}"))?;
-        spec.method = match c.method.as_deref() {
-            Some("suffix") => engine::SpecMethod::Suffix,
+        spec.method = match (c.method.as_deref(), &c.model) {
+            (Some("suffix"), _) => engine::SpecMethod::Suffix,
+            // A draft model alone: no lookups besides the predictions.
+            (Some("draft_model"), _) | (None, Some(_)) => engine::SpecMethod::Off,
             _ => engine::SpecMethod::Ngram,
         };
         spec.k_max = c.num_speculative_tokens.unwrap_or(spec.k_max);
@@ -635,6 +681,7 @@ pub(crate) fn engine_config(e: &NodeEngineArgs) -> Result<EngineConfig> {
         },
         kv_dtype: e.kv_dtype.dtype(),
         speculation: spec,
+        draft_model: draft_model(e)?,
         ..EngineConfig::default()
     })
 }

@@ -206,11 +206,60 @@ enum Cmd {
     /// Write a CA and a certificate per node for the transfer channel's
     /// mutual TLS (--transfer-tls-cert/--transfer-tls-key/--transfer-tls-ca).
     TransferCerts(certs::CertsArgs),
+    /// Write a draft model for `--draft-model`: some of a model's layers,
+    /// with its embeddings, final norm, output head and tokenizer
+    /// (self-speculation; the vocabulary is the model's by construction).
+    MakeDraft {
+        /// The model (a GGUF path or a known model's name; default: the
+        /// default model, fetched if missing).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// The layers the draft keeps, in order: indices and ranges, e.g.
+        /// `0-3` (the first four) or `0-5,24-29` (the first and last six,
+        /// the middle skipped).
+        #[arg(long, value_parser = layer_list)]
+        layers: LayerList,
+        /// Where to write the draft GGUF (refused if it exists).
+        #[arg(long, short)]
+        output: PathBuf,
+    },
     /// Print where the model cache lives.
     ModelPath {
         #[arg(long)]
         model: Option<PathBuf>,
     },
+}
+
+/// `make-draft --layers`: layer indices, in increasing order.
+#[derive(Clone, Debug)]
+struct LayerList(Vec<usize>);
+
+/// Layers the longest list names at most.
+const LAYERS_MAX: usize = 1024;
+
+fn layer_list(v: &str) -> Result<LayerList, String> {
+    let mut out: Vec<usize> = Vec::new();
+    for part in v.split(',') {
+        let num = |s: &str| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|e| format!("`{s}` in `{v}`: {e}"))
+        };
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(part)?, num(part)?),
+        };
+        if a > b || b >= LAYERS_MAX {
+            return Err(format!("`{part}`: expected A-B with A <= B < {LAYERS_MAX}"));
+        }
+        if out.last().is_some_and(|&l| l >= a) {
+            return Err(format!(
+                "`{v}`: give the layers once each, in increasing order"
+            ));
+        }
+        out.extend(a..=b);
+    }
+    Ok(LayerList(out))
 }
 
 fn main() -> ExitCode {
@@ -394,6 +443,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::TransferCerts(args) => certs::run(args)?,
         Cmd::Probe(_) | Cmd::Audit(_) => {
             unreachable!("handled in main: they have their own exit codes")
+        }
+        Cmd::MakeDraft {
+            model,
+            layers,
+            output,
+        } => {
+            let path = fetch::resolve_model(model.as_deref(), false)?;
+            if output.exists() {
+                anyhow::bail!("{} exists: not overwriting it", output.display());
+            }
+            let file = gguf::GgufFile::open(&path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            let draft = gguf::write::select_layers(&file, &layers.0)
+                .with_context(|| format!("cannot make a draft of {}", path.display()))?;
+            draft
+                .write(&output)
+                .with_context(|| format!("cannot write {}", output.display()))?;
+            println!("{}", output.display());
         }
         Cmd::ModelPath { model } => {
             let p = match model {

@@ -98,7 +98,7 @@ pub struct Model {
     rope: RopeTable,
     /// The sliding-window layers' own table (Gemma 3), if their base differs.
     rope_swa: Option<RopeTable>,
-    threads: ThreadPool,
+    threads: std::sync::Arc<ThreadPool>,
 }
 
 /// One sequence taking part in a forward call: its owner and its pages, in
@@ -189,12 +189,20 @@ impl Model {
     /// the process: the weights are read in place, never copied, and the map
     /// is deliberately leaked (one model per process; `&'static` lets worker
     /// threads borrow weights without reference counting).
-    pub fn load(path: &std::path::Path, threads: ThreadPool) -> Result<Model, ModelError> {
+    pub fn load(
+        path: &std::path::Path,
+        threads: impl Into<std::sync::Arc<ThreadPool>>,
+    ) -> Result<Model, ModelError> {
         let file: &'static GgufFile = Box::leak(Box::new(GgufFile::open(path)?));
         Model::from_file(file, threads)
     }
 
-    pub fn from_file(file: &'static GgufFile, threads: ThreadPool) -> Result<Model, ModelError> {
+    /// (`threads` may be shared: a draft model runs on its target's pool.)
+    pub fn from_file(
+        file: &'static GgufFile,
+        threads: impl Into<std::sync::Arc<ThreadPool>>,
+    ) -> Result<Model, ModelError> {
+        let threads = threads.into();
         let config = Config::from_gguf(file)?;
         let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat, ModelError> {
             let t = file
@@ -315,6 +323,11 @@ impl Model {
 
     pub fn threads(&self) -> &ThreadPool {
         &self.threads
+    }
+
+    /// The kernels' thread pool, to share (a draft model's).
+    pub fn threads_shared(&self) -> std::sync::Arc<ThreadPool> {
+        self.threads.clone()
     }
 
     /// The KV page shape this model needs.

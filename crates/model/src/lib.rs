@@ -51,3 +51,52 @@ pub enum ModelError {
     #[error("invalid batch: {0}")]
     Batch(String),
 }
+
+/// Whether `draft` can draft for `model` (`--draft-model`): the same
+/// tokenizer — its kind, every token's text and the special tokens' ids —
+/// so a draft token id means the same text to both. The error names the
+/// first difference.
+pub fn same_vocabulary(model: &gguf::GgufFile, draft: &gguf::GgufFile) -> Result<(), String> {
+    let kind = |f: &gguf::GgufFile| f.get_str("tokenizer.ggml.model").unwrap_or("?").to_string();
+    if kind(model) != kind(draft) {
+        return Err(format!(
+            "its tokenizer is `{}`, the model's is `{}`",
+            kind(draft),
+            kind(model)
+        ));
+    }
+    let tokens = |f: &gguf::GgufFile| {
+        f.get_string_array("tokenizer.ggml.tokens")
+            .map_err(|e| e.to_string())
+            .map(|t| t.into_iter().map(str::to_string).collect::<Vec<_>>())
+    };
+    let (a, b) = (tokens(model)?, tokens(draft)?);
+    if a.len() != b.len() {
+        return Err(format!(
+            "its vocabulary has {} tokens, the model's {}",
+            b.len(),
+            a.len()
+        ));
+    }
+    if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+        return Err(format!(
+            "its token {i} is {:?}, the model's is {:?}",
+            b[i], a[i]
+        ));
+    }
+    for key in [
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+    ] {
+        let id = |f: &gguf::GgufFile| f.get_u64(key).ok();
+        if id(model) != id(draft) {
+            return Err(format!(
+                "its {key} is {:?}, the model's {:?}",
+                id(draft),
+                id(model)
+            ));
+        }
+    }
+    Ok(())
+}

@@ -154,6 +154,11 @@ impl PdNode {
         pd: PdConfig,
         commands: Box<dyn FnMut(NetCommand) + Send>,
     ) -> Result<PdNode, StartError> {
+        // Only decode nodes speculate: a prefill node's draft would idle.
+        let draft = match role {
+            PdRole::Decode => engine::load_draft(&model, &cfg)?,
+            PdRole::Prefill => None,
+        };
         let model = model::Runner::new(model, cfg.step_tokens);
         let (shape, pages, mut capacity) = engine::measure(&model, &cfg)?;
         if role == PdRole::Decode {
@@ -187,18 +192,19 @@ impl PdNode {
             .and_then(|v| grammar::Compiler::new(v, grammar::Limits::default()))
             .map(Arc::new)
             .map_err(|e| StartError::Config(format!("the grammar engine: {e}")))?;
-        let engine = CoreEngine::new(
-            Core::new(
-                model,
-                tokenizer,
-                pool,
-                cfg,
-                max_request,
-                Arc::new(Mutex::new(EngineStats::default())),
-                waiting,
-            ),
-            grammar.clone(),
+        let mut core = Core::new(
+            model,
+            tokenizer,
+            pool,
+            cfg,
+            max_request,
+            Arc::new(Mutex::new(EngineStats::default())),
+            waiting,
         );
+        if let Some(d) = draft {
+            core.set_draft(d)?;
+        }
+        let engine = CoreEngine::new(core, grammar.clone());
         let glue = match role {
             PdRole::Prefill => {
                 let machine = PrefillNode::new(PrefillConfig {

@@ -1026,6 +1026,13 @@ pub struct EngineStats {
     /// One more row's cost as a share of a one-row step, as the engine
     /// fitted it from its decode steps (what drafts are weighed against).
     pub spec_row_cost: f64,
+    /// The draft model's pool (`--draft-model`), if there is one.
+    pub draft_pool: Option<PoolStats>,
+    /// Requests that decoded without the draft model because its pool had
+    /// no room for them, and the draft model's passes and rows run.
+    pub spec_draft_pool_full_total: u64,
+    pub spec_draft_passes_total: u64,
+    pub spec_draft_rows_total: u64,
     /// Each active tenant's requests in the engine (K13), by tenant id.
     pub tenants: Vec<TenantLoad>,
 }

@@ -64,6 +64,12 @@ struct Cursor {
 /// Steps a drafter sits out at most after drafts that kept nothing.
 const IDLE_STEPS_MAX: u32 = 16;
 
+/// The same for the draft model, whose probe costs a pass of it and the
+/// catch-up of what it has not seen besides its row (measured: spells of
+/// at most 16 steps cost 10% of single-stream decode when nothing
+/// matched).
+const MODEL_IDLE_STEPS_MAX: u32 = 256;
+
 /// How far past where the output last followed the prediction a short
 /// tail (one or two tokens) realigns it: a deletion or an insertion of
 /// about this many tokens.
@@ -94,18 +100,8 @@ pub(crate) struct Drafter {
     /// The prediction's position the output was last aligned to: a search
     /// prefers what comes after it (an edit moves forward through a file).
     floor: usize,
-    /// Verified draft tokens kept, and drafts that parted from the model
-    /// (a rejected token), each decayed by [`DECAY`] a verification: the
-    /// acceptance rate's evidence.
-    kept_w: f64,
-    parted_w: f64,
-    /// The last draft was a probe (no draft paid): probes in a row, and
-    /// steps left to sit out.
-    probing: bool,
-    misses: u32,
-    idle: u32,
-    /// The batch the last draft was made in (decode rows).
-    batch: u32,
+    /// Its acceptance rate and its spells.
+    pace: Pace,
     /// The draft being verified: its source and its length.
     pending: Option<(Source, usize)>,
     /// The last draft followed the source from an aligned cursor: where
@@ -135,12 +131,7 @@ impl Drafter {
             // A prior worth a couple of verifications: the caller's
             // prediction is trusted more than a lookup in the request's
             // own text.
-            kept_w: if cursor.is_some() { 6.0 } else { 3.0 },
-            parted_w: 1.0,
-            probing: false,
-            batch: 1,
-            misses: 0,
-            idle: 0,
+            pace: Pace::new(if cursor.is_some() { 6.0 } else { 3.0 }, IDLE_STEPS_MAX),
             pending: None,
             followed: false,
             accepted_prediction: 0,
@@ -168,8 +159,7 @@ impl Drafter {
         let cfg = step.cfg;
         out.clear();
         self.pending = None;
-        if self.idle > 0 {
-            self.idle -= 1;
+        if self.pace.resting() {
             return 0;
         }
         let Some(&last) = history.last() else {
@@ -193,15 +183,7 @@ impl Drafter {
         if c.src == Source::Prediction {
             self.floor = c.at;
         }
-        let best = best_k(
-            self.acceptance(),
-            step.row_cost,
-            step.batch,
-            self.k_max(cfg).min(limit),
-        );
-        self.probing = best == 0;
-        self.batch = u32::try_from(step.batch).unwrap_or(u32::MAX);
-        let k = best.max(1).min(limit);
+        let k = self.pace.choose(self.k_max(cfg).min(limit), step, 0.0);
         let src = self.source(c.src, history);
         let from = (c.at + 1).min(src.len());
         let to = (from + k).min(src.len());
@@ -294,6 +276,66 @@ impl Drafter {
         if let Some(c) = self.cursor.as_mut() {
             c.at += 1 + kept;
         }
+        self.pace.verified(kept, drafted);
+    }
+}
+
+/// How a drafter paces itself: the evidence of its acceptance rate, and
+/// the probes and spells of a drafter whose drafts do not pay.
+#[derive(Clone, Debug)]
+pub(crate) struct Pace {
+    /// Verified draft tokens kept, and drafts that parted from the model
+    /// (a rejected token), each decayed by [`DECAY`] a verification: the
+    /// acceptance rate's evidence.
+    kept_w: f64,
+    parted_w: f64,
+    /// The last draft was a probe (no draft paid): probes in a row, and
+    /// steps left to sit out.
+    probing: bool,
+    misses: u32,
+    idle: u32,
+    /// The batch the last draft was made in (decode rows).
+    batch: u32,
+    /// The longest spell, in steps per decode row of the batch.
+    idle_max: u32,
+}
+
+impl Pace {
+    /// A prior of `kept` kept tokens against one parting; spells of at
+    /// most `idle_max` steps per decode row of the batch.
+    fn new(kept: f64, idle_max: u32) -> Pace {
+        Pace {
+            kept_w: kept,
+            parted_w: 1.0,
+            probing: false,
+            misses: 0,
+            idle: 0,
+            batch: 1,
+            idle_max,
+        }
+    }
+
+    /// Sits out one step of a spell: true while it does.
+    fn resting(&mut self) -> bool {
+        if self.idle > 0 {
+            self.idle -= 1;
+            return true;
+        }
+        false
+    }
+
+    /// The draft length for this step, at most `k_max` (1 to `k_max`: a
+    /// probe when no draft pays). `extra`: what each drafted token costs
+    /// besides its row, in rows (a draft model's pass).
+    fn choose(&mut self, k_max: usize, step: &StepCtx<'_>, extra: f64) -> usize {
+        let best = best_k(self.acceptance(), step.row_cost, step.batch, k_max, extra);
+        self.probing = best == 0;
+        self.batch = u32::try_from(step.batch).unwrap_or(u32::MAX);
+        best.max(1).min(k_max)
+    }
+
+    /// A draft of `drafted` tokens kept `kept`.
+    fn verified(&mut self, kept: usize, drafted: usize) {
         self.kept_w = DECAY * self.kept_w + kept as f64;
         self.parted_w = DECAY * self.parted_w + f64::from(u8::from(kept < drafted));
         // A probe (no draft paid) is followed by a spell without drafts
@@ -305,7 +347,7 @@ impl Drafter {
         // the run.
         if self.probing {
             self.misses += 1;
-            let cap = IDLE_STEPS_MAX.saturating_mul(self.batch.max(1));
+            let cap = self.idle_max.saturating_mul(self.batch.max(1));
             self.idle = ((1u32 << (self.misses - 1).min(12)) - 1).min(cap);
         } else {
             self.misses = 0;
@@ -317,6 +359,56 @@ impl Drafter {
     /// short lucky run does not buy long drafts.)
     fn acceptance(&self) -> f64 {
         self.kept_w / (self.kept_w + self.parted_w + 2.0)
+    }
+}
+
+/// A request's pace with the draft model (`--draft-model`): the draft
+/// model drafts where the request's text sources have nothing to follow,
+/// and each drafted token costs a pass of it, which the cost model weighs.
+#[derive(Clone, Debug)]
+pub(crate) struct ModelDrafter {
+    pace: Pace,
+    /// The draft being verified: its length.
+    pending: Option<usize>,
+}
+
+impl ModelDrafter {
+    pub fn new() -> ModelDrafter {
+        ModelDrafter {
+            pace: Pace::new(3.0, MODEL_IDLE_STEPS_MAX),
+            pending: None,
+        }
+    }
+
+    /// How many tokens the draft model should draft this step, at most
+    /// `limit` (0: none). `pass_rows`: a draft pass's cost in rows of the
+    /// step, `None` before one was timed (a probe of one token times it).
+    pub fn plan(&mut self, limit: usize, step: &StepCtx<'_>, pass_rows: Option<f64>) -> usize {
+        self.pending = None;
+        if limit == 0 || self.pace.resting() {
+            return 0;
+        }
+        match pass_rows {
+            Some(extra) => self.pace.choose(step.cfg.k_max.min(limit), step, extra),
+            None => {
+                self.pace.probing = true;
+                self.pace.batch = u32::try_from(step.batch).unwrap_or(u32::MAX);
+                1
+            }
+        }
+    }
+
+    /// The draft model drafted `n` tokens (the plan, once its pages caught
+    /// up with the request).
+    pub fn drafted(&mut self, n: usize) {
+        self.pending = (n > 0).then_some(n);
+    }
+
+    /// The verification of the pending draft kept `kept` of its tokens.
+    pub fn verified(&mut self, kept: usize) {
+        if let Some(drafted) = self.pending.take() {
+            self.pace.verified(kept, drafted);
+        }
     }
 }
 
@@ -419,7 +511,10 @@ const DECAY: f64 = 0.8;
 /// pays when α beats c; in a batch of B it must beat the share of the
 /// step that is per-row work, cB/(1 − c + cB): a full step has little
 /// room for drafts.
-pub(crate) fn best_k(alpha: f64, row_cost: f64, batch: usize, k_max: usize) -> usize {
+///
+/// `extra`: what each drafted token costs besides its row, in rows (the
+/// draft model's pass; 0 for drafts that are looked up).
+pub(crate) fn best_k(alpha: f64, row_cost: f64, batch: usize, k_max: usize, extra: f64) -> usize {
     let fixed = (1.0 - row_cost) / row_cost;
     let b = batch.max(1) as f64;
     // A draft's own rows must yield a margin more tokens per row than the
@@ -433,8 +528,9 @@ pub(crate) fn best_k(alpha: f64, row_cost: f64, batch: usize, k_max: usize) -> u
     for k in 1..=k_max {
         p *= alpha;
         gained += p;
-        let rate = (b + gained) / (fixed + b + k as f64);
-        if gained / k as f64 >= DRAFT_GAIN_MIN * base && rate > best_rate * 1.0001 {
+        let cost = k as f64 * (1.0 + extra.max(0.0));
+        let rate = (b + gained) / (fixed + b + cost);
+        if gained / cost >= DRAFT_GAIN_MIN * base && rate > best_rate * 1.0001 {
             (best, best_rate) = (k, rate);
         }
     }
@@ -487,6 +583,21 @@ impl RowCost {
         self.sy = l * self.sy + secs;
         self.sxx = l * self.sxx + x * x;
         self.sxy = l * self.sxy + x * secs;
+    }
+
+    /// One more row's cost in seconds: the fit's slope when it is trusted,
+    /// else the default share of the recent steps' one-row time; `None`
+    /// before any step was timed.
+    pub fn row_secs(&self) -> Option<f64> {
+        if self.w <= 0.0 {
+            return None;
+        }
+        let c = self.ratio();
+        let (rows, secs) = (self.sx / self.w, self.sy / self.w);
+        // A step of `rows` rows takes t1·(1 + c·(rows − 1)).
+        let t1 = secs / (1.0 + c * (rows - 1.0).max(0.0));
+        let r = c * t1;
+        (r.is_finite() && r > 0.0).then_some(r)
     }
 
     /// One more row's cost as a share of a one-row step (clamped to
@@ -713,33 +824,33 @@ mod tests {
     #[test]
     fn the_draft_length_weighs_the_acceptance_rate_against_a_rows_cost() {
         // Nearly sure drafts on cheap rows: long; hopeless ones: none.
-        assert!(best_k(0.95, 0.05, 1, 16) >= 8);
-        assert_eq!(best_k(0.05, 0.15, 1, 16), 0);
-        assert_eq!(best_k(0.95, 0.05, 1, 3), 3);
+        assert!(best_k(0.95, 0.05, 1, 16, 0.0) >= 8);
+        assert_eq!(best_k(0.05, 0.15, 1, 16, 0.0), 0);
+        assert_eq!(best_k(0.95, 0.05, 1, 3, 0.0), 3);
         // Alone, a one-token draft pays when α beats c by the margin.
-        assert_eq!(best_k(0.11, 0.1, 1, 1), 0);
-        assert_eq!(best_k(0.12, 0.1, 1, 1), 1);
+        assert_eq!(best_k(0.11, 0.1, 1, 1, 0.0), 0);
+        assert_eq!(best_k(0.12, 0.1, 1, 1, 0.0), 1);
         // In a batch of 16 rows that cost a tenth of a one-row step each,
         // a step yields 16/25 = 0.64 tokens a row: a draft must beat 0.736.
-        assert_eq!(best_k(0.73, 0.1, 16, 16), 0);
-        assert!(best_k(0.75, 0.1, 16, 16) >= 1);
+        assert_eq!(best_k(0.73, 0.1, 16, 16, 0.0), 0);
+        assert!(best_k(0.75, 0.1, 16, 16, 0.0) >= 1);
         // More acceptance never drafts less; dearer rows and fuller
         // batches never more.
         for c in [0.02, 0.1, 0.3, 0.8] {
             let ks: Vec<usize> = (0..=20)
-                .map(|i| best_k(i as f64 / 20.0, c, 1, 32))
+                .map(|i| best_k(i as f64 / 20.0, c, 1, 32, 0.0))
                 .collect();
             assert!(ks.windows(2).all(|w| w[0] <= w[1]), "c {c}: {ks:?}");
         }
         for a in [0.3, 0.6, 0.9, 0.99] {
             let ks: Vec<usize> = [0.01, 0.05, 0.1, 0.3, 1.0]
                 .iter()
-                .map(|&c| best_k(a, c, 1, 32))
+                .map(|&c| best_k(a, c, 1, 32, 0.0))
                 .collect();
             assert!(ks.windows(2).all(|w| w[0] >= w[1]), "alpha {a}: {ks:?}");
             let ks: Vec<usize> = [1, 2, 4, 8, 16, 32]
                 .iter()
-                .map(|&b| best_k(a, 0.1, b, 32))
+                .map(|&b| best_k(a, 0.1, b, 32, 0.0))
                 .collect();
             assert!(ks.windows(2).all(|w| w[0] >= w[1]), "alpha {a}: {ks:?}");
         }

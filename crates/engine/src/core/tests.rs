@@ -385,6 +385,28 @@ impl Harness {
     /// computed (K3): none of a rejected draft's rows still reads as
     /// written.
     fn assert_watermarks(&self) {
+        // The draft model's pages: the request's own (K1), each holding
+        // the rows of the history the draft has seen, no more (K3).
+        for a in &self.core.running {
+            let Some(pool) = self.core.draft_pool() else {
+                break;
+            };
+            assert_eq!(
+                a.dcomputed, a.dwritten,
+                "request {}: a draft left unsettled",
+                a.id
+            );
+            for (p, &page) in a.dpages.iter().enumerate() {
+                assert_eq!(pool.owner_of(page.index), Some(a.owner), "draft page {p}");
+                let want = a.dcomputed.saturating_sub(p * PAGE_SIZE).min(PAGE_SIZE);
+                let got = pool.written_slots(page, a.owner).unwrap();
+                assert_eq!(
+                    got, want,
+                    "request {} draft page {p}: {got} rows written, the draft saw {}\n{}",
+                    a.id, a.dcomputed, self.log
+                );
+            }
+        }
         for a in &self.core.running {
             for (p, &page) in a.pages.iter().enumerate() {
                 if a.shared[p] {
@@ -418,6 +440,14 @@ impl Harness {
         assert_eq!(s.pool.pages_evictable, s.pool.pages_cached);
         assert_eq!(s.pool.safety_refusals(), 0);
         self.core.pool.check_invariants().unwrap();
+        if let Some(d) = &s.draft_pool {
+            assert_eq!(
+                d.pages_free, d.pages_total,
+                "draft pages leaked or still held"
+            );
+            assert_eq!(d.safety_refusals(), 0);
+            self.core.draft_pool().unwrap().check_invariants().unwrap();
+        }
         assert_eq!(s.running + s.waiting, 0);
         assert_eq!(self.core.waiting_count.load(Ordering::Acquire), 0);
     }
@@ -695,6 +725,68 @@ fn a_prediction_changes_the_steps_never_the_tokens_and_rejected_rows_roll_back_k
     assert_eq!(crowded.client(b).text, want);
     assert_eq!(crowded.client(wrong).text, want);
     crowded.assert_quiet();
+}
+
+/// A run of two tenants' greedy requests with `draft` as the draft model
+/// (a pass costing half a row): their texts, the steps, the counters.
+fn with_draft_model(
+    draft: Option<HashModel>,
+    skip_rewind: bool,
+) -> (Vec<String>, usize, EngineStats) {
+    let mut h = Harness::new(64, 32, 4);
+    if let Some(d) = draft {
+        h.core.set_draft(Box::new(d)).unwrap();
+        let dm = h.core.draft.as_mut().unwrap();
+        dm.fixed_pass_rows = Some(0.5);
+        dm.skip_rewind = skip_rewind;
+    }
+    let p: Vec<u32> = (0..9).map(|i| byte_token(b'A' + i)).collect();
+    let a = h.submit(GenRequest::greedy(TenantId(1), p.clone(), 30));
+    let b = h.submit(GenRequest::greedy(TenantId(2), p[2..].to_vec(), 26));
+    h.run(80);
+    h.assert_quiet();
+    let texts = vec![h.client(a).text.clone(), h.client(b).text.clone()];
+    (texts, h.core.fwd.steps.len(), h.core.local.clone())
+}
+
+/// A draft model (`--draft-model`) drafts where nothing else does: a
+/// draft that agrees with the model (the same stand-in) is kept, and the
+/// requests take far fewer steps; one that mostly disagrees (a periodic
+/// stand-in) is rejected and rolled back. Either way the tokens are the
+/// tokens without it (K12), and every tick the draft pages belong to
+/// their request and hold exactly the rows the draft has seen (K1, K3;
+/// `run` checks); at the end the draft pool is whole.
+#[test]
+fn a_draft_model_drafts_in_its_own_pool_and_never_changes_the_tokens_k1_k3_k12() {
+    let (want, steps_off, off) = with_draft_model(None, false);
+    assert_eq!(want[0].len(), 30);
+    assert!(off.draft_pool.is_none());
+    let (got, steps_on, on) = with_draft_model(Some(HashModel::new(64, 300)), false);
+    assert_eq!(got, want);
+    assert!(on.spec_accepted_tokens_total >= 30, "{on:?}");
+    assert!(on.spec_draft_passes_total > 0);
+    assert!(
+        steps_on * 2 <= steps_off,
+        "{steps_on} steps with a draft model, {steps_off} without"
+    );
+    let mut wrong = HashModel::new(64, 300);
+    wrong.period = Some(7);
+    let (got, _, s) = with_draft_model(Some(wrong), false);
+    assert_eq!(got, want);
+    assert!(
+        s.spec_draft_tokens_total > s.spec_accepted_tokens_total + 5,
+        "{s:?}"
+    );
+}
+
+/// Mutation: a draft model whose rejected rows are left written in its
+/// pool is caught by the per-tick check of the draft pages' watermarks.
+#[test]
+#[should_panic(expected = "rows written, the draft saw")]
+fn a_draft_models_rejected_rows_left_written_are_caught() {
+    let mut wrong = HashModel::new(64, 300);
+    wrong.period = Some(7);
+    with_draft_model(Some(wrong), true);
 }
 
 /// Prompt lookup drafts from the request's own text: output that repeats
