@@ -90,13 +90,18 @@ fn gateway_samples() -> Vec<MetricSample> {
     gateway::gateway_samples(&gw, &t, 0)
 }
 
-/// A node's samples, with both roles' counters present.
+/// A node's samples, with both roles' counters present (and a draft
+/// model's).
 fn node_samples() -> Vec<MetricSample> {
     let rt = runtime();
     let t = transport(&rt);
     let stats = pd::role::PdStats {
         prefill: Some(Default::default()),
         decode: Some(Default::default()),
+        engine: EngineStats {
+            draft_pool: Some(PoolStats::default()),
+            ..Default::default()
+        },
         ..Default::default()
     };
     pd::node::node_samples(&stats, &t)
@@ -167,6 +172,12 @@ fn every_family_on_a_gateways_metrics_page_is_declared() {
             pages_free: 8,
             ..Default::default()
         },
+        // With a draft model (--draft-model): its pool's families too.
+        draft_pool: Some(PoolStats {
+            pages_total: 8,
+            pages_free: 8,
+            ..Default::default()
+        }),
         ..Default::default()
     };
     let mut backend = gateway_samples();

@@ -187,6 +187,20 @@ pub static NODE_METRICS: &[(Family, Read)] = &[
     ),
     (
         Family::counter(
+            "isoserve_node_decode_spec_draft_model_passes_total",
+            "Forward passes of the draft model (--draft-model)",
+        ),
+        |s, _| s.decode.as_ref().map(|_| s.engine.spec_draft_passes_total as f64),
+    ),
+    (
+        Family::counter(
+            "isoserve_node_decode_spec_draft_pool_safety_refusals_total",
+            "Every refused access to the draft model's KV pool (K1-K7); only with --draft-model",
+        ),
+        |s, _| s.engine.draft_pool.map(|d| d.safety_refusals() as f64),
+    ),
+    (
+        Family::counter(
             "isoserve_node_decode_reservations_total",
             "Reservations asked for",
         ),

@@ -480,6 +480,73 @@ fn pd_decode_speculates_and_the_output_is_unified_without_speculation_k12() {
     assert!(ds.spec_accepted_tokens_total > 0, "{ds:?}");
 }
 
+/// The decode node drafts with a draft model (`--draft-model`, a draft the
+/// GGUF writer made of the default model's first and last four layers):
+/// the output is the unified engine's without speculation, alone and
+/// batched; the draft model ran; its pool — the decode node's own, the
+/// prompt's K/V having come by transfer into the target pool only — is
+/// whole at the end with no refusal; the prefill node has no draft.
+#[test]
+fn pd_decode_drafts_with_a_draft_model_and_the_output_is_unchanged_k12() {
+    let (m, t, _) = load();
+    let small = EngineConfig {
+        kv_memory_bytes: 64 << 20,
+        max_context: Some(1024),
+        ..EngineConfig::default()
+    };
+    let unified = Engine::start(m, t.clone(), small.clone()).unwrap();
+    let prompts = &PROMPTS[..6];
+    let expected = unified_outputs(&unified, &t, prompts, 24);
+    drop(unified);
+    let file = gguf::GgufFile::open(testkit::model_path()).unwrap();
+    let layers: Vec<usize> = (0..4).chain(26..30).collect();
+    let draft = std::env::temp_dir().join(format!("isoserve-pd-draft-{}.gguf", std::process::id()));
+    gguf::write::select_layers(&file, &layers)
+        .unwrap()
+        .write(&draft)
+        .unwrap();
+    let with_draft = EngineConfig {
+        draft_model: Some(draft.clone()),
+        ..small.clone()
+    };
+    let stack = Arc::new(Stack::start(StackCfg {
+        prefill: with_draft.clone(),
+        decode: with_draft,
+        ..StackCfg::default()
+    }));
+    stack.wait_ready();
+    for (i, want) in expected.iter().enumerate() {
+        let (ids, _) = stack
+            .run(greedy(&stack.tok, 1 + i as u64 % 3, prompts[i], 24))
+            .unwrap();
+        assert_eq!(&ids, want, "alone: prompt {i}");
+    }
+    let handles: Vec<_> = (0..prompts.len())
+        .map(|i| {
+            let s = stack.clone();
+            let r = greedy(&stack.tok, 1 + i as u64 % 3, prompts[i], 24);
+            std::thread::spawn(move || s.run(r))
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (ids, _) = h.join().unwrap().unwrap();
+        assert_eq!(ids, expected[i], "batched: prompt {i}");
+    }
+    let (p, d) = stack.pools_free();
+    assert_eq!(p.safety_refusals() + d.safety_refusals(), 0);
+    let ds = settled(
+        "the decode node's draft pool whole",
+        || stack.decode.node.stats().engine,
+        |e| e.draft_pool.is_some_and(|d| d.pages_free == d.pages_total),
+    );
+    let dp = ds.draft_pool.expect("the decode node has a draft pool");
+    assert_eq!(dp.safety_refusals(), 0);
+    assert!(ds.spec_draft_passes_total > 0, "{ds:?}");
+    assert!(ds.spec_draft_tokens_total > 0, "{ds:?}");
+    assert!(stack.prefill.node.stats().engine.draft_pool.is_none());
+    let _ = std::fs::remove_file(draft);
+}
+
 #[test]
 fn incident_placeholder_request_never_decodes() {
     // Prefill's pool: 4 pages × 16 = 64 tokens, below decode's and the

@@ -229,6 +229,27 @@ const F_SPEC_ROW_COST: Family = Family::gauge(
     "One more row's cost as a share of a one-row step, fitted from recent decode steps: what \
      speculation weighs each draft against",
 );
+const F_SPEC_DRAFT_PASSES: Family = Family::counter(
+    "isoserve_spec_draft_model_passes_total",
+    "Forward passes of the draft model (--draft-model): its drafts, and its catching up with \
+     what requests kept",
+);
+const F_SPEC_DRAFT_POOL_FULL: Family = Family::counter(
+    "isoserve_spec_draft_pool_full_total",
+    "Requests that decoded without the draft model because its pool had no room for them",
+);
+const F_SPEC_DRAFT_POOL_PAGES: Family = Family::gauge(
+    "isoserve_spec_draft_pool_pages",
+    "The draft model's KV pool (its own shape, the same checks), by state; only with \
+     --draft-model",
+)
+.with_labels(&["state"]);
+const F_SPEC_DRAFT_POOL_REFUSALS: Family = Family::counter(
+    "isoserve_spec_draft_pool_refusals_total",
+    "The draft model's KV pool's refusals by kind (every one a safety check firing, as in \
+     isoserve_kv_refusals_total); only with --draft-model",
+)
+.with_labels(&["kind"]);
 const F_GRAMMAR_MASK_FAILURES: Family = Family::counter(
     "isoserve_grammar_mask_failures_total",
     "Grammar masks that failed (a step's bound, or no token allowed): each ends its request \
@@ -306,6 +327,10 @@ pub const SERVER_FAMILIES: &[Family] = &[
     F_SPEC_SUFFIX_SCOPES,
     F_SPEC_SUFFIX_TOKENS,
     F_SPEC_ROW_COST,
+    F_SPEC_DRAFT_PASSES,
+    F_SPEC_DRAFT_POOL_FULL,
+    F_SPEC_DRAFT_POOL_PAGES,
+    F_SPEC_DRAFT_POOL_REFUSALS,
     F_TENANT_REQUESTS,
     F_TENANT_WEIGHT,
     F_TENANT_SERVICE,
@@ -556,6 +581,39 @@ impl Collector for EngineCollector {
         const_gauge(&mut enc, &F_SPEC_SUFFIX_SCOPES, s.spec_suffix_scopes as u64)?;
         const_gauge(&mut enc, &F_SPEC_SUFFIX_TOKENS, s.spec_suffix_tokens as u64)?;
         const_gauge_f64(&mut enc, &F_SPEC_ROW_COST, s.spec_row_cost)?;
+        const_counter(&mut enc, &F_SPEC_DRAFT_PASSES, s.spec_draft_passes_total)?;
+        const_counter(
+            &mut enc,
+            &F_SPEC_DRAFT_POOL_FULL,
+            s.spec_draft_pool_full_total,
+        )?;
+        if let Some(d) = &s.draft_pool {
+            {
+                let mut m = enc.encode_descriptor(
+                    F_SPEC_DRAFT_POOL_PAGES.base(),
+                    F_SPEC_DRAFT_POOL_PAGES.help,
+                    None,
+                    MetricType::Gauge,
+                )?;
+                for (state, v) in [
+                    ("free", d.pages_unheld()),
+                    ("owned", d.pages_total - d.pages_unheld()),
+                ] {
+                    let labels = [("state", state)];
+                    ConstGauge::new(v as i64).encode(m.encode_family(&labels)?)?;
+                }
+            }
+            let mut m = enc.encode_descriptor(
+                F_SPEC_DRAFT_POOL_REFUSALS.base(),
+                F_SPEC_DRAFT_POOL_REFUSALS.help,
+                None,
+                MetricType::Counter,
+            )?;
+            for (kind, v) in d.refusals() {
+                let labels = [("kind", kind)];
+                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+            }
+        }
         Ok(())
     }
 }
