@@ -190,3 +190,42 @@ def test_disaggregated_decode_speculates_and_answers_as_unified(server, tmp_root
         assert re.search(r"^decode-0 config: .*speculative=Ngram", s.stderr(), re.M), s.stderr()
     finally:
         assert s.terminate() == 0, s.stderr()
+
+
+def test_a_draft_model_answers_as_without_one_and_its_pool_is_whole(server, tmp_root):
+    """`--draft-model` with a draft `isoserve make-draft` wrote from the
+    default model's first and last four layers: greedy and seeded answers,
+    streamed or not, are the server's without a draft; the draft model ran
+    and drafted; its pool on /metrics is whole afterwards, no check fired."""
+    import subprocess
+    from conftest import BIN
+    draft = tmp_root / "draft-0-3-26-29.gguf"
+    subprocess.run([str(BIN), "make-draft", "--layers", "0-3,26-29", "-o", str(draft)],
+                   check=True, capture_output=True, timeout=120)
+    s = Server(["--draft-model", str(draft)], tmp_root, "draft-model")
+    try:
+        c, p = client_of(s), client_of(server)
+        for prompt in ("Name three rivers in Europe.", "Write a haiku about the sea."):
+            assert chat(c, prompt).choices[0].message.content == \
+                chat(p, prompt).choices[0].message.content
+            seeded = dict(temperature=0.9, seed=5)
+            a = c.chat.completions.create(model=MODEL, max_tokens=60, messages=[
+                {"role": "user", "content": prompt}], **seeded)
+            b = p.chat.completions.create(model=MODEL, max_tokens=60, messages=[
+                {"role": "user", "content": prompt}], **seeded)
+            assert a.choices[0].message.content == b.choices[0].message.content
+        streamed = c.chat.completions.create(model=MODEL, max_tokens=160, temperature=0,
+                                             stream=True, messages=[
+                                                 {"role": "user", "content": EDIT}])
+        text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+        assert text == chat(p, EDIT).choices[0].message.content
+        assert_pool_clean(wait_pool_idle(s))
+        m = s.metrics()
+        assert m["isoserve_spec_draft_model_passes_total"] > 0, m
+        assert m["isoserve_spec_decode_num_draft_tokens_total"] > 0, m
+        assert m['isoserve_spec_draft_pool_pages{state="owned"}'] == 0, m
+        assert m['isoserve_spec_draft_pool_pages{state="free"}'] > 0, m
+        assert sum(v for k, v in m.items()
+                   if k.startswith("isoserve_spec_draft_pool_refusals_total")) == 0, m
+    finally:
+        assert s.terminate() == 0, s.stderr()

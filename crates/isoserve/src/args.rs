@@ -802,6 +802,8 @@ mod tests {
     #[test]
     fn every_engine_flag_of_serve_disaggregated_reaches_the_children() {
         // A value other than the default for every engine flag.
+        let draft = std::env::temp_dir().join(format!("isoserve-args-{}.gguf", std::process::id()));
+        std::fs::write(&draft, b"a draft (only its existence is checked here)").unwrap();
         let parent = [
             "isoserve",
             "serve",
@@ -844,6 +846,8 @@ mod tests {
             "999",
             "--speculative-config",
             r#"{"method": "ngram", "num_speculative_tokens": 6}"#,
+            "--draft-model",
+            draft.to_str().unwrap(),
         ];
         let crate::Cmd::Serve(serve) = crate::Cli::try_parse_from(parent).expect("parses").command
         else {
@@ -869,6 +873,7 @@ mod tests {
             format!("{:?}", engine_config(&node.engine).unwrap()),
             format!("{:?}", engine_config(&serve.engine).unwrap())
         );
+        let _ = std::fs::remove_file(&draft);
     }
 
     #[test]

@@ -325,3 +325,93 @@ fn bench_at_depths_prints_the_roofline_and_keeps_prefill_inside_the_window() {
         "{err}"
     );
 }
+
+/// `isoserve make-draft` writes a draft of the default model's layers that
+/// `serve --draft-model` takes; bad layer lists, an existing output and a
+/// draft of another vocabulary are one-line errors with a non-zero exit.
+#[test]
+fn make_draft_writes_a_draft_and_bad_drafts_are_refused_in_one_line() {
+    let dir = temp_home("drafts");
+    let out_path = dir.join("d.gguf");
+    let out = isoserve()
+        .args(["make-draft", "--layers", "0-1,28-29", "-o"])
+        .arg(&out_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let f = gguf::GgufFile::open(&out_path).unwrap();
+    assert_eq!(f.get_u64("llama.block_count").unwrap(), 4);
+    assert!(f.tensor_info("blk.3.ffn_down.weight").is_some());
+    assert!(f.tensor_info("blk.4.ffn_down.weight").is_none());
+    let one_line_error = |args: &[&str], want: &str| {
+        let out = isoserve().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    };
+    let p = out_path.to_str().unwrap();
+    one_line_error(&["make-draft", "--layers", "0-1", "-o", p], "exists");
+    let other = dir.join("e.gguf");
+    let o = other.to_str().unwrap();
+    one_line_error(&["make-draft", "--layers", "3-1", "-o", o], "A <= B");
+    one_line_error(
+        &["make-draft", "--layers", "2,1", "-o", o],
+        "increasing order",
+    );
+    one_line_error(
+        &["make-draft", "--layers", "0-30", "-o", o],
+        "the model has 30",
+    );
+    one_line_error(
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--draft-model",
+            "/nonexistent/d.gguf",
+        ],
+        "no such file",
+    );
+    one_line_error(
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--draft-model",
+            p,
+            "--speculative-config",
+            &format!(r#"{{"method": "draft_model", "model": "{p}"}}"#),
+        ],
+        "give one",
+    );
+    one_line_error(
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--speculative-config",
+            r#"{"method": "draft_model"}"#,
+        ],
+        "needs `model`",
+    );
+    // A draft whose vocabulary differs (a Gemma-sized stand-in: the
+    // synthetic model's) is refused at start, naming the difference.
+    let synthetic = dir.join("synthetic.gguf");
+    testkit::synthetic::write_synthetic_llama(&synthetic, Default::default(), 1).unwrap();
+    one_line_error(
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--draft-model",
+            synthetic.to_str().unwrap(),
+        ],
+        "not the model's vocabulary",
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
