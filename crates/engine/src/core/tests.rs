@@ -54,6 +54,10 @@ struct HashModel {
     /// still read back through the pool): text that repeats, for prompt
     /// lookup to draft from.
     period: Option<usize>,
+    /// Every row's next token is one of `a`–`d` with these logits,
+    /// whatever came before (the rest of the vocabulary out of reach): a
+    /// fixed distribution for sampling tests.
+    soft: Option<[f32; 4]>,
 }
 
 /// How long a forward step takes on a test's hand-moved clock.
@@ -70,6 +74,7 @@ impl HashModel {
             eos_at_len: None,
             clock_ms: None,
             period: None,
+            soft: None,
         }
     }
 }
@@ -120,6 +125,13 @@ impl Forward for HashModel {
                     _ => byte_token(b'a' + (h % 26) as u8),
                 };
                 let at = self.logits.len();
+                if let Some(soft) = self.soft {
+                    self.logits.resize(at + self.vocab, -40.0);
+                    for (j, l) in soft.iter().enumerate() {
+                        self.logits[at + byte_token(b'a' + j as u8) as usize] = *l;
+                    }
+                    continue;
+                }
                 self.logits.resize(at + self.vocab, 0.0);
                 self.logits[at + next as usize] = 1.0;
             }
@@ -787,6 +799,70 @@ fn a_draft_models_rejected_rows_left_written_are_caught() {
     let mut wrong = HashModel::new(64, 300);
     wrong.period = Some(7);
     with_draft_model(Some(wrong), true);
+}
+
+/// Sampling with drafts keeps the model's distribution (rejection
+/// sampling with a deterministic draft, by the same uniform draw): on a
+/// stand-in whose every next token is `a`–`d` with fixed probabilities,
+/// seeded requests with a prediction of `a`s — kept about half the time,
+/// rejected the rest — sample each token as often as those probabilities
+/// say (a chi-squared test over 4,000 tokens, its outcome fixed by the
+/// seeds), and every seed's text is its text without a prediction.
+#[test]
+fn sampling_with_drafts_keeps_the_models_distribution() {
+    const LOGITS: [f32; 4] = [1.5, 1.0, 0.5, 0.0];
+    const REQUESTS: u64 = 500;
+    const TOKENS: usize = 8;
+    let run = |prediction: &str| {
+        let mut fwd = HashModel::new(64, 300);
+        fwd.soft = Some(LOGITS);
+        let mut h = Harness::with_model(fwd, 64, 32, 4);
+        let mut texts = Vec::new();
+        for batch in 0..REQUESTS / 10 {
+            let ids: Vec<u64> = (0..10)
+                .map(|i| {
+                    h.submit(GenRequest {
+                        params: model::sample::SamplingParams {
+                            temperature: 1.0,
+                            seed: batch * 10 + i,
+                            ..Default::default()
+                        },
+                        prediction: tokens_of(prediction),
+                        ..GenRequest::greedy(TenantId(1), prompt(3), TOKENS)
+                    })
+                })
+                .collect();
+            h.run(200);
+            texts.extend(ids.into_iter().map(|id| h.client(id).text.clone()));
+        }
+        h.assert_quiet();
+        (texts, h.core.local.clone())
+    };
+    let (want, _) = run("");
+    let (got, s) = run(&"a".repeat(TOKENS));
+    assert_eq!(got, want, "a seed's text changed with a prediction");
+    assert!(s.spec_accepted_tokens_total > 100, "{s:?}");
+    assert!(
+        s.spec_draft_tokens_total > s.spec_accepted_tokens_total + 100,
+        "{s:?}"
+    );
+    let z: f32 = LOGITS.iter().map(|l| l.exp()).sum();
+    let mut counts = [0usize; 4];
+    for t in &got {
+        assert_eq!(t.len(), TOKENS);
+        for b in t.bytes() {
+            counts[(b - b'a') as usize] += 1;
+        }
+    }
+    let n = (REQUESTS as usize * TOKENS) as f64;
+    let chi2: f64 = (0..4)
+        .map(|j| {
+            let e = n * f64::from(LOGITS[j].exp() / z);
+            (counts[j] as f64 - e).powi(2) / e
+        })
+        .sum();
+    // 3 degrees of freedom: 16.27 is the 0.1% critical value.
+    assert!(chi2 < 16.27, "chi-squared {chi2:.2} for counts {counts:?}");
 }
 
 /// Prompt lookup drafts from the request's own text: output that repeats
