@@ -774,6 +774,10 @@ fn property_test_finds_each_removed_check() {
             skip_refcount_check: true,
             ..Faults::default()
         },
+        Faults {
+            skip_rewind: true,
+            ..Faults::default()
+        },
     ];
     for faults in all {
         let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {

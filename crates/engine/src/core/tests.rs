@@ -865,6 +865,35 @@ fn sampling_with_drafts_keeps_the_models_distribution() {
     assert!(chi2 < 16.27, "chi-squared {chi2:.2} for counts {counts:?}");
 }
 
+/// The read-back after a rollback has teeth: with a pool whose rewind
+/// moves nothing (a fault switch), a request whose prediction is wrong
+/// fails with the page named instead of decoding on rows that were
+/// rejected; the same request on a sound pool answers. (Without the
+/// read-back in `draft::rewind`, the faulty run would answer too.)
+#[test]
+fn a_rollback_that_leaves_rejected_rows_fails_the_request_it_reads_back() {
+    let run = |faulty: bool| {
+        let mut h = Harness::new(32, 32, 4);
+        if faulty {
+            h.core.pool.set_faults(kv::Faults {
+                skip_rewind: true,
+                ..kv::Faults::default()
+            });
+        }
+        let id = h.submit(GenRequest {
+            prediction: tokens_of(&"z".repeat(20)),
+            ..GenRequest::greedy(TenantId(1), prompt(5), 12)
+        });
+        h.run(40);
+        (h.client(id).text.clone(), h.log.clone())
+    };
+    let (text, _) = run(false);
+    assert_eq!(text.len(), 12);
+    let (text, log) = run(true);
+    assert!(text.len() < 12, "{log}");
+    assert!(log.contains("r1 error internal"), "{log}");
+}
+
 /// Prompt lookup drafts from the request's own text: output that repeats
 /// is verified several tokens a step, and is the output without it.
 #[test]

@@ -165,6 +165,9 @@ pub struct Faults {
     pub skip_publish_check: bool,
     /// K5 for the cache: let a release take a reference that is not there.
     pub skip_refcount_check: bool,
+    /// K3 for speculation: a rewind reports success and moves nothing
+    /// (the batch core's read-back after a rollback must catch it).
+    pub skip_rewind: bool,
 }
 
 #[cfg(any(test, feature = "fault-injection"))]
