@@ -178,6 +178,19 @@ def summarize(path):
             ratio = f"{suf / off:.2f}" if off and suf else "–"
             print(f"| {m} | {which} | {f(off)} | {f(g('ngram'))} | {f(suf)} | {ratio} | "
                   f"{f(g('llama-off'))} | {f(g('llama-ngram'))} |")
+    print("\n| model | workload | isoserve off | draft model | × | llama-server | with the draft "
+          "| × |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in models:
+        for w in ["editing", "quoting", "no-match"]:
+            g = lambda lab: med.get((m, w, lab))
+            off, dr, lo, ld = g("off"), g("draft"), g("llama-off"), g("llama-draft")
+            if off is None or dr is None:
+                continue
+            f = lambda x: f"{x:.0f}" if x else "–"
+            r = lambda a, b: f"{a / b:.2f}" if a and b else "–"
+            print(f"| {m} | {w} | {f(off)} | {f(dr)} | {r(dr, off)} | {f(lo)} | {f(ld)} | "
+                  f"{r(ld, lo)} |")
     for m in models:
         answers = {k[2]: {json.dumps(s) for _, s in vs} for k, vs in runs.items()
                    if k[0] == m and k[1] == "editing" and not k[2].startswith("llama")}
