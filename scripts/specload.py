@@ -3,7 +3,8 @@
 server: editing (a ~1,000-token document to correct, answer = the document
 with small changes), quoting (a retrieval answer that quotes its source), no
 match (free-form text), repeating (one tenant's batch job: 20 requests from
-one template) and the editing workload on 16 streams at once.
+one template), the editing workload on 16 streams at once, and editing and
+no match at depth (a ~2,300-token document in the prompt).
 
 Single-stream decode speed is measured by the client from the stream: tokens
 after the first over the time from the first to the last token (prefill is
@@ -58,6 +59,22 @@ def quoting():
 
 def no_match():
     prompt = "Write a short story about a cat who lives in a lighthouse and dreams of the sea."
+    return prompt, None, 400
+
+
+def editing_deep():
+    """The editing workload at depth: the whole ~2,300-token text to
+    correct, up to 1,800 tokens of answer (contexts of 2.3k to 4.1k)."""
+    prompt, doc, _ = editing(len(TEXT))
+    return prompt, doc, 1800
+
+
+def no_match_deep():
+    """Free text after a long document (~2,300 tokens): no draft source
+    matches, and every row's attention reads the whole context."""
+    doc = editing_doc(len(TEXT))
+    prompt = (doc + "\n\nForget the text above. Write a short story about a cat who lives "
+              "in a lighthouse and dreams of the sea.")
     return prompt, None, 400
 
 
@@ -151,7 +168,8 @@ def summarize(path):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     models = sorted({k[0] for k in med})
     for m in models:
-        for w in ["editing", "quoting", "no-match", "editing-16"]:
+        for w in ["editing", "quoting", "no-match", "editing-16", "editing-deep",
+                  "no-match-deep"]:
             g = lambda lab: med.get((m, w, lab))
             off, ng, pr = g("off"), g("ngram"), g("off+prediction")
             lo, ln = g("llama-off"), g("llama-ngram")
@@ -182,7 +200,7 @@ def summarize(path):
           "| × |")
     print("|---|---|---|---|---|---|---|---|")
     for m in models:
-        for w in ["editing", "quoting", "no-match"]:
+        for w in ["editing", "quoting", "no-match", "editing-deep", "no-match-deep"]:
             g = lambda lab: med.get((m, w, lab))
             off, dr, lo, ld = g("off"), g("draft"), g("llama-off"), g("llama-draft")
             if off is None or dr is None:
@@ -208,7 +226,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
     ap.add_argument("--workload", required=True,
-                    choices=["editing", "quoting", "no-match", "repeating", "editing-16"])
+                    choices=["editing", "quoting", "no-match", "repeating", "editing-16",
+                             "editing-deep", "no-match-deep"])
     ap.add_argument("--prediction", action="store_true",
                     help="send the editing document as `prediction` (Predicted Outputs)")
     ap.add_argument("--runs", type=int, default=2, help="runs of a single-stream workload "
@@ -241,7 +260,9 @@ def main():
         out["tokens"] = sum(r["tokens"] for r in rs)
         out["sha"] = sorted({r["sha"] for r in rs})
     else:
-        p, doc, mt = {"editing": editing, "quoting": quoting, "no-match": no_match}[a.workload]()
+        p, doc, mt = {"editing": editing, "quoting": quoting, "no-match": no_match,
+                      "editing-deep": editing_deep,
+                      "no-match-deep": no_match_deep}[a.workload]()
         body = body_of(p, mt, doc if a.prediction else None, a.model)
         best = None
         for _ in range(a.runs):
