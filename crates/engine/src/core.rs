@@ -1343,7 +1343,8 @@ impl<F: Forward> Core<F> {
                 // Where the text sources have nothing to follow, the draft
                 // model drafts (its passes run once every request's plan
                 // is known, batched).
-                if let Some(m) = a.model_drafter.as_mut().filter(|_| n == 0) {
+                let drafts_with_model = n == 0 && !a.dpages.is_empty();
+                if let Some(m) = a.model_drafter.as_mut().filter(|_| drafts_with_model) {
                     let k = m.plan(limit, &ctx, pass_rows);
                     if k > 0 {
                         model_plans.push((i, k));
@@ -1965,11 +1966,14 @@ fn hold_draft(
     let need = (a.prompt.len() + a.max_tokens).div_ceil(ps);
     if (d.pool.pages_free() as usize) < need {
         local.spec_draft_pool_full_total += 1;
+        // (A resumed request may have drafted before: not now.)
+        a.model_drafter = None;
         return;
     }
     if let Err(e) = d.pool.alloc(a.owner, need, &mut a.dpages) {
         tracing::error!(request = a.id.0, %e, "draft pool allocation failed");
         a.dpages.clear();
+        a.model_drafter = None;
         return;
     }
     (a.dcomputed, a.dwritten) = (0, 0);

@@ -384,6 +384,26 @@ pub fn select_layers(file: &crate::GgufFile, keep: &[usize]) -> Result<GgufWrite
         w.add_kv(k.clone(), v);
     }
     w.add_kv(count_key, Value::U32(keep.len() as u32));
+    // Gemma 3's sliding-window layers given by a period (every `period`-th
+    // layer global; 6 if unsaid, as `model::Config` reads it) are the
+    // kept layers' own roles after renumbering only by chance: where the
+    // period would give a kept layer another role, the roles are written
+    // out, one flag a layer.
+    let swa = format!("{arch}.attention.sliding_window_pattern");
+    if file.contains_key(&format!("{arch}.attention.sliding_window"))
+        && !matches!(file.get(&swa), Some(Value::Array(_)))
+    {
+        let period = file.get_u64(&swa).unwrap_or(6) as usize;
+        let local = |l: usize| period == 0 || l % period < period - 1;
+        if keep
+            .iter()
+            .enumerate()
+            .any(|(new, &old)| local(new) != local(old))
+        {
+            let flags = keep.iter().map(|&l| Value::Bool(local(l))).collect();
+            w.add_kv(swa, Value::Array(flags));
+        }
+    }
     let name = file.get_str("general.name").unwrap_or("model").to_string();
     w.add_kv(
         "general.name",

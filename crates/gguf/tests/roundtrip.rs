@@ -431,3 +431,62 @@ fn file_and_views_are_send_sync() {
     assert_send_sync::<gguf::TensorView<'static>>();
     assert_send_sync::<GgufError>();
 }
+
+/// `select_layers` (self-speculation drafts): the kept blocks renumbered
+/// from 0, the rest dropped, the block count set; where Gemma 3's period
+/// of sliding-window layers would give a kept layer another role after
+/// renumbering, the roles are written out; bad selections are refused.
+#[test]
+fn select_layers_keeps_renumbers_and_keeps_each_layers_role() {
+    let mut w = GgufWriter::new();
+    w.add_kv("general.architecture", Value::String("gemma3".into()));
+    w.add_kv("gemma3.block_count", Value::U32(12));
+    w.add_kv("gemma3.attention.sliding_window", Value::U32(512));
+    for l in 0..12u64 {
+        w.add_tensor_f32(
+            format!("blk.{l}.attn_norm.weight"),
+            &[4],
+            GgmlType::F32,
+            &[l as f32; 4],
+        )
+        .unwrap();
+    }
+    w.add_tensor_f32("output_norm.weight", &[4], GgmlType::F32, &[9.0; 4])
+        .unwrap();
+    let file = GgufFile::from_bytes(w.to_bytes().unwrap()).unwrap();
+    // Layers 0, 5 (global: every 6th) and 6: renumbered 0, 1, 2, the
+    // period would make the new layer 1 local, so the roles are written.
+    let d = GgufFile::from_bytes(
+        gguf::write::select_layers(&file, &[0, 5, 6])
+            .unwrap()
+            .to_bytes()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(d.get_u64("gemma3.block_count").unwrap(), 3);
+    let norm = |f: &GgufFile, n: &str| f.tensor(n).unwrap().dequantize().unwrap()[0];
+    assert_eq!(norm(&d, "blk.1.attn_norm.weight"), 5.0);
+    assert_eq!(norm(&d, "blk.2.attn_norm.weight"), 6.0);
+    assert!(d.tensor_info("blk.3.attn_norm.weight").is_none());
+    assert_eq!(norm(&d, "output_norm.weight"), 9.0);
+    assert_eq!(
+        d.get("gemma3.attention.sliding_window_pattern"),
+        Some(&Value::Array(vec![
+            Value::Bool(true),
+            Value::Bool(false),
+            Value::Bool(true)
+        ]))
+    );
+    // The first and last three: the period still says each layer's role.
+    let d = GgufFile::from_bytes(
+        gguf::write::select_layers(&file, &[0, 1, 2, 9, 10, 11])
+            .unwrap()
+            .to_bytes()
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(d.get("gemma3.attention.sliding_window_pattern").is_none());
+    for bad in [&[][..], &[12], &[3, 1], &[2, 2]] {
+        assert!(gguf::write::select_layers(&file, bad).is_err(), "{bad:?}");
+    }
+}

@@ -134,7 +134,12 @@ impl DraftModel {
             self.rows.clear();
             for (j, &(i, k)) in plans.iter().enumerate() {
                 let a = &running[i];
-                if ready[j] && k > depth && self.rows.len() < rows_max {
+                if ready[j] && k > depth && self.rows.len() >= rows_max {
+                    // No room at this depth: its draft ends here (a later
+                    // depth would leave a gap in its pages).
+                    ready[j] = false;
+                }
+                if ready[j] && k > depth {
                     let token = *a.draft.last().expect("a ready plan drafted");
                     self.rows.push(Row {
                         seq: j,

@@ -61,6 +61,9 @@ struct Cursor {
     at: usize,
 }
 
+/// The longest tail looked up in the suffix cache's entries.
+const STORED_NGRAM_MAX: usize = 12;
+
 /// Steps a drafter sits out at most after drafts that kept nothing.
 const IDLE_STEPS_MAX: u32 = 16;
 
@@ -234,14 +237,25 @@ impl Drafter {
                 }
             }
         }
-        // The longest tail found in the request's own text or, with the
-        // suffix cache, in its scope's earlier requests (the latest first).
-        let n_max = cfg.ngram_max.min(history.len());
+        // The longest tail found in the request's own text (at most
+        // `ngram_max` tokens) or, with the suffix cache, in its scope's
+        // earlier requests (the latest first; up to [`STORED_NGRAM_MAX`]
+        // tokens: a long match in an earlier answer is the template this
+        // answer follows, and beats a short one in the prompt).
+        let stored_max = if stored.is_empty() {
+            0
+        } else {
+            STORED_NGRAM_MAX
+        };
+        let n_max = cfg.ngram_max.max(stored_max).min(history.len());
         if cfg.method != SpecMethod::Off {
             for n in (cfg.ngram_min.max(1)..=n_max).rev() {
                 let tail = &history[history.len() - n..];
                 // Not the tail itself: an occurrence with a token after it.
-                if let Some(at) = find_last(history, tail, history.len() - 1) {
+                let own = (n <= cfg.ngram_max)
+                    .then(|| find_last(history, tail, history.len() - 1))
+                    .flatten();
+                if let Some(at) = own {
                     return Some(Cursor {
                         src: Source::History,
                         at,
@@ -390,10 +404,13 @@ impl ModelDrafter {
         }
         match pass_rows {
             Some(extra) => self.pace.choose(step.cfg.k_max.min(limit), step, extra),
+            // Two tokens: the second is a pass of one row a request, the
+            // pass whose time is what drafting costs (the first also
+            // catches the draft model up, and is not timed).
             None => {
                 self.pace.probing = true;
                 self.pace.batch = u32::try_from(step.batch).unwrap_or(u32::MAX);
-                1
+                limit.min(2)
             }
         }
     }
@@ -791,6 +808,40 @@ mod tests {
         assert!(gaps.iter().all(|&g| g <= 257), "{steps:?}");
     }
 
+    /// The draft model's pace: before a pass was timed it probes with two
+    /// tokens (the second pass, one row a request, is the one timed);
+    /// once timed, a pass costing many rows drafts nothing but probes,
+    /// with spells growing past the lookups' cap of 16 steps, up to 256;
+    /// a cheap pass and kept drafts draft long.
+    #[test]
+    fn the_draft_models_pace_weighs_its_pass_and_sits_out_long_spells() {
+        let c = cfg(SpecMethod::Off);
+        let mut m = ModelDrafter::new();
+        assert_eq!(m.plan(8, &ctx(&c, 0.2), None), 2);
+        assert_eq!(m.plan(1, &ctx(&c, 0.2), None), 1);
+        let mut steps = Vec::new();
+        for step in 0..1200 {
+            let k = m.plan(8, &ctx(&c, 0.2), Some(6.0));
+            if k > 0 {
+                assert_eq!(k, 1, "a draft costing 7 rows a token drafts only probes");
+                m.drafted(k);
+                m.verified(0);
+                steps.push(step);
+            }
+        }
+        let gaps: Vec<usize> = steps.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps.iter().any(|&g| g > 200), "{steps:?}");
+        assert!(gaps.iter().all(|&g| g <= 257), "{steps:?}");
+        let mut m = ModelDrafter::new();
+        let mut k = 0;
+        for _ in 0..20 {
+            k = m.plan(16, &ctx(&c, 0.1), Some(0.05));
+            m.drafted(k);
+            m.verified(k);
+        }
+        assert!(k >= 4, "a cheap draft that is always kept drafts {k}");
+    }
+
     #[test]
     fn limits_bound_every_draft() {
         let c = cfg(SpecMethod::Off);
@@ -947,6 +998,18 @@ mod tests {
         };
         let mut d = Drafter::new(Vec::new(), &c).unwrap();
         assert_eq!(d.propose(&[7, 1, 2], 3, &none, &mut out), 0);
+        // A template: an earlier answer matches the last six tokens, the
+        // request's own text only the last two (longer than ngram_max's
+        // 4 in neither): the longer match, in the earlier answer, wins.
+        let answer: Vec<Arc<[u32]>> = vec![Arc::from(&[20, 21, 22, 23, 8, 9, 40, 41, 42][..])];
+        let step = StepCtx {
+            stored: &answer,
+            ..step
+        };
+        let mut d = Drafter::new(Vec::new(), &c).unwrap();
+        let history = [8, 9, 77, 20, 21, 22, 23, 8, 9];
+        assert_eq!(d.propose(&history, 3, &step, &mut out), 3);
+        assert_eq!(out, [40, 41, 42]);
     }
 
     #[test]

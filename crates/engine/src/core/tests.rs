@@ -791,6 +791,38 @@ fn a_draft_model_drafts_in_its_own_pool_and_never_changes_the_tokens_k1_k3_k12()
     );
 }
 
+/// A request the draft model's pool has no room for decodes without the
+/// draft model (counted), beside one that drafts; neither fails, and the
+/// room taken by another owner is never touched.
+#[test]
+fn a_request_the_draft_pool_has_no_room_for_decodes_without_the_draft_model() {
+    let mut h = Harness::new(32, 32, 4);
+    h.core.set_draft(Box::new(HashModel::new(64, 300))).unwrap();
+    let d = h.core.draft.as_mut().unwrap();
+    d.fixed_pass_rows = Some(0.5);
+    // Another owner holds all but 4 of the draft pool's pages.
+    let squatter = kv::Owner::new(RequestId(999), TenantId(9));
+    let mut held = Vec::new();
+    let n = d.pool.pages_free() as usize - 4;
+    d.pool.alloc(squatter, n, &mut held).unwrap();
+    let small = h.submit(GenRequest::greedy(TenantId(1), prompt(3), 9));
+    let big = h.submit(GenRequest::greedy(TenantId(2), prompt(9), 20));
+    h.run(60);
+    assert_eq!(h.client(small).text.len(), 9);
+    assert_eq!(h.client(big).text.len(), 20);
+    let s = h.core.local.clone();
+    assert_eq!(s.spec_draft_pool_full_total, 1, "{s:?}");
+    assert!(
+        s.spec_accepted_tokens_total > 0,
+        "the small request drafted: {s:?}"
+    );
+    let d = h.core.draft.as_mut().unwrap();
+    for page in held {
+        d.pool.free(page, squatter).unwrap();
+    }
+    h.assert_quiet();
+}
+
 /// Mutation: a draft model whose rejected rows are left written in its
 /// pool is caught by the per-tick check of the draft pages' watermarks.
 #[test]
