@@ -410,13 +410,9 @@ fn pd_output_equals_unified_token_for_token() {
     assert_eq!(ps.pages_sent_total, ds.pages_received_total);
 }
 
-/// The decode node speculates (prompt lookup, and predictions that
-/// travelled in the request): the output is the unified engine's without
-/// speculation, token for token, alone and batched; the prediction's usage
-/// crosses the wire to the gateway; rolled-back rows never trouble the
-/// transfer (no refusal, every page back).
-#[test]
-fn pd_decode_speculates_and_the_output_is_unified_without_speculation_k12() {
+/// The speculation tests' small engine configuration, and the unified
+/// engine's greedy outputs (24 tokens) for `prompts` without speculation.
+fn small_unified_outputs(prompts: &[&str]) -> (EngineConfig, Vec<Vec<u32>>) {
     let (m, t, _) = load();
     let small = EngineConfig {
         kv_memory_bytes: 64 << 20,
@@ -424,9 +420,18 @@ fn pd_decode_speculates_and_the_output_is_unified_without_speculation_k12() {
         ..EngineConfig::default()
     };
     let unified = Engine::start(m, t.clone(), small.clone()).unwrap();
+    (small, unified_outputs(&unified, &t, prompts, 24))
+}
+
+/// The decode node speculates (prompt lookup, and predictions that
+/// travelled in the request): the output is the unified engine's without
+/// speculation, token for token, alone and batched; the prediction's usage
+/// crosses the wire to the gateway; rolled-back rows never trouble the
+/// transfer (no refusal, every page back).
+#[test]
+fn pd_decode_speculates_and_the_output_is_unified_without_speculation_k12() {
     let prompts = &PROMPTS[..8];
-    let expected = unified_outputs(&unified, &t, prompts, 24);
-    drop(unified);
+    let (small, expected) = small_unified_outputs(prompts);
     let spec = EngineConfig {
         speculation: engine::Speculation {
             method: engine::SpecMethod::Ngram,
@@ -488,16 +493,8 @@ fn pd_decode_speculates_and_the_output_is_unified_without_speculation_k12() {
 /// whole at the end with no refusal; the prefill node has no draft.
 #[test]
 fn pd_decode_drafts_with_a_draft_model_and_the_output_is_unchanged_k12() {
-    let (m, t, _) = load();
-    let small = EngineConfig {
-        kv_memory_bytes: 64 << 20,
-        max_context: Some(1024),
-        ..EngineConfig::default()
-    };
-    let unified = Engine::start(m, t.clone(), small.clone()).unwrap();
     let prompts = &PROMPTS[..6];
-    let expected = unified_outputs(&unified, &t, prompts, 24);
-    drop(unified);
+    let (small, expected) = small_unified_outputs(prompts);
     let file = gguf::GgufFile::open(testkit::model_path()).unwrap();
     let layers: Vec<usize> = (0..4).chain(26..30).collect();
     let draft = std::env::temp_dir().join(format!("isoserve-pd-draft-{}.gguf", std::process::id()));
