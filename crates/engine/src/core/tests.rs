@@ -823,6 +823,33 @@ fn a_request_the_draft_pool_has_no_room_for_decodes_without_the_draft_model() {
     h.assert_quiet();
 }
 
+/// `Core::set_draft` refuses a draft whose vocabulary is another size (a
+/// draft token id would mean another token) or whose window is shorter
+/// than the window served, naming both numbers; no draft pool is made.
+#[test]
+fn a_draft_of_another_vocabulary_size_or_a_shorter_window_is_refused() {
+    let mut h = Harness::new(32, 32, 4);
+    let err = h
+        .core
+        .set_draft(Box::new(HashModel::new(64, 200)))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("200 tokens, the model's 300"),
+        "{err}"
+    );
+    let err = h
+        .core
+        .set_draft(Box::new(HashModel::new(16, 300)))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("16 tokens is shorter than the 64"),
+        "{err}"
+    );
+    assert!(h.core.draft_pool().is_none());
+    h.core.set_draft(Box::new(HashModel::new(64, 300))).unwrap();
+    assert_eq!(h.core.draft_pool().unwrap().pages_total(), 32);
+}
+
 /// Mutation: a draft model whose rejected rows are left written in its
 /// pool is caught by the per-tick check of the draft pages' watermarks.
 #[test]
