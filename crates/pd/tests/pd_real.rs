@@ -410,6 +410,21 @@ fn pd_output_equals_unified_token_for_token() {
     assert_eq!(ps.pages_sent_total, ds.pages_received_total);
 }
 
+/// Runs `reqs` at once (a thread each) and returns their tokens, in order.
+fn run_at_once(stack: &Arc<Stack>, reqs: Vec<GenRequest>) -> Vec<Vec<u32>> {
+    let handles: Vec<_> = reqs
+        .into_iter()
+        .map(|r| {
+            let s = stack.clone();
+            std::thread::spawn(move || s.run(r))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().unwrap().unwrap().0)
+        .collect()
+}
+
 /// The speculation tests' small engine configuration, and the unified
 /// engine's greedy outputs (24 tokens) for `prompts` without speculation.
 fn small_unified_outputs(prompts: &[&str]) -> (EngineConfig, Vec<Vec<u32>>) {
@@ -469,15 +484,9 @@ fn pd_decode_speculates_and_the_output_is_unified_without_speculation_k12() {
             "prompt {i}: {usage:?}"
         );
     }
-    let handles: Vec<_> = (0..prompts.len())
-        .map(|i| {
-            let (s, r) = (stack.clone(), req(i));
-            std::thread::spawn(move || s.run(r))
-        })
-        .collect();
-    for (i, h) in handles.into_iter().enumerate() {
-        let (ids, _) = h.join().unwrap().unwrap();
-        assert_eq!(ids, expected[i], "batched: prompt {i}");
+    let batched = run_at_once(&stack, (0..prompts.len()).map(req).collect());
+    for (i, ids) in batched.iter().enumerate() {
+        assert_eq!(ids, &expected[i], "batched: prompt {i}");
     }
     let (p, d) = stack.pools_free();
     assert_eq!(p.safety_refusals() + d.safety_refusals(), 0);
@@ -518,16 +527,11 @@ fn pd_decode_drafts_with_a_draft_model_and_the_output_is_unchanged_k12() {
             .unwrap();
         assert_eq!(&ids, want, "alone: prompt {i}");
     }
-    let handles: Vec<_> = (0..prompts.len())
-        .map(|i| {
-            let s = stack.clone();
-            let r = greedy(&stack.tok, 1 + i as u64 % 3, prompts[i], 24);
-            std::thread::spawn(move || s.run(r))
-        })
+    let reqs = (0..prompts.len())
+        .map(|i| greedy(&stack.tok, 1 + i as u64 % 3, prompts[i], 24))
         .collect();
-    for (i, h) in handles.into_iter().enumerate() {
-        let (ids, _) = h.join().unwrap().unwrap();
-        assert_eq!(ids, expected[i], "batched: prompt {i}");
+    for (i, ids) in run_at_once(&stack, reqs).iter().enumerate() {
+        assert_eq!(ids, &expected[i], "batched: prompt {i}");
     }
     let (p, d) = stack.pools_free();
     assert_eq!(p.safety_refusals() + d.safety_refusals(), 0);
